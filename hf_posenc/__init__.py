@@ -1,0 +1,93 @@
+"""hf_posenc: every Transformer position encoding and attention normalizer as a config switch in BERT- and
+GPT-2-style Transformers models. Importing the package registers both families with the Auto classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .attention_normalizers import ATTENTION_NORMALIZERS
+from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
+from .conversion import convert
+from .modeling_posenc_bert import (
+    PosEncBertForMaskedLM,
+    PosEncBertForQuestionAnswering,
+    PosEncBertForSequenceClassification,
+    PosEncBertForTokenClassification,
+    PosEncBertModel,
+    PosEncBertPreTrainedModel,
+)
+from .modeling_posenc_gpt2 import (
+    PosEncGPT2ForSequenceClassification,
+    PosEncGPT2LMHeadModel,
+    PosEncGPT2Model,
+    PosEncGPT2PreTrainedModel,
+)
+from .position_encodings import POSITION_ENCODINGS
+
+
+__version__ = "0.1.0"
+
+_AUTO_CLASSES = {
+    "AutoModel": AutoModel,
+    "AutoModelForCausalLM": AutoModelForCausalLM,
+    "AutoModelForMaskedLM": AutoModelForMaskedLM,
+    "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering,
+    "AutoModelForSequenceClassification": AutoModelForSequenceClassification,
+    "AutoModelForTokenClassification": AutoModelForTokenClassification,
+}
+
+for _config_class, _model_classes in (
+    (
+        PosEncBertConfig,
+        (
+            PosEncBertModel,
+            PosEncBertForMaskedLM,
+            PosEncBertForSequenceClassification,
+            PosEncBertForTokenClassification,
+            PosEncBertForQuestionAnswering,
+        ),
+    ),
+    (PosEncGPT2Config, (PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification)),
+):
+    AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
+    for _model_class in _model_classes:
+        _AUTO_CLASSES[_model_class._auto_class].register(_config_class, _model_class, exist_ok=True)
+
+
+def list_position_encodings() -> dict[str, dict[str, Any]]:
+    """``{name: {"description": ..., "options": {option: {"default": ..., "doc": ...}}}}`` of every scheme."""
+    return {name: scheme.describe() for name, scheme in POSITION_ENCODINGS.items()}
+
+
+def list_attention_normalizers() -> dict[str, dict[str, Any]]:
+    """``{name: {"description": ..., "options": {...}}}`` of every attention normalizer."""
+    return {name: normalizer.describe() for name, normalizer in ATTENTION_NORMALIZERS.items()}
+
+
+__all__ = [
+    "PosEncBertConfig",
+    "PosEncGPT2Config",
+    "PosEncBertModel",
+    "PosEncBertForMaskedLM",
+    "PosEncBertForSequenceClassification",
+    "PosEncBertForTokenClassification",
+    "PosEncBertForQuestionAnswering",
+    "PosEncBertPreTrainedModel",
+    "PosEncGPT2Model",
+    "PosEncGPT2LMHeadModel",
+    "PosEncGPT2ForSequenceClassification",
+    "PosEncGPT2PreTrainedModel",
+    "convert",
+    "list_position_encodings",
+    "list_attention_normalizers",
+]

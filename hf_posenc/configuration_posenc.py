@@ -1,0 +1,76 @@
+"""Configs of the two PosEnc families: ``BertConfig`` / ``GPT2Config`` plus ``position_encoding`` and
+``attention_normalizer``, each stored in config.json as a full ``{"type": name, **options}`` dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import BertConfig, GPT2Config
+
+from .attention_normalizers import ATTENTION_NORMALIZERS
+from .options import resolve_spec
+from .position_encodings import POSITION_ENCODINGS
+
+
+def resolve_position_encoding(value: Any, max_position_embeddings: int) -> dict[str, Any]:
+    """Full spec of a position encoding; a ``learned`` table defaults to ``max_position_embeddings`` rows."""
+    spec = resolve_spec("position_encoding", value, POSITION_ENCODINGS)
+    if spec["type"] == "learned" and spec["max_positions"] is None:
+        spec["max_positions"] = max_position_embeddings
+    return spec
+
+
+def resolve_attention_normalizer(value: Any) -> dict[str, Any]:
+    return resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
+
+
+@strict
+class PosEncBertConfig(BertConfig):
+    r"""
+    A [`BertConfig`] whose position encoding and attention normalizer are switches.
+
+    position_encoding (`str` or `dict`, *optional*, defaults to `"learned"`):
+        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`.
+    attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
+        A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
+
+    ```python
+    >>> import hf_posenc, transformers
+    >>> config = hf_posenc.PosEncBertConfig(position_encoding={"type": "t5", "num_buckets": 32}, hidden_size=128)
+    >>> model = transformers.AutoModelForMaskedLM.from_config(config)
+    ```"""
+
+    model_type = "posenc_bert"
+    _auto_class = "AutoConfig"
+
+    position_encoding: str | dict = "learned"
+    attention_normalizer: str | dict = "softmax"
+
+    def __post_init__(self, **kwargs):
+        self.position_encoding = resolve_position_encoding(self.position_encoding, self.max_position_embeddings)
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
+        super().__post_init__(**kwargs)
+
+
+@strict
+class PosEncGPT2Config(GPT2Config):
+    r"""
+    A [`GPT2Config`] whose position encoding and attention normalizer are switches.
+
+    position_encoding (`str` or `dict`, *optional*, defaults to `"learned"`):
+        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`.
+    attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
+        A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
+    """
+
+    model_type = "posenc_gpt2"
+    _auto_class = "AutoConfig"
+
+    position_encoding: str | dict = "learned"
+    attention_normalizer: str | dict = "softmax"
+
+    def __post_init__(self, **kwargs):
+        self.position_encoding = resolve_position_encoding(self.position_encoding, self.n_positions)
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
+        super().__post_init__(**kwargs)

@@ -1,0 +1,436 @@
+"""PosEnc BERT: BERT with a pluggable position encoding and attention normalizer.
+
+Laid out like ``transformers.models.bert.modeling_bert`` and with the same parameter names, except that the position
+table lives in the scheme (``bert.position_encoding``). With ``learned`` + ``softmax`` it is the stock BERT. The
+feed-forward blocks, pooler and heads are Transformers' own BERT modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import CrossEntropyLoss
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.bert.modeling_bert import (
+    BertIntermediate,
+    BertLMPredictionHead,
+    BertOnlyMLMHead,
+    BertOutput,
+    BertPooler,
+    BertSelfOutput,
+)
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_posenc import PosEncBertConfig
+from .modeling_posenc_common import (
+    PosEncPreTrainedMixin,
+    auto_map_for,
+    build_attention_normalizer,
+    build_position_encoding,
+    default_position_ids,
+    prepare_attention,
+    sequence_classification_loss,
+)
+from .posenc_attention import positional_attention
+from .position_encodings import PositionContext, PositionEncoding
+
+
+class PosEncBertEmbeddings(nn.Module):
+    """Word + token-type embeddings, combined with positions by the scheme, then LayerNorm and dropout."""
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self,
+        position_encoding: PositionEncoding,
+        position_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        embeddings = position_encoding.embed(embeddings, position_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class PosEncBertSelfAttention(nn.Module):
+    """BERT's q/k/v projections around :func:`positional_attention`."""
+
+    def __init__(self, config: PosEncBertConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        self.normalizer = build_attention_normalizer(config, causal=config.is_decoder)
+        self.is_causal = config.is_decoder
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask,
+        position_context: PositionContext,
+        position_encoding: PositionEncoding,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        output, weights = positional_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            position_context,
+            position_encoding,
+            self.normalizer,
+            scaling=self.scaling,
+            dropout=self.dropout.p,
+            training=self.training,
+            causal=self.is_causal,
+        )
+        return output.reshape(*hidden_states.shape[:-1], -1), weights
+
+
+class PosEncBertAttention(nn.Module):
+    def __init__(self, config: PosEncBertConfig, layer_idx: int):
+        super().__init__()
+        self.self = PosEncBertSelfAttention(config, layer_idx)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, hidden_states, attention_mask, position_context, position_encoding):
+        attention_output, weights = self.self(hidden_states, attention_mask, position_context, position_encoding)
+        return self.output(attention_output, hidden_states), weights
+
+
+class PosEncBertLayer(GradientCheckpointingLayer):
+    def __init__(self, config: PosEncBertConfig, layer_idx: int):
+        super().__init__()
+        self.attention = PosEncBertAttention(config, layer_idx)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask,
+        position_context: PositionContext,
+        position_encoding: PositionEncoding,
+    ) -> torch.Tensor:
+        attention_output, _ = self.attention(hidden_states, attention_mask, position_context, position_encoding)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+class PosEncBertEncoder(nn.Module):
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList([PosEncBertLayer(config, i) for i in range(config.num_hidden_layers)])
+
+    def forward(self, hidden_states, attention_mask, position_context, position_encoding) -> BaseModelOutput:
+        for layer in self.layer:
+            hidden_states = layer(hidden_states, attention_mask, position_context, position_encoding)
+        return BaseModelOutput(last_hidden_state=hidden_states)
+
+
+class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
+    config_class = PosEncBertConfig
+    config: PosEncBertConfig
+    base_model_prefix = "bert"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _no_split_modules = ["PosEncBertEmbeddings", "PosEncBertLayer"]
+    _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, BertLMPredictionHead):
+            init.zeros_(module.bias)
+        elif isinstance(module, PosEncBertAttention):
+            # Normalizers whose rows do not sum to 1 ask for a smaller W_V/W_O init (kexue.fm/archives/9105).
+            std = self.config.initializer_range * module.self.normalizer.value_init_scale()
+            init.normal_(module.self.value.weight, mean=0.0, std=std)
+            init.normal_(module.output.dense.weight, mean=0.0, std=std)
+
+
+class PosEncBertModel(PosEncBertPreTrainedModel):
+    """The bare PosEnc BERT encoder (or, with ``is_decoder=True``, a causal BERT without a KV cache)."""
+
+    _auto_class = "AutoModel"
+
+    def __init__(self, config: PosEncBertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        if config.add_cross_attention:
+            raise ValueError("PosEncBertModel has no cross-attention: add_cross_attention must be False.")
+        self.embeddings = PosEncBertEmbeddings(config)
+        self.position_encoding = build_position_encoding(config, causal=config.is_decoder)
+        self.encoder = PosEncBertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+            inputs_embeds = self.embeddings.word_embeddings(input_ids)
+        if position_ids is None:
+            position_ids = default_position_ids(inputs_embeds, 0)
+        embedding_output = self.embeddings(
+            self.position_encoding, position_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
+        )
+        mask, position_context = prepare_attention(
+            self,
+            self.position_encoding,
+            embedding_output,
+            attention_mask,
+            position_ids,
+            causal=self.config.is_decoder,
+            attention_dropout=self.config.attention_probs_dropout_prob,
+            output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
+        )
+        sequence_output = self.encoder(
+            embedding_output, mask, position_context, self.position_encoding
+        ).last_hidden_state
+        pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
+        return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+
+
+class PosEncBertForMaskedLM(PosEncBertPreTrainedModel):
+    _auto_class = "AutoModelForMaskedLM"
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.bert = PosEncBertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.cls(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.view(-1))
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class PosEncBertForSequenceClassification(PosEncBertPreTrainedModel):
+    _auto_class = "AutoModelForSequenceClassification"
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = PosEncBertModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+        loss = sequence_classification_loss(self.config, logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class PosEncBertForTokenClassification(PosEncBertPreTrainedModel):
+    _auto_class = "AutoModelForTokenClassification"
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = PosEncBertModel(config, add_pooling_layer=False)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class PosEncBertForQuestionAnswering(PosEncBertPreTrainedModel):
+    _auto_class = "AutoModelForQuestionAnswering"
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = PosEncBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored_index = start_logits.size(1)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
+            start_loss = loss_fct(start_logits, start_positions.clamp(0, ignored_index))
+            end_loss = loss_fct(end_logits, end_positions.clamp(0, ignored_index))
+            loss = (start_loss + end_loss) / 2
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+PosEncBertPreTrainedModel.family_auto_map = auto_map_for(
+    PosEncBertConfig,
+    [
+        PosEncBertModel,
+        PosEncBertForMaskedLM,
+        PosEncBertForSequenceClassification,
+        PosEncBertForTokenClassification,
+        PosEncBertForQuestionAnswering,
+    ],
+)
+
+__all__ = [
+    "PosEncBertModel",
+    "PosEncBertForMaskedLM",
+    "PosEncBertForSequenceClassification",
+    "PosEncBertForTokenClassification",
+    "PosEncBertForQuestionAnswering",
+    "PosEncBertPreTrainedModel",
+]

@@ -1,0 +1,120 @@
+"""Model-level pieces both PosEnc families share: building the scheme and normalizer from a config, the
+per-forward attention set-up (backend, mask, position context), and saving as self-contained remote code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+
+from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .posenc_attention import build_attention_mask, build_position_context, choose_backend
+from .position_encodings import POSITION_ENCODINGS, AttentionDims, PositionContext, PositionEncoding
+
+
+def attention_dims(config, causal: bool) -> AttentionDims:
+    if config.hidden_size % config.num_attention_heads != 0:
+        raise ValueError(
+            f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
+            f"({config.num_attention_heads})."
+        )
+    return AttentionDims(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        max_positions=config.max_position_embeddings,
+        causal=causal,
+    )
+
+
+def build_position_encoding(config, causal: bool) -> PositionEncoding:
+    spec = config.position_encoding
+    return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
+
+
+def build_attention_normalizer(config, causal: bool) -> AttentionNormalizer:
+    spec = config.attention_normalizer
+    return ATTENTION_NORMALIZERS[spec["type"]](spec, attention_dims(config, causal))
+
+
+def default_position_ids(inputs_embeds: torch.Tensor, past_length: int) -> torch.Tensor:
+    """``(1, seq)`` positions ``past_length .. past_length + seq - 1``."""
+    return torch.arange(past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+
+
+def prepare_attention(
+    model,
+    encoding: PositionEncoding,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    causal: bool,
+    attention_dropout: float,
+    past_key_values=None,
+    output_attentions: bool = False,
+) -> tuple[Any, PositionContext]:
+    """Pick the backend for this forward, then build the mask and the position context every layer shares."""
+    config = model.config
+    backend = choose_backend(
+        config._attn_implementation,
+        encoding,
+        ATTENTION_NORMALIZERS[config.attention_normalizer["type"]],
+        inputs_embeds.device,
+        need_weights=output_attentions,
+        attention_dropout=model.training and attention_dropout > 0,
+    )
+    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    kv_length = past_length + inputs_embeds.shape[1]
+    context = build_position_context(encoding, position_ids, kv_length, backend)
+    mask = build_attention_mask(
+        config,
+        backend,
+        causal,
+        inputs_embeds,
+        attention_mask,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+        allow_skip=backend == "sdpa" and context.score_bias is None,
+    )
+    return mask, context
+
+
+def sequence_classification_loss(config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Regression, single- or multi-label loss, chosen by ``config.problem_type`` as Transformers does."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return MSELoss()(logits.squeeze(), labels.squeeze().to(logits.dtype))
+    if config.problem_type == "single_label_classification":
+        return CrossEntropyLoss()(logits.view(-1, config.num_labels), labels.view(-1))
+    return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+
+
+def auto_map_for(config_class: type, model_classes: list[type]) -> dict[str, str]:
+    """``auto_map`` naming every class of a family by its module file, so a saved folder loads as remote code."""
+    entries = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}"}
+    for model_class in model_classes:
+        entries[model_class._auto_class] = f"{model_class.__module__.rsplit('.', 1)[-1]}.{model_class.__name__}"
+    return entries
+
+
+class PosEncPreTrainedMixin:
+    """Shared by both families' ``PreTrainedModel``: full ``auto_map`` on save (the modeling files are copied
+    beside the weights by ``save_pretrained``), and switching ``attn_implementation`` at any time (the backend is
+    chosen at every forward)."""
+
+    family_auto_map: dict[str, str] = {}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.config.auto_map = dict(self.family_auto_map)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True

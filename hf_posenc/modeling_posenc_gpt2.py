@@ -1,0 +1,341 @@
+"""PosEnc GPT-2: GPT-2 with a pluggable position encoding and attention normalizer.
+
+Laid out like ``transformers.models.gpt2.modeling_gpt2`` and with the same parameter names, except that the position
+table lives in the scheme (``transformer.position_encoding``). With ``learned`` + ``softmax`` it is the stock GPT-2.
+The MLP is Transformers' own ``GPT2MLP``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+from transformers.pytorch_utils import Conv1D
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_posenc import PosEncGPT2Config
+from .modeling_posenc_common import (
+    PosEncPreTrainedMixin,
+    auto_map_for,
+    build_attention_normalizer,
+    build_position_encoding,
+    default_position_ids,
+    prepare_attention,
+    sequence_classification_loss,
+)
+from .posenc_attention import positional_attention
+from .position_encodings import PositionContext, PositionEncoding
+
+
+class PosEncGPT2Attention(nn.Module):
+    """GPT-2's fused q/k/v projection (``c_attn``) and output projection (``c_proj``) around
+    :func:`positional_attention`. Scores are computed in float32 on the eager path, as ``reorder_and_upcast_attn``
+    asks."""
+
+    def __init__(self, config: PosEncGPT2Config, layer_idx: int):
+        super().__init__()
+        self.embed_dim = config.hidden_size
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(layer_idx + 1)
+        self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
+        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.normalizer = build_attention_normalizer(config, causal=True)
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask,
+        position_context: PositionContext,
+        position_encoding: PositionEncoding,
+        past_key_values: Cache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key, value = (
+            t.view(hidden_shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=2)
+        )
+        output, weights = positional_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            position_context,
+            position_encoding,
+            self.normalizer,
+            scaling=self.scaling,
+            dropout=self.attn_dropout.p,
+            training=self.training,
+            causal=True,
+            past_key_values=past_key_values,
+            layer_idx=self.layer_idx,
+        )
+        output = self.c_proj(output.reshape(*hidden_states.shape[:-1], -1))
+        return self.resid_dropout(output), weights
+
+
+class PosEncGPT2Block(GradientCheckpointingLayer):
+    def __init__(self, config: PosEncGPT2Config, layer_idx: int):
+        super().__init__()
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = PosEncGPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(inner_dim, config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask,
+        position_context: PositionContext,
+        position_encoding: PositionEncoding,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        attn_output, _ = self.attn(
+            self.ln_1(hidden_states), attention_mask, position_context, position_encoding, past_key_values
+        )
+        hidden_states = hidden_states + attn_output
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
+    config_class = PosEncGPT2Config
+    config: PosEncGPT2Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _no_split_modules = ["PosEncGPT2Block"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _can_record_outputs = {
+        "hidden_states": PosEncGPT2Block,
+        "attentions": OutputRecorder(PosEncGPT2Attention, index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(module.bias)
+        if isinstance(module, GPT2MLP):
+            # GPT-2's scaled init of the residual projections: std / sqrt(2 * n_layer).
+            std = self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
+            init.normal_(module.c_proj.weight, mean=0.0, std=std)
+        elif isinstance(module, PosEncGPT2Attention):
+            # Normalizers whose rows do not sum to 1 also ask for a smaller W_V/W_O init (kexue.fm/archives/9105).
+            scale = module.normalizer.value_init_scale()
+            std = self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
+            init.normal_(module.c_proj.weight, mean=0.0, std=std * scale)
+            if scale != 1.0 and not getattr(module.c_attn.weight, "_is_hf_initialized", False):
+                module.c_attn.weight[:, 2 * module.embed_dim :].normal_(std=self.config.initializer_range * scale)
+
+
+class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
+    """The bare PosEnc GPT-2 decoder."""
+
+    _auto_class = "AutoModel"
+
+    def __init__(self, config: PosEncGPT2Config):
+        super().__init__(config)
+        if config.add_cross_attention:
+            raise ValueError("PosEncGPT2Model has no cross-attention: add_cross_attention must be False.")
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_encoding = build_position_encoding(config, causal=True)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([PosEncGPT2Block(config, i) for i in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings):
+        self.wte = new_embeddings
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+            inputs_embeds = self.wte(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = default_position_ids(inputs_embeds, past_length)
+
+        hidden_states = self.position_encoding.embed(inputs_embeds, position_ids)
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(token_type_ids)
+        hidden_states = self.drop(hidden_states)
+
+        mask, position_context = prepare_attention(
+            self,
+            self.position_encoding,
+            inputs_embeds,
+            attention_mask,
+            position_ids,
+            causal=True,
+            attention_dropout=self.config.attn_pdrop,
+            past_key_values=past_key_values,
+            output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
+        )
+        for block in self.h:
+            hidden_states = block(
+                hidden_states, mask, position_context, self.position_encoding, past_key_values=past_key_values
+            )
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.ln_f(hidden_states), past_key_values=past_key_values if use_cache else None
+        )
+
+
+class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
+    _auto_class = "AutoModelForCausalLM"
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: PosEncGPT2Config):
+        super().__init__(config)
+        self.transformer = PosEncGPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
+    """Classifies from the last non-padding token (right or left padding), like ``GPT2ForSequenceClassification``."""
+
+    _auto_class = "AutoModelForSequenceClassification"
+
+    def __init__(self, config: PosEncGPT2Config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = PosEncGPT2Model(config)
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch_size, seq_length = logits.shape[:2]
+        if attention_mask is not None:
+            last_token = (torch.arange(seq_length, device=logits.device) * attention_mask.to(logits.device)).argmax(-1)
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            not_pad = (input_ids != self.config.pad_token_id).to(logits.device)
+            last_token = (torch.arange(seq_length, device=logits.device) * not_pad).argmax(-1)
+        elif batch_size == 1:
+            last_token = torch.tensor([seq_length - 1], device=logits.device)
+        else:
+            raise ValueError(
+                "Batches of more than one sequence need an attention_mask or config.pad_token_id to find each "
+                "sequence's last token."
+            )
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
+        loss = sequence_classification_loss(self.config, pooled_logits, labels) if labels is not None else None
+        return SequenceClassifierOutputWithPast(
+            loss=loss,
+            logits=pooled_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+PosEncGPT2PreTrainedModel.family_auto_map = auto_map_for(
+    PosEncGPT2Config, [PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification]
+)
+
+__all__ = [
+    "PosEncGPT2Model",
+    "PosEncGPT2LMHeadModel",
+    "PosEncGPT2ForSequenceClassification",
+    "PosEncGPT2PreTrainedModel",
+]

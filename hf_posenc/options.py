@@ -1,0 +1,82 @@
+"""Typed options of catalogue entries (position encodings and attention normalizers) and their validation.
+
+A config stores a scheme as ``{"type": name, **options}``. :func:`resolve_spec` turns what a user wrote (a name or
+such a dict) into the full dict with every default filled in, and raises ``ValueError`` naming the bad key or value
+and the valid choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a scheme: its default, accepted types, a range check and a one-line description."""
+
+    default: Any
+    types: tuple[type, ...]
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    valid: str = ""
+
+    def validate(self, owner: str, key: str, value: Any) -> Any:
+        if value is None and self.default is None:
+            return None
+        # bool is an int subclass: never accept True for an int option, nor 1 for a bool option.
+        type_ok = isinstance(value, self.types) and (bool in self.types or not isinstance(value, bool))
+        if not type_ok:
+            names = " or ".join(t.__name__ for t in self.types)
+            raise ValueError(f"{owner}: option {key!r} must be {names}, got {value!r} ({type(value).__name__}).")
+        if self.check is not None and not self.check(value):
+            raise ValueError(f"{owner}: option {key!r}={value!r} is out of range; valid: {self.valid}.")
+        return float(value) if float in self.types and not isinstance(value, bool) else value
+
+
+class CatalogueEntry:
+    """Mixin for a named, documented scheme with typed options (see :class:`Option`)."""
+
+    name: str = ""
+    description: str = ""
+    options: Mapping[str, Option] = {}
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {
+            "description": cls.description,
+            "options": {key: {"default": opt.default, "doc": opt.doc} for key, opt in cls.options.items()},
+        }
+
+
+def resolve_spec(kind: str, value: Any, registry: Mapping[str, type[CatalogueEntry]]) -> dict[str, Any]:
+    """Return ``{"type": name, **options}`` with defaults filled in; raise ``ValueError`` on anything unknown or bad.
+
+    Args:
+        kind: the config field, used in messages (``"position_encoding"``).
+        value: a registered name, or a dict with a ``"type"`` key and options.
+        registry: name -> entry class.
+    """
+    if isinstance(value, str):
+        value = {"type": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{kind} must be a name or a dict {{'type': name, **options}}, got {value!r}; "
+            f"valid names: {sorted(registry)}."
+        )
+    if "type" not in value:
+        raise ValueError(f"{kind} dict {dict(value)!r} has no 'type' key; valid types: {sorted(registry)}.")
+    name = value["type"]
+    if name not in registry:
+        raise ValueError(f"Unknown {kind} {name!r}; valid choices: {sorted(registry)}.")
+    entry = registry[name]
+    unknown = sorted(set(value) - {"type"} - set(entry.options))
+    if unknown:
+        raise ValueError(
+            f"Unknown option(s) {unknown} for {kind} {name!r}; valid options: {sorted(entry.options) or 'none'}."
+        )
+    spec: dict[str, Any] = {"type": name}
+    for key, option in entry.options.items():
+        spec[key] = option.validate(f"{kind} {name!r}", key, value.get(key, option.default))
+    return spec

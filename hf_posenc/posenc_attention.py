@@ -1,0 +1,186 @@
+"""The one attention composition both model families use.
+
+``positional_attention`` takes projected q, k, v and composes, in order: the scheme's q/k/v transform, the KV cache,
+the scores with the scheme's position term, the normalizer, and the values. ``choose_backend`` picks what runs it:
+
+* ``eager``: every scheme and normalizer (weights are materialised);
+* ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
+* ``flex_attention``: softmax only; a position-only term goes in as a ``score_mod`` (nothing materialised). Compiled
+  FlexAttention on CPU is inference only, so a CPU forward that needs gradients runs SDPA instead.
+
+A combination a backend cannot express falls back to the next one that can (flex -> sdpa -> eager); every backend
+computes the same numbers, so a fallback changes speed, never the result.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.utils import logging
+
+from .attention_normalizers import AttentionNormalizer
+from .position_encodings import PositionContext, PositionEncoding, key_positions_for
+
+
+logger = logging.get_logger(__name__)
+
+
+def choose_backend(
+    requested: str | None,
+    encoding: PositionEncoding,
+    normalizer: type[AttentionNormalizer],
+    device: torch.device,
+    need_weights: bool = False,
+    attention_dropout: bool = False,
+) -> str:
+    """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer, else the next
+    of flex -> sdpa -> eager that can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no
+    attention dropout, so ``attention_dropout`` (training with a dropout rate > 0) skips it."""
+    requested = requested or "sdpa"
+    order = ("flex_attention", "sdpa", "eager")
+    if requested not in order:
+        raise ValueError(f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {order}.")
+    for backend in order[order.index(requested) :]:
+        if backend != "eager" and need_weights:
+            continue
+        if backend == "flex_attention" and (attention_dropout or (device.type == "cpu" and torch.is_grad_enabled())):
+            continue  # compiled FlexAttention on CPU supports inference only
+        if backend in encoding.backends and backend in normalizer.backends:
+            if backend != requested:
+                _log_fallback(requested, backend, encoding.name, normalizer.name)
+            return backend
+    raise AssertionError("eager runs every scheme and normalizer")
+
+
+@cache
+def _log_fallback(requested: str, backend: str, encoding: str, normalizer: str) -> None:
+    logger.info(f"hf_posenc: {encoding} + {normalizer} runs on {backend} (requested {requested}).")
+
+
+def build_position_context(
+    encoding: PositionEncoding, position_ids: torch.Tensor, kv_length: int, backend: str
+) -> PositionContext:
+    """Compute once per forward what every layer shares: positions and the scheme's tables or score term."""
+    context = PositionContext(
+        query_positions=position_ids,
+        key_positions=key_positions_for(position_ids, kv_length),
+        backend=backend,
+    )
+    encoding.prepare(context)
+    return context
+
+
+def build_attention_mask(
+    config,
+    backend: str,
+    causal: bool,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values=None,
+    position_ids: torch.Tensor | None = None,
+    allow_skip: bool = False,
+):
+    """The mask in the form ``backend`` takes, through ``transformers.masking_utils``: a ``BlockMask`` for flex, a
+    boolean ``(batch, 1, q_len, kv_len)`` tensor (True = visible) for eager and sdpa, or None when ``allow_skip`` and
+    nothing is masked beyond plain causality."""
+    mask_format = "flex_attention" if backend == "flex_attention" else "sdpa"
+    if config._attn_implementation != mask_format:
+        config = copy.copy(config)
+        config._attn_implementation_internal = mask_format
+    if causal:
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+            allow_is_causal_skip=allow_skip,
+        )
+    return create_bidirectional_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        allow_is_bidirectional_skip=allow_skip,
+    )
+
+
+@cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _eager(query, key, value, visible, context, normalizer, scaling, dropout, training):
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if context.score_bias is not None:
+        scores = scores + context.score_bias
+    weights = normalizer(scores, visible).to(value.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=training)
+    return torch.matmul(weights, value), weights
+
+
+def _sdpa(query, key, value, visible, context, scaling, dropout, training, causal):
+    attn_mask, is_causal = visible, False
+    has_visible = None
+    if visible is not None:
+        # A row with no visible key would be NaN: let it attend everywhere, then zero its output.
+        has_visible = visible.any(dim=-1, keepdim=True)
+        attn_mask = visible | ~has_visible
+    if context.score_bias is not None:
+        bias = context.score_bias.to(query.dtype)
+        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
+    elif attn_mask is None:
+        is_causal = causal and query.shape[-2] > 1
+    output = nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout if training else 0.0,
+        scale=scaling,
+        is_causal=is_causal,
+    )
+    if has_visible is not None:
+        output = output.masked_fill(~has_visible, 0.0)
+    return output
+
+
+def positional_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    context: PositionContext,
+    encoding: PositionEncoding,
+    normalizer: AttentionNormalizer,
+    *,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    causal: bool,
+    past_key_values=None,
+    layer_idx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in.
+
+    ``attention_mask`` is what :func:`build_attention_mask` made for ``context.backend``. Returns the output
+    ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
+    """
+    query, key, value = encoding.transform_qkv(query, key, value, context)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, layer_idx)
+    weights = None
+    if context.backend == "flex_attention":
+        block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
+        output = _compiled_flex_attention()(
+            query, key, value, score_mod=context.score_mod, block_mask=block_mask, scale=scaling
+        )
+    elif context.backend == "sdpa":
+        output = _sdpa(query, key, value, attention_mask, context, scaling, dropout, training, causal)
+    else:
+        output, weights = _eager(query, key, value, attention_mask, context, normalizer, scaling, dropout, training)
+    return output.transpose(1, 2).contiguous(), weights
