@@ -89,6 +89,14 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 
+    def initial_buffers(self) -> dict[str, torch.Tensor]:
+        """Fixed tables, stored as non-persistent buffers and recomputed by the model's weight init."""
+        return {}
+
+    def register_initial_buffers(self) -> None:
+        for name, value in self.initial_buffers().items():
+            self.register_buffer(name, value, persistent=False)
+
     def embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Input side: ``(batch, seq, hidden)`` embeddings combined with ``position_ids`` ``(batch|1, seq)``."""
         return inputs_embeds
@@ -119,12 +127,10 @@ class RelativeScoreBias(PositionEncoding):
     def prepare(self, context: PositionContext) -> None:
         query_positions, key_positions = context.query_positions, context.key_positions
         if context.backend == "flex_attention":
-            batch = max(query_positions.shape[0], key_positions.shape[0])
-            query_positions = query_positions.expand(batch, -1).contiguous()
-            key_positions = key_positions.expand(batch, -1).contiguous()
+            query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
 
             def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-                distance = query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx]
+                distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
                 return score + self.distance_bias(distance, head_idx).to(score.dtype)
 
             context.score_mod = score_mod
@@ -132,6 +138,14 @@ class RelativeScoreBias(PositionEncoding):
             distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
             heads = torch.arange(self.dims.num_heads, device=distance.device)[None, :, None, None]
             context.score_bias = self.distance_bias(distance, heads)
+
+
+def _position_lookup(positions: torch.Tensor) -> Callable:
+    """``(batch_idx, idx) -> position`` for a FlexAttention ``score_mod``; ``(1, seq)`` positions serve every row."""
+    if positions.shape[0] == 1:
+        shared = positions[0]
+        return lambda batch_idx, idx: shared[idx]
+    return lambda batch_idx, idx: positions[batch_idx, idx]
 
 
 def t5_relative_bucket(
@@ -207,7 +221,10 @@ class ALiBi(RelativeScoreBias):
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__(spec, dims)
-        self.slopes = nn.Buffer(alibi_slopes(dims.num_heads), persistent=False)
+        self.register_initial_buffers()
+
+    def initial_buffers(self) -> dict[str, torch.Tensor]:
+        return {"slopes": alibi_slopes(self.dims.num_heads)}
 
     def distance_bias(self, distance: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         return -self.slopes[head] * distance.abs()
@@ -250,13 +267,16 @@ class RoPE(PositionEncoding):
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__(spec, dims)
-        rotary_dim = int(dims.head_dim * spec["rotary_fraction"]) // 2 * 2
-        if rotary_dim < 2:
+        self.rotary_dim = int(dims.head_dim * spec["rotary_fraction"]) // 2 * 2
+        if self.rotary_dim < 2:
             raise ValueError(
                 f"rope: rotary_fraction={spec['rotary_fraction']} of head_dim={dims.head_dim} rotates "
-                f"{rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
+                f"{self.rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
             )
-        self.inv_freq = nn.Buffer(rotary_inverse_frequencies(rotary_dim, spec["theta"]).float(), persistent=False)
+        self.register_initial_buffers()
+
+    def initial_buffers(self) -> dict[str, torch.Tensor]:
+        return {"inv_freq": rotary_inverse_frequencies(self.rotary_dim, self.spec["theta"]).float()}
 
     def prepare(self, context: PositionContext) -> None:
         angles = context.query_positions[:, None, :, None].float() * self.inv_freq

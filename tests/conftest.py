@@ -1,0 +1,83 @@
+"""Tiny model factories shared by the tests. Every model is small enough to run on a CPU in milliseconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hf_posenc
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+SCHEMES = list(hf_posenc.list_position_encodings())
+NORMALIZERS = list(hf_posenc.list_attention_normalizers())
+FAMILIES = ["bert", "gpt2"]
+RELATIVE_SCHEMES = ["none", "rope", "t5", "alibi"]
+VOCAB = 61
+
+
+def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
+    if family == "bert":
+        kwargs = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=40,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        kwargs.update(overrides)
+        return hf_posenc.PosEncBertConfig(
+            position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
+        )
+    kwargs = dict(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=40,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return hf_posenc.PosEncGPT2Config(
+        position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
+    )
+
+
+def make_model(family: str, position_encoding="learned", attention_normalizer="softmax", attn="eager", seed=0, **kw):
+    """An eval-mode LM of the family (MLM for bert, CLM for gpt2) with seeded random weights."""
+    torch.manual_seed(seed)
+    config = make_config(family, position_encoding, attention_normalizer, **kw)
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=attn).eval()
+    perturb_position_parameters(model)
+    return model
+
+
+def perturb_position_parameters(model: torch.nn.Module) -> None:
+    """Give zero- or small-initialised position parameters (a T5 table) values large enough to matter in tests."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".position_encoding." in f".{name}":
+                param.normal_(0.0, 1.0)
+
+
+def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param

@@ -1,0 +1,162 @@
+"""SPEC section 5: the behaviour every scheme x normalizer keeps, in both families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import NORMALIZERS, RELATIVE_SCHEMES, SCHEMES, make_model, random_ids
+
+
+COMBOS = [(scheme, normalizer) for scheme in SCHEMES for normalizer in NORMALIZERS]
+ATOL = 1e-5
+
+
+def hf_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions as `generate` makes them: count only real tokens, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_row_alone_equals_row_in_padded_batch(family, scheme, normalizer, padding_side, attn):
+    model = make_model(family, scheme, normalizer, attn=attn)
+    short, full = random_ids(1, 7, seed=1), random_ids(1, 11, seed=2)
+    pad = torch.zeros(1, 4, dtype=torch.long)
+    padded = torch.cat([short, pad], 1) if padding_side == "right" else torch.cat([pad, short], 1)
+    batch = torch.cat([padded, full])
+    mask = (torch.arange(11) < 7) if padding_side == "right" else (torch.arange(11) >= 4)
+    attention_mask = torch.stack([mask, torch.ones(11, dtype=torch.bool)]).long()
+    with torch.no_grad():
+        alone = model(short).logits[0]
+        in_batch = model(batch, attention_mask=attention_mask, position_ids=hf_position_ids(attention_mask)).logits
+        full_alone = model(full).logits[0]
+    torch.testing.assert_close(in_batch[0][mask.bool()], alone, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(in_batch[1], full_alone, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_generate_with_cache_equals_without_cache(scheme, normalizer):
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa")
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0  # left padding, as generate expects
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.sequences.shape == (2, 14)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_cached_forward_continues_positions(scheme, normalizer):
+    """Feeding a sequence in two chunks through the KV cache gives the logits of one full forward."""
+    model = make_model("gpt2", scheme, normalizer, attn="eager")
+    ids = random_ids(2, 12, seed=4)
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :7], use_cache=True)
+        second = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_save_pretrained_round_trip_is_exact(family, scheme, normalizer, tmp_path):
+    model = make_model(family, scheme, normalizer)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    reloaded = auto.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(reloaded) is type(model)
+    assert reloaded.config.position_encoding == model.config.position_encoding
+    assert reloaded.config.attention_normalizer == model.config.attention_normalizer
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_eager_sdpa_flex_agree(family, scheme, normalizer):
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    logits = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model(family, scheme, normalizer, attn=attn)
+        with torch.no_grad():  # compiled FlexAttention on CPU is inference-only
+            logits[attn] = model(ids, attention_mask=attention_mask).logits
+    visible = attention_mask.bool()
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+@pytest.mark.parametrize("scheme", RELATIVE_SCHEMES)
+def test_relative_schemes_are_shift_invariant(family, scheme, normalizer):
+    model = make_model(family, scheme, normalizer)
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        base = model(ids, position_ids=positions).logits
+        shifted = model(ids, position_ids=positions + 13).logits
+    torch.testing.assert_close(shifted, base, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["learned", "sinusoidal"])
+def test_absolute_schemes_see_the_shift(family, scheme):
+    """The control for the test above: absolute schemes must change when positions move."""
+    model = make_model(family, scheme)
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        base = model(ids, position_ids=positions).logits
+        shifted = model(ids, position_ids=positions + 13).logits
+    assert (shifted - base).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_fully_masked_rows_give_no_nan(family, scheme, normalizer, attn):
+    """BERT: a row whose mask is all zeros; GPT-2: left padding, whose pad queries see no key."""
+    model = make_model(family, scheme, normalizer, attn=attn)
+    ids = random_ids(2, 8)
+    attention_mask = torch.ones_like(ids)
+    if family == "bert":
+        attention_mask[0] = 0
+    else:
+        attention_mask[0, :3] = 0
+    model.train()  # gradients must stay finite too
+    output = model(ids, attention_mask=attention_mask, labels=ids)
+    output.loss.backward()
+    assert torch.isfinite(output.logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normalizer):
+    ids = random_ids(2, 8)
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model(family, scheme, normalizer, attn="sdpa").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.is_activation_checkpointing
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_bfloat16_matches_float32(family, scheme, normalizer):
+    model = make_model(family, scheme, normalizer, attn="sdpa")
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        reference = model(ids).logits
+        low = model.to(torch.bfloat16)(ids).logits
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), reference, atol=0.1, rtol=0.05)
