@@ -126,3 +126,10 @@ class PosEncPreTrainedMixin:
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return True
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Transformers skips ``_init_weights`` on parameter-less modules of code it does not know, in case that code
+        overwrites loaded weights. Ours initialises only through ``transformers.initialization``, which leaves loaded
+        weights alone, and needs the module-level inits (GPT-2's scaled residual init, the l2 W_V/W_O scale)."""
+        return False

@@ -31,6 +31,7 @@ def make_config(family: str, position_encoding="learned", attention_normalizer="
             max_position_embeddings=40,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
+            initializer_range=0.2,  # peaky attention, so that positions visibly matter
         )
         kwargs.update(overrides)
         return hf_posenc.PosEncBertConfig(
@@ -48,6 +49,7 @@ def make_config(family: str, position_encoding="learned", attention_normalizer="
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=0.2,
     )
     kwargs.update(overrides)
     return hf_posenc.PosEncGPT2Config(
