@@ -29,13 +29,10 @@ def test_t5_buckets_match_the_table_in_kexue_8130():
 @pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (16, 64), (64, 256)])
 def test_t5_buckets_match_transformers_t5(bidirectional, num_buckets, max_distance):
     distance = torch.arange(-300, 301)  # i - j
-    ours = t5_relative_bucket(
-        distance, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
-    )
+    options = dict(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    ours = t5_relative_bucket(distance, **options)
     # T5 takes memory_position - query_position = j - i.
-    theirs = T5Attention._relative_position_bucket(
-        -distance, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
-    )
+    theirs = T5Attention._relative_position_bucket(-distance, **options)
     assert torch.equal(ours, theirs)
 
 
