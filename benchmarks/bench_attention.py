@@ -20,6 +20,7 @@ peak counter), so on CPU the table shows latency only.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -102,7 +103,8 @@ def on_backend(model: transformers.PreTrainedModel, backend: str) -> transformer
     """The same model class and weights, built for another attention backend."""
     if model.config._attn_implementation == backend:
         return model
-    other = transformers.AutoModel.from_config(model.config, attn_implementation=backend).to(model.device)
+    config = copy.deepcopy(model.config)  # from_config sets the backend on the config object it is given
+    other = transformers.AutoModel.from_config(config, attn_implementation=backend).to(model.device)
     other.load_state_dict(model.state_dict())
     return other
 
@@ -205,7 +207,8 @@ def print_table(rows: list[dict]) -> None:
         cells.append(values + [f"{row['ms']:.2f}", f"{row['ratio_vs_stock']:.3f}", peak])
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     for index, line in enumerate(cells):
-        padded = [cell.ljust(w) if i < 5 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))]
+        pairs = enumerate(zip(line, widths, strict=True))
+        padded = [cell.ljust(width) if i < 5 else cell.rjust(width) for i, (cell, width) in pairs]
         print("  ".join(padded))
         if index == 0:
             print("  ".join("-" * w for w in widths))
@@ -220,7 +223,8 @@ def main() -> None:
     rows = []
     for family in args.families:
         cases = build_cases(family, args)
-        check_cases(cases, torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(args.seed)))
+        generator = torch.Generator().manual_seed(args.seed)
+        check_cases(cases, torch.randint(0, args.vocab, (2, min(args.seq_lens)), generator=generator).to(device))
         for seq_len in args.seq_lens:
             generator = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(0, args.vocab, (args.batch, seq_len), generator=generator).to(device)

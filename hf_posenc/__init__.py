@@ -33,6 +33,7 @@ from .modeling_posenc_gpt2 import (
     PosEncGPT2PreTrainedModel,
 )
 from .position_encodings import POSITION_ENCODINGS
+from .position_extension import extend_positions
 
 
 __version__ = "0.1.0"
@@ -88,6 +89,7 @@ __all__ = [
     "PosEncGPT2ForSequenceClassification",
     "PosEncGPT2PreTrainedModel",
     "convert",
+    "extend_positions",
     "list_position_encodings",
     "list_attention_normalizers",
 ]
