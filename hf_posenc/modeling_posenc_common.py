@@ -64,6 +64,7 @@ def prepare_attention(
         inputs_embeds.device,
         need_weights=output_attentions,
         attention_dropout=model.training and attention_dropout > 0,
+        query_length=inputs_embeds.shape[1],
     )
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     kv_length = past_length + inputs_embeds.shape[1]

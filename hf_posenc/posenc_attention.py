@@ -37,10 +37,12 @@ def choose_backend(
     device: torch.device,
     need_weights: bool = False,
     attention_dropout: bool = False,
+    query_length: int = 2,
 ) -> str:
     """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer, else the next
     of flex -> sdpa -> eager that can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no
-    attention dropout, so ``attention_dropout`` (training with a dropout rate > 0) skips it."""
+    attention dropout, so ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding
+    step (``query_length == 1``) gains nothing from it and would compile once per cache length, so it runs SDPA."""
     requested = requested or "sdpa"
     order = ("flex_attention", "sdpa", "eager")
     if requested not in order:
@@ -48,7 +50,9 @@ def choose_backend(
     for backend in order[order.index(requested) :]:
         if backend != "eager" and need_weights:
             continue
-        if backend == "flex_attention" and (attention_dropout or (device.type == "cpu" and torch.is_grad_enabled())):
+        if backend == "flex_attention" and (
+            attention_dropout or query_length == 1 or (device.type == "cpu" and torch.is_grad_enabled())
+        ):
             continue  # compiled FlexAttention on CPU supports inference only
         if backend in encoding.backends and backend in normalizer.backends:
             if backend != requested:

