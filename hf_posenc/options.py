@@ -42,11 +42,14 @@ class CatalogueEntry:
     description: str = ""
     options: Mapping[str, Option] = {}
 
+    backends: tuple[str, ...] = ()
+
     @classmethod
     def describe(cls) -> dict[str, Any]:
         return {
             "description": cls.description,
             "options": {key: {"default": opt.default, "doc": opt.doc} for key, opt in cls.options.items()},
+            "backends": list(cls.backends),
         }
 
 

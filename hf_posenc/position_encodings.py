@@ -86,6 +86,10 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         self.spec = spec
         self.dims = dims
 
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {**super().describe(), "relative": cls.relative}
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 

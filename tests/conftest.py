@@ -16,7 +16,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
-RELATIVE_SCHEMES = ["none", "rope", "t5", "alibi"]
+RELATIVE_SCHEMES = [name for name, entry in hf_posenc.list_position_encodings().items() if entry["relative"]]
 VOCAB = 61
 
 

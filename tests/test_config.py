@@ -89,6 +89,8 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     encodings = hf_posenc.list_position_encodings()
     assert set(encodings) == {"learned", "sinusoidal", "none", "rope", "t5", "alibi"}
     assert encodings["rope"]["options"]["theta"]["default"] == 10000.0
+    assert [name for name, entry in encodings.items() if entry["relative"]] == ["none", "rope", "t5", "alibi"]
+    assert encodings["t5"]["backends"] == ["eager", "sdpa", "flex_attention"]
     assert encodings["t5"]["options"] == {
         "num_buckets": {"default": 32, "doc": "number of buckets"},
         "max_distance": {"default": 128, "doc": "distance of the last bucket"},
@@ -97,3 +99,4 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     normalizers = hf_posenc.list_attention_normalizers()
     assert set(normalizers) == {"softmax", "l2"}
     assert "sqrt" in normalizers["l2"]["description"]
+    assert normalizers["l2"]["backends"] == ["eager"]
