@@ -12,7 +12,7 @@ Every model of a family shares the stock weights and sees the same seeded input 
 models so that machine drift hits them all alike. Peak memory is reported on CUDA only (the CPU allocator has no
 peak counter), so on CPU the table shows latency only.
 
-    python benchmarks/bench_attention.py                          # CPU defaults, a few minutes on 2 cores
+    python benchmarks/bench_attention.py                          # CPU defaults: about 2 minutes on 2 idle cores
     python benchmarks/bench_attention.py --flex --json bench.json
     python benchmarks/bench_attention.py --device cuda --batch 32 --seq-lens 512 1024 2048
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -54,13 +55,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--flex", action="store_true", help="also time flex_attention (compiles on first call)")
     parser.add_argument("--seed", type=int, default=0)
@@ -193,7 +194,7 @@ def rows_for(cases: list[Case], seq_len: int) -> list[dict]:
     for case in cases:
         ms = statistics.median(case.times)
         row = {k: v for k, v in asdict(case).items() if k not in ("model", "times")}
-        row.update(seq_len=seq_len, ms=ms, ratio_vs_stock=ms / baseline[case.mode])
+        row.update(seq_len=seq_len, ms=ms, ratio_vs_stock=ms / baseline[case.mode], times_ms=case.times)
         rows.append(row)
     return rows
 
@@ -216,10 +217,14 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     args = parse_args()
-    transformers.logging.set_verbosity_error()  # expected fallbacks (l2 on eager) need no log line per model
+    transformers.logging.set_verbosity_error()  # no model-building log lines between the progress lines
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.flex:  # one compiled flex_attention serves every scheme and shape: past 8 variants dynamo would stop
+        torch._dynamo.config.recompile_limit = 1024  # compiling and run it uncompiled, timing the fallback instead
+        torch._dynamo.config.accumulated_recompile_limit = 4096
     device = torch.device(args.device)
+    load_before = os.getloadavg()[0]
     rows = []
     for family in args.families:
         cases = build_cases(family, args)
@@ -235,12 +240,14 @@ def main() -> None:
         f"\ntorch {torch.__version__}, transformers {transformers.__version__}, device {device}, "
         f"threads {torch.get_num_threads()}, batch {args.batch}, hidden {args.hidden}, layers {args.layers}, "
         f"heads {args.heads}; median of {args.repeats} after {args.warmup} warmup; ratio_vs_stock divides by the "
-        f"stock model on sdpa in the same mode. peak_mib: CUDA only.\n"
+        f"stock model on sdpa in the same mode. peak_mib: CUDA only.\n1-min load average {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs (other work on the machine skews CPU timings).\n"
     )
     print_table(rows)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"settings": vars(args), "torch": torch.__version__, "results": rows}, handle, indent=2)
+            versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+            json.dump({"settings": vars(args), **versions, "results": rows}, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The attention-normalizer catalogue: how raw scores ``b_ij`` become attention weights ``a_ij``.
 
-Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105). Every normalizer gives
-masked keys (padding, causal) a weight of exactly 0, and a query row with no visible key all zeros, never NaN.
+Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105). A normalizer sees scores
+whose masked keys (padding, causal) are already ``finfo.min``, and must give them a weight of exactly 0; the attention
+composition guarantees every row it sees has a visible key, and sets rows without one to 0 itself.
 """
 
 from __future__ import annotations
@@ -15,20 +16,12 @@ from .options import CatalogueEntry
 from .position_encodings import BACKENDS, AttentionDims
 
 
-def _masked_row_max(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-    """Row max over visible keys (0 for a row with none), so ``exp(b - max) <= 1`` never overflows."""
-    if visible is None:
-        return scores.amax(dim=-1, keepdim=True)
-    row_max = scores.masked_fill(~visible, float("-inf")).amax(dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-
-
 class AttentionNormalizer(CatalogueEntry, nn.Module):
-    """Base class: ``forward(scores, visible) -> weights``.
+    """Base class: ``forward(scores) -> weights``.
 
     Args of ``forward``:
-        scores: ``(batch, heads, q_len, kv_len)`` raw scores ``b_ij``, in float32.
-        visible: boolean ``(batch|1, 1|heads, q_len, kv_len)``, True where a query may attend a key; None = all.
+        scores: ``(batch, heads, q_len, kv_len)`` scores ``b_ij`` in at least float32, ``finfo.min`` on masked keys;
+            every row has at least one visible key.
 
     Class attributes:
         backends: attention backends that can compute it without materialising the weights.
@@ -45,7 +38,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         """Factor on the initial std of W_V and W_O (1: the family's usual init)."""
         return 1.0
 
-    def forward(self, scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -56,12 +49,8 @@ class Softmax(AttentionNormalizer):
     description = "e^b / sum_j e^b (rows sum to 1)"
     backends = BACKENDS
 
-    def forward(self, scores, visible):
-        if visible is None:
-            return torch.softmax(scores, dim=-1)
-        # exp(min - row max) is exactly 0 for a masked key; a row with no visible key comes out uniform, then 0.
-        weights = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
-        return weights.masked_fill(~visible, 0.0)
+    def forward(self, scores):
+        return torch.softmax(scores, dim=-1)
 
 
 class L2(AttentionNormalizer):
@@ -79,12 +68,9 @@ class L2(AttentionNormalizer):
     def value_init_scale(self) -> float:
         return self.dims.max_positions**-0.25
 
-    def forward(self, scores, visible):
-        exp = torch.exp(scores - _masked_row_max(scores, visible))
-        if visible is not None:
-            exp = exp.masked_fill(~visible, 0.0)
-        norm = exp.square().sum(dim=-1, keepdim=True).sqrt()
-        return exp / norm.clamp(min=torch.finfo(exp.dtype).tiny)
+    def forward(self, scores):
+        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: exp(min - max) = 0 exactly
+        return exp / exp.square().sum(dim=-1, keepdim=True).sqrt()  # >= 1: the row max contributes e^0
 
 
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {

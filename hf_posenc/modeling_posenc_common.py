@@ -10,7 +10,7 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
-from .posenc_attention import build_attention_mask, build_position_context, choose_backend
+from .posenc_attention import build_attention_mask, build_dense_mask, build_position_context, choose_backend
 from .position_encodings import POSITION_ENCODINGS, AttentionDims, PositionContext, PositionEncoding
 
 
@@ -79,6 +79,9 @@ def prepare_attention(
         position_ids=position_ids,
         allow_skip=backend == "sdpa" and context.score_bias is None,
     )
+    if backend != "flex_attention":
+        dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
+        mask = build_dense_mask(mask, context.score_bias, dtype, keep_boolean=backend == "sdpa")
     return mask, context
 
 

@@ -15,6 +15,7 @@ computes the same numbers, so a fallback changes speed, never the result.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -118,28 +119,61 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _eager(query, key, value, visible, context, normalizer, scaling, dropout, training):
+@dataclass
+class DenseMask:
+    """What eager and SDPA add to the scores, built once per forward and shared by every layer.
+
+    Attributes:
+        additive: ``(batch|1, heads|1, q_len, kv_len)``: the position bias plus ``finfo.min`` on masked keys (so their
+            ``e^b`` is exactly 0), or None when there is neither.
+        visible: boolean ``(batch|1, 1, q_len, kv_len)`` (True = may attend) for SDPA's boolean path, used only when
+            there is no position bias; else None.
+        row_has_key: ``(batch|1, 1, q_len, 1)``, False on query rows that see no key: those rows attend everywhere
+            (so nothing is NaN) and their weights and output are set to 0. None when every row sees a key.
+    """
+
+    additive: torch.Tensor | None
+    visible: torch.Tensor | None
+    row_has_key: torch.Tensor | None
+
+
+def build_dense_mask(
+    visible: torch.Tensor | None, score_bias: torch.Tensor | None, dtype: torch.dtype, keep_boolean: bool
+) -> DenseMask:
+    """Fold the boolean mask from :func:`build_attention_mask` and the scheme's position bias into one
+    :class:`DenseMask` (``keep_boolean``: keep a boolean mask when there is no bias, as SDPA prefers)."""
+    row_has_key = None
+    if visible is not None:
+        row_has_key = visible.any(dim=-1, keepdim=True)
+        if bool(row_has_key.all()):
+            row_has_key = None
+        else:
+            visible = visible | ~row_has_key
+    if keep_boolean and score_bias is None:
+        return DenseMask(additive=None, visible=visible, row_has_key=row_has_key)
+    additive = None if score_bias is None else score_bias.to(dtype)
+    if visible is not None:
+        floor = torch.finfo(dtype).min
+        if additive is None:
+            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        additive = additive.masked_fill(~visible, floor)
+    return DenseMask(additive=additive, visible=None, row_has_key=row_has_key)
+
+
+def _eager(query, key, value, mask: DenseMask, normalizer, scaling, dropout, training):
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
-    if context.score_bias is not None:
-        scores = scores + context.score_bias
-    weights = normalizer(scores, visible).to(value.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=training)
+    if mask.additive is not None:
+        scores = scores + mask.additive
+    weights = normalizer(scores)
+    if mask.row_has_key is not None:
+        weights = weights * mask.row_has_key
+    weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
     return torch.matmul(weights, value), weights
 
 
-def _sdpa(query, key, value, visible, context, scaling, dropout, training, causal):
-    attn_mask, is_causal = visible, False
-    has_visible = None
-    if visible is not None:
-        # A row with no visible key would be NaN: let it attend everywhere, then zero its output.
-        has_visible = visible.any(dim=-1, keepdim=True)
-        attn_mask = visible | ~has_visible
-    if context.score_bias is not None:
-        bias = context.score_bias.to(query.dtype)
-        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
-    elif attn_mask is None:
-        is_causal = causal and query.shape[-2] > 1
+def _sdpa(query, key, value, mask: DenseMask, scaling, dropout, training, causal):
+    attn_mask = mask.additive if mask.additive is not None else mask.visible
     output = nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -147,10 +181,10 @@ def _sdpa(query, key, value, visible, context, scaling, dropout, training, causa
         attn_mask=attn_mask,
         dropout_p=dropout if training else 0.0,
         scale=scaling,
-        is_causal=is_causal,
+        is_causal=attn_mask is None and causal and query.shape[-2] > 1,
     )
-    if has_visible is not None:
-        output = output.masked_fill(~has_visible, 0.0)
+    if mask.row_has_key is not None:
+        output = output * mask.row_has_key
     return output
 
 
@@ -172,7 +206,7 @@ def positional_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in.
 
-    ``attention_mask`` is what :func:`build_attention_mask` made for ``context.backend``. Returns the output
+    ``attention_mask`` is a ``BlockMask`` (or None) for flex, a :class:`DenseMask` otherwise. Returns the output
     ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
     query, key, value = encoding.transform_qkv(query, key, value, context)
@@ -185,7 +219,7 @@ def positional_attention(
             query, key, value, score_mod=context.score_mod, block_mask=block_mask, scale=scaling
         )
     elif context.backend == "sdpa":
-        output = _sdpa(query, key, value, attention_mask, context, scaling, dropout, training, causal)
+        output = _sdpa(query, key, value, attention_mask, scaling, dropout, training, causal)
     else:
-        output, weights = _eager(query, key, value, attention_mask, context, normalizer, scaling, dropout, training)
+        output, weights = _eager(query, key, value, attention_mask, normalizer, scaling, dropout, training)
     return output.transpose(1, 2).contiguous(), weights

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
-from hf_posenc.posenc_attention import build_position_context, choose_backend, positional_attention
+from hf_posenc.posenc_attention import (
+    build_dense_mask,
+    build_position_context,
+    choose_backend,
+    positional_attention,
+)
 from hf_posenc.position_encodings import POSITION_ENCODINGS, AttentionDims
 
 
@@ -76,11 +81,12 @@ def test_positional_attention_matches_the_formula_with_a_cache():
         positions = torch.arange(chunk.start, chunk.stop)[None]
         context = build_position_context(encoding, positions, chunk.stop, "eager")
         visible = torch.ones(chunk.stop - chunk.start, chunk.stop, dtype=torch.bool).tril(chunk.start)[None, None]
+        mask = build_dense_mask(visible, context.score_bias, torch.float64, keep_boolean=False)
         out, _ = positional_attention(
             q[:, :, chunk],
             k[:, :, chunk],
             v[:, :, chunk],
-            visible,
+            mask,
             context,
             encoding,
             normalizer,
@@ -94,3 +100,37 @@ def test_positional_attention_matches_the_formula_with_a_cache():
         outputs.append(out.transpose(1, 2))
     expected = reference_alibi_l2_causal(q, k, v, [2**-4, 2**-8])
     torch.testing.assert_close(torch.cat(outputs, 2), expected)
+
+
+@pytest.mark.parametrize(
+    ("backend", "scheme_name", "normalizer_name"),
+    [("eager", "t5", "softmax"), ("eager", "none", "softmax"), ("eager", "t5", "l2")]
+    + [("sdpa", "t5", "softmax"), ("sdpa", "none", "softmax")],  # l2 never runs on sdpa
+)
+def test_rows_without_a_visible_key_give_zero_and_others_are_unchanged(backend, scheme_name, normalizer_name):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
+    encoding = scheme(scheme_name)
+    normalizer = ATTENTION_NORMALIZERS[normalizer_name]({"type": normalizer_name}, DIMS)
+    context = build_position_context(encoding, torch.arange(4)[None], 4, backend)
+    visible = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    visible[..., 1, :] = False  # query 1 sees nothing
+    dtype = torch.float32
+    kwargs = dict(scaling=0.5, dropout=0.0, training=False, causal=True)
+    mask = build_dense_mask(visible, context.score_bias, dtype, keep_boolean=backend == "sdpa")
+    out, weights = positional_attention(q, k, v, mask, context, encoding, normalizer, **kwargs)
+    assert torch.equal(out[:, 1], torch.zeros(1, 2, 4))
+    if weights is not None:
+        assert torch.equal(weights[..., 1, :], torch.zeros(1, 2, 4))
+    full = build_dense_mask(torch.ones(1, 1, 4, 4, dtype=torch.bool).tril(), context.score_bias, dtype, False)
+    reference, _ = positional_attention(
+        q,
+        k,
+        v,
+        full,
+        build_position_context(encoding, torch.arange(4)[None], 4, "eager"),
+        encoding,
+        normalizer,
+        **kwargs,
+    )
+    torch.testing.assert_close(out[:, [0, 2, 3]], reference[:, [0, 2, 3]])
