@@ -77,7 +77,8 @@ def prepare_attention(
         attention_mask,
         past_key_values=past_key_values,
         position_ids=position_ids,
-        allow_skip=backend == "sdpa" and context.score_bias is None,
+        # Nothing masked and no bias: SDPA needs no mask (is_causal covers causality), nor does a bidirectional eager.
+        allow_skip=context.score_bias is None and (backend == "sdpa" or not causal),
     )
     if backend != "flex_attention":
         dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
