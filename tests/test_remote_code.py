@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +85,30 @@ def test_saved_folder_lists_every_auto_class_of_the_family(tmp_path):
         "AutoModelForTokenClassification": "modeling_posenc_bert.PosEncBertForTokenClassification",
         "AutoModelForQuestionAnswering": "modeling_posenc_bert.PosEncBertForQuestionAnswering",
     }
+
+
+def test_push_to_hub_uploads_the_modeling_code(monkeypatch):
+    """No Hub here: the Hub calls are replaced, and the folder push_to_hub would upload is inspected."""
+    import transformers.utils.hub as hub
+
+    uploaded = {}
+    api = types.SimpleNamespace(create_repo=lambda repo_id, **_: types.SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(hub, "hf_api", lambda: api)
+    monkeypatch.setattr(
+        hub, "create_and_tag_model_card", lambda *_, **__: types.SimpleNamespace(save=lambda path: None)
+    )
+
+    def fake_upload(self, folder, repo_id, **kwargs):
+        uploaded["repo_id"] = repo_id
+        uploaded["files"] = sorted(path.name for path in Path(folder).iterdir())
+        uploaded["auto_map"] = json.loads((Path(folder) / "config.json").read_text())["auto_map"]
+
+    model = make_model("gpt2", "alibi")
+    monkeypatch.setattr(type(model), "_upload_modified_files", fake_upload)
+    model.push_to_hub("someone/posenc-gpt2-alibi")
+    assert uploaded["repo_id"] == "someone/posenc-gpt2-alibi"
+    assert {"model.safetensors", "config.json", "modeling_posenc_gpt2.py", "configuration_posenc.py"} <= set(
+        uploaded["files"]
+    )
+    assert {"position_encodings.py", "attention_normalizers.py", "posenc_attention.py"} <= set(uploaded["files"])
+    assert uploaded["auto_map"]["AutoModelForCausalLM"] == "modeling_posenc_gpt2.PosEncGPT2LMHeadModel"
