@@ -160,3 +160,17 @@ def test_bfloat16_matches_float32(family, scheme, normalizer):
         low = model.to(torch.bfloat16)(ids).logits
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), reference, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("scheme", ["t5", "rope"])
+def test_flex_gives_zero_for_a_fully_masked_row_like_eager(scheme):
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0] = 0
+    outputs = {}
+    for attn in ("eager", "flex_attention"):
+        model = make_model("bert", scheme, attn=attn)
+        with torch.no_grad():
+            outputs[attn] = model.bert(ids, attention_mask=attention_mask).last_hidden_state
+    assert torch.isfinite(outputs["flex_attention"]).all()
+    torch.testing.assert_close(outputs["flex_attention"], outputs["eager"], atol=ATOL, rtol=1e-4)

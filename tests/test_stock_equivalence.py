@@ -36,10 +36,13 @@ def test_converted_minilm_bert_model_gives_the_stock_outputs(minilm_inputs, attn
     assert type(converted) is hf_posenc.PosEncBertModel
     assert converted.config._attn_implementation == attn
     with torch.no_grad():
-        expected = stock(**minilm_inputs)
-        actual = converted(**minilm_inputs)
+        expected = stock(**minilm_inputs, output_hidden_states=True)
+        actual = converted(**minilm_inputs, output_hidden_states=True)
     torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=0)
     torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=0)
+    assert len(actual.hidden_states) == len(expected.hidden_states) == 7
+    for ours, theirs in zip(actual.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 def test_converted_minilm_masked_lm_gives_the_stock_logits(minilm_inputs):

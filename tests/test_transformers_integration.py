@@ -151,8 +151,10 @@ def test_mlm_loss_trains_position_parameters():
     assert losses[-1] < losses[0]
 
 
-def test_bert_is_decoder_is_causal():
-    model = make_model("bert", "t5", is_decoder=True)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("scheme", ["learned", "t5"])
+def test_bert_is_decoder_is_causal(scheme, attn):
+    model = make_model("bert", scheme, attn=attn, is_decoder=True)
     ids = random_ids(1, 6)
     changed = ids.clone()
     changed[0, 4:] = 3
