@@ -40,6 +40,7 @@ from .modeling_posenc_common import (
     build_position_encoding,
     default_position_ids,
     prepare_attention,
+    reject_unsupported_inputs,
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
@@ -212,6 +213,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
     ) -> BaseModelOutputWithPooling:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+        reject_unsupported_inputs(self, kwargs, ("encoder_hidden_states", "encoder_attention_mask", "past_key_values"))
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.embeddings.word_embeddings(input_ids)

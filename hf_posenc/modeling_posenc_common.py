@@ -102,6 +102,13 @@ def sequence_classification_loss(config, logits: torch.Tensor, labels: torch.Ten
     return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
 
 
+def reject_unsupported_inputs(model, kwargs: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Raise on inputs of the stock model that this family does not support, rather than ignore them."""
+    given = [name for name in names if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(f"{type(model).__name__} does not support {given} (no cross-attention in hf_posenc models).")
+
+
 def auto_map_for(config_class: type, model_classes: list[type]) -> dict[str, str]:
     """``auto_map`` naming every class of a family by its module file, so a saved folder loads as remote code."""
     entries = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}"}

@@ -210,3 +210,13 @@ def test_trainer_trains_a_posenc_model(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_cross_attention_and_bert_cache_inputs_are_refused(family):
+    model = make_model(family)
+    ids = random_ids(1, 4)
+    with pytest.raises(ValueError, match=r"does not support \['encoder_hidden_states'\]"):
+        model(ids, encoder_hidden_states=torch.zeros(1, 4, 32))
+    if family == "bert":
+        with pytest.raises(ValueError, match=r"does not support \['past_key_values'\]"):
+            model(ids, past_key_values=transformers.DynamicCache())
