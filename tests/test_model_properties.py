@@ -174,3 +174,15 @@ def test_flex_gives_zero_for_a_fully_masked_row_like_eager(scheme):
             outputs[attn] = model.bert(ids, attention_mask=attention_mask).last_hidden_state
     assert torch.isfinite(outputs["flex_attention"]).all()
     torch.testing.assert_close(outputs["flex_attention"], outputs["eager"], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+def test_generate_for_a_left_padded_batch_equals_each_row_alone(scheme, normalizer):
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa")
+    short, long = random_ids(1, 4, seed=5), random_ids(1, 7, seed=6)
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    attention_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    together = model.generate(batch, attention_mask=attention_mask, **kwargs)
+    assert torch.equal(together[0, 3:], model.generate(short, **kwargs)[0])
+    assert torch.equal(together[1], model.generate(long, **kwargs)[0])
