@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from transformers import initialization as init
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .posenc_attention import build_attention_mask, build_dense_mask, build_position_context, choose_backend
@@ -123,13 +122,6 @@ class PosEncPreTrainedMixin:
     chosen at every forward)."""
 
     family_auto_map: dict[str, str] = {}
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, PositionEncoding):
-            for name, value in module.initial_buffers().items():
-                init.copy_(getattr(module, name), value)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)

@@ -93,14 +93,6 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 
-    def initial_buffers(self) -> dict[str, torch.Tensor]:
-        """Fixed tables, stored as non-persistent buffers and recomputed by the model's weight init."""
-        return {}
-
-    def register_initial_buffers(self) -> None:
-        for name, value in self.initial_buffers().items():
-            self.register_buffer(name, value, persistent=False)
-
     def embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Input side: ``(batch, seq, hidden)`` embeddings combined with ``position_ids`` ``(batch|1, seq)``."""
         return inputs_embeds
@@ -118,30 +110,35 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on ``d = i - j``: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i - j)``.
 
-    Subclasses define ``distance_bias(distance, head)``, elementwise and broadcasting, used both to build the dense
-    ``(batch, heads, q_len, kv_len)`` bias (eager, SDPA) and inside the FlexAttention ``score_mod``, so the two
-    backends evaluate the same formula.
+    Subclasses define ``bias_table(device)`` (what the formula reads: a parameter, or fixed values computed in
+    float32 for each forward so that casting the model never rounds them) and ``distance_bias(distance, head, table)``,
+    elementwise and broadcasting, used both to build the dense ``(batch, heads, q_len, kv_len)`` bias (eager, SDPA)
+    and inside the FlexAttention ``score_mod``, so the two backends evaluate the same formula.
     """
 
     relative = True
 
-    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def bias_table(self, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def prepare(self, context: PositionContext) -> None:
         query_positions, key_positions = context.query_positions, context.key_positions
+        table = self.bias_table(query_positions.device)
         if context.backend == "flex_attention":
             query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
 
             def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
                 distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
-                return score + self.distance_bias(distance, head_idx).to(score.dtype)
+                return score + self.distance_bias(distance, head_idx, table).to(score.dtype)
 
             context.score_mod = score_mod
         else:
             distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
             heads = torch.arange(self.dims.num_heads, device=distance.device)[None, :, None, None]
-            context.score_bias = self.distance_bias(distance, heads)
+            context.score_bias = self.distance_bias(distance, heads, table)
 
 
 def _position_lookup(positions: torch.Tensor) -> Callable:
@@ -194,14 +191,17 @@ class T5Bias(RelativeScoreBias):
         super().__init__(spec, dims)
         self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
 
-    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def bias_table(self, device: torch.device) -> torch.Tensor:
+        return self.relative_attention_bias.weight
+
+    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         bucket = t5_relative_bucket(
             distance,
             bidirectional=not self.dims.causal,
             num_buckets=self.spec["num_buckets"],
             max_distance=self.spec["max_distance"],
         )
-        return self.relative_attention_bias.weight[bucket, head]
+        return table[bucket, head]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -223,15 +223,11 @@ class ALiBi(RelativeScoreBias):
     name = "alibi"
     description = "linear bias -m_h*|i-j| with geometric head slopes (no parameters)"
 
-    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
-        super().__init__(spec, dims)
-        self.register_initial_buffers()
+    def bias_table(self, device: torch.device) -> torch.Tensor:
+        return alibi_slopes(self.dims.num_heads).to(device=device, dtype=torch.float32)
 
-    def initial_buffers(self) -> dict[str, torch.Tensor]:
-        return {"slopes": alibi_slopes(self.dims.num_heads)}
-
-    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return -self.slopes[head] * distance.abs()
+    def distance_bias(self, distance: torch.Tensor, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return -table[head] * distance.abs()
 
 
 def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -277,13 +273,11 @@ class RoPE(PositionEncoding):
                 f"rope: rotary_fraction={spec['rotary_fraction']} of head_dim={dims.head_dim} rotates "
                 f"{self.rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
             )
-        self.register_initial_buffers()
-
-    def initial_buffers(self) -> dict[str, torch.Tensor]:
-        return {"inv_freq": rotary_inverse_frequencies(self.rotary_dim, self.spec["theta"]).float()}
 
     def prepare(self, context: PositionContext) -> None:
-        angles = context.query_positions[:, None, :, None].float() * self.inv_freq
+        # Frequencies in float64, angles in float32, for each forward: a model cast to bf16 keeps exact rotations.
+        inv_freq = rotary_inverse_frequencies(self.rotary_dim, self.spec["theta"]).to(context.query_positions.device)
+        angles = context.query_positions[:, None, :, None].float() * inv_freq.float()
         context.tables = (angles.cos(), angles.sin())
 
     def transform_qkv(self, query, key, value, context):

@@ -56,7 +56,7 @@ def test_rotary_fraction_rotates_only_the_leading_features():
     encoding = model.transformer.position_encoding
     assert encoding.rotary_dim == 4  # head_dim 8
     x = torch.randn(1, 1, 3, 8)
-    angles = torch.arange(3)[None, None, :, None].float() * encoding.inv_freq
+    angles = torch.arange(3)[None, None, :, None].float() * rotary_inverse_frequencies(4, 10000.0).float()
     rotated = apply_rotary(x, angles.cos(), angles.sin())
     assert torch.equal(rotated[..., 4:], x[..., 4:])
     torch.testing.assert_close(rotated[0, 0, 2, :4], (rotation_matrix(2, 4).float() @ x[0, 0, 2, :4]))
