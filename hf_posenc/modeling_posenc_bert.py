@@ -38,9 +38,9 @@ from .modeling_posenc_common import (
     auto_map_for,
     build_attention_normalizer,
     build_position_encoding,
-    default_position_ids,
     prepare_attention,
     reject_unsupported_inputs,
+    resolve_position_ids,
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
@@ -217,8 +217,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.embeddings.word_embeddings(input_ids)
-        if position_ids is None:
-            position_ids = default_position_ids(inputs_embeds, 0)
+        position_ids = resolve_position_ids(position_ids, inputs_embeds, 0)
         embedding_output = self.embeddings(
             self.position_encoding, position_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
         )

@@ -9,6 +9,7 @@ import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
 from .posenc_attention import build_attention_mask, build_dense_mask, build_position_context, choose_backend
 from .position_encodings import POSITION_ENCODINGS, AttentionDims, PositionContext, PositionEncoding
 
@@ -29,18 +30,33 @@ def attention_dims(config, causal: bool) -> AttentionDims:
 
 
 def build_position_encoding(config, causal: bool) -> PositionEncoding:
+    # Resolved again: a user may have assigned a name or a partial dict to the field after the config was built.
+    config.position_encoding = resolve_position_encoding(config.position_encoding, config.max_position_embeddings)
     spec = config.position_encoding
     return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
 
 
 def build_attention_normalizer(config, causal: bool) -> AttentionNormalizer:
+    config.attention_normalizer = resolve_attention_normalizer(config.attention_normalizer)
     spec = config.attention_normalizer
     return ATTENTION_NORMALIZERS[spec["type"]](spec, attention_dims(config, causal))
 
 
-def default_position_ids(inputs_embeds: torch.Tensor, past_length: int) -> torch.Tensor:
-    """``(1, seq)`` positions ``past_length .. past_length + seq - 1``."""
-    return torch.arange(past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+def resolve_position_ids(
+    position_ids: torch.Tensor | None, inputs_embeds: torch.Tensor, past_length: int
+) -> torch.Tensor:
+    """``(batch|1, seq)`` positions: the given ones (a 1-D ``(seq,)`` tensor serves every row), or by default
+    ``past_length .. past_length + seq - 1``."""
+    if position_ids is None:
+        return torch.arange(past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != inputs_embeds.shape[1]:
+        raise ValueError(
+            f"position_ids must be (batch, seq) or (seq,) with seq = {inputs_embeds.shape[1]}; "
+            f"got shape {tuple(position_ids.shape)}."
+        )
+    return position_ids
 
 
 def prepare_attention(
@@ -61,6 +77,7 @@ def prepare_attention(
         encoding,
         ATTENTION_NORMALIZERS[config.attention_normalizer["type"]],
         inputs_embeds.device,
+        inputs_embeds.dtype,
         need_weights=output_attentions,
         attention_dropout=model.training and attention_dropout > 0,
         query_length=inputs_embeds.shape[1],

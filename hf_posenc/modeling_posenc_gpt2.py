@@ -32,9 +32,9 @@ from .modeling_posenc_common import (
     auto_map_for,
     build_attention_normalizer,
     build_position_encoding,
-    default_position_ids,
     prepare_attention,
     reject_unsupported_inputs,
+    resolve_position_ids,
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
@@ -192,8 +192,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if position_ids is None:
-            position_ids = default_position_ids(inputs_embeds, past_length)
+        position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
 
         hidden_states = self.position_encoding.embed(inputs_embeds, position_ids)
         if token_type_ids is not None:

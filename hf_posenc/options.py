@@ -45,6 +45,10 @@ class CatalogueEntry:
     backends: tuple[str, ...] = ()
 
     @classmethod
+    def check_spec(cls, spec: dict[str, Any]) -> None:
+        """Constraints between options (each option alone is already valid); raise ``ValueError``."""
+
+    @classmethod
     def describe(cls) -> dict[str, Any]:
         return {
             "description": cls.description,
@@ -82,4 +86,5 @@ def resolve_spec(kind: str, value: Any, registry: Mapping[str, type[CatalogueEnt
     spec: dict[str, Any] = {"type": name}
     for key, option in entry.options.items():
         spec[key] = option.validate(f"{kind} {name!r}", key, value.get(key, option.default))
+    entry.check_spec(spec)
     return spec

@@ -30,12 +30,15 @@ from .position_encodings import PositionContext, PositionEncoding, key_positions
 
 logger = logging.get_logger(__name__)
 
+FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def choose_backend(
     requested: str | None,
     encoding: PositionEncoding,
     normalizer: type[AttentionNormalizer],
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
     need_weights: bool = False,
     attention_dropout: bool = False,
     query_length: int = 2,
@@ -43,7 +46,8 @@ def choose_backend(
     """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer, else the next
     of flex -> sdpa -> eager that can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no
     attention dropout, so ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding
-    step (``query_length == 1``) gains nothing from it and would compile once per cache length, so it runs SDPA."""
+    step (``query_length == 1``) gains nothing from it and would compile once per cache length, so it runs SDPA;
+    FlexAttention on CPU takes float32, float16 and bfloat16 only."""
     requested = requested or "sdpa"
     order = ("flex_attention", "sdpa", "eager")
     if requested not in order:
@@ -52,9 +56,11 @@ def choose_backend(
         if backend != "eager" and need_weights:
             continue
         if backend == "flex_attention" and (
-            attention_dropout or query_length == 1 or (device.type == "cpu" and torch.is_grad_enabled())
+            attention_dropout
+            or query_length == 1
+            or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
         ):
-            continue  # compiled FlexAttention on CPU supports inference only
+            continue
         if backend in encoding.backends and backend in normalizer.backends:
             if backend != requested:
                 _log_fallback(requested, backend, encoding.name, normalizer.name)

@@ -187,6 +187,15 @@ class T5Bias(RelativeScoreBias):
         "max_distance": Option(128, (int,), "distance of the last bucket", lambda v: v >= 2, "an int >= 2"),
     }
 
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any]) -> None:
+        # The log buckets span [num_buckets / 2, max_distance) in a decoder (a quarter in an encoder): it must be wide.
+        if spec["max_distance"] <= spec["num_buckets"] // 2:
+            raise ValueError(
+                f"position_encoding 't5': max_distance={spec['max_distance']} must be larger than num_buckets / 2 "
+                f"= {spec['num_buckets'] // 2}, where the logarithmic buckets start."
+            )
+
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__(spec, dims)
         self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
@@ -304,7 +313,9 @@ class LearnedAbsolute(PositionEncoding):
     def embed(self, inputs_embeds, position_ids):
         if not torch.compiler.is_compiling():
             limit = self.table.num_embeddings
-            if int(position_ids.max()) >= limit or int(position_ids.min()) < 0:
+            if int(position_ids.min()) < 0:
+                raise ValueError(f"Position ids must be >= 0 for a learned table; got {int(position_ids.min())}.")
+            if int(position_ids.max()) >= limit:
                 raise ValueError(
                     f"Position {int(position_ids.max())} is outside the learned position table of {limit} positions "
                     f"(0..{limit - 1}). Use hf_posenc.extend_positions(model, max_positions) to lengthen the table, "

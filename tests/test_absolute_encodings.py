@@ -72,3 +72,9 @@ def test_none_adds_nothing_and_encoder_is_permutation_equivariant():
         out = model(ids).logits[0]
         out_perm = model(ids[:, perm]).logits[0]
     torch.testing.assert_close(out_perm, out[perm], atol=1e-5, rtol=1e-4)
+
+
+def test_negative_positions_are_named_in_the_error(family):
+    model = make_model(family, "learned")
+    with pytest.raises(ValueError, match=r"Position ids must be >= 0 for a learned table; got -1"):
+        model(random_ids(1, 4), position_ids=torch.tensor([[-1, 0, 1, 2]]))

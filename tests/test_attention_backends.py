@@ -48,6 +48,9 @@ def test_fallbacks():
     assert choose_backend("flex_attention", t5, softmax, CPU) == "sdpa"  # CPU flex cannot backpropagate
     assert choose_backend("sdpa", t5, softmax, CPU, need_weights=True) == "eager"
     assert choose_backend(None, t5, softmax, CPU) == "sdpa"
+    with torch.no_grad():  # CPU FlexAttention takes float32, float16, bfloat16
+        assert choose_backend("flex_attention", t5, softmax, CPU, torch.float64) == "sdpa"
+        assert choose_backend("flex_attention", t5, softmax, CPU, torch.bfloat16) == "flex_attention"
 
 
 def test_unknown_backend_raises():

@@ -60,6 +60,7 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
         ("position_encoding", {"type": "t5", "num_buckets": 31}, r"'num_buckets'=31 is out of range; valid: an even"),
         ("position_encoding", {"type": "rope", "rotary_fraction": 1.5}, r"'rotary_fraction'=1.5 is out of range"),
         ("position_encoding", {"type": "learned", "max_positions": 0}, r"'max_positions'=0 is out of range"),
+        ("position_encoding", {"type": "t5", "max_distance": 16}, r"max_distance=16 must be larger than .* = 16"),
         ("position_encoding", {"theta": 2.0}, r"has no 'type' key; valid types: \['alibi'"),
         ("position_encoding", 3, r"must be a name or a dict .* got 3"),
         ("attention_normalizer", ["softmax"], r"must be a name or a dict .* got \['softmax'\]"),
@@ -100,3 +101,19 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     assert set(normalizers) == {"softmax", "l2"}
     assert "sqrt" in normalizers["l2"]["description"]
     assert normalizers["l2"]["backends"] == ["eager"]
+
+
+def test_t5_max_distance_just_past_the_exact_buckets_is_accepted():
+    config = hf_posenc.PosEncGPT2Config(position_encoding={"type": "t5", "max_distance": 17})
+    assert config.position_encoding["max_distance"] == 17
+
+
+def test_a_field_reassigned_after_construction_is_resolved_when_the_model_is_built(tmp_path):
+    config = hf_posenc.PosEncBertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    config.position_encoding = "rope"
+    config.attention_normalizer = {"type": "l2"}
+    model = transformers.AutoModel.from_config(config)
+    assert model.config.position_encoding == {"type": "rope", "theta": 10000.0, "rotary_fraction": 1.0}
+    config.position_encoding = "rotary"
+    with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'"):
+        transformers.AutoModel.from_config(config)

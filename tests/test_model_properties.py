@@ -186,3 +186,36 @@ def test_generate_for_a_left_padded_batch_equals_each_row_alone(scheme, normaliz
     together = model.generate(batch, attention_mask=attention_mask, **kwargs)
     assert torch.equal(together[0, 3:], model.generate(short, **kwargs)[0])
     assert torch.equal(together[1], model.generate(long, **kwargs)[0])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_dimensional_position_ids_serve_every_row(family, scheme):
+    model = make_model(family, scheme)
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        flat = model(ids, position_ids=torch.arange(3, 9)).logits
+        batched = model(ids, position_ids=torch.arange(3, 9)[None].expand(2, -1)).logits
+    torch.testing.assert_close(flat, batched)
+    with pytest.raises(ValueError, match=r"position_ids must be \(batch, seq\) or \(seq,\) with seq = 6"):
+        model(ids, position_ids=torch.arange(5))
+
+
+@pytest.mark.parametrize(("scheme", "kwargs"), [("rope", {}), ("alibi", {"n_head": 6, "n_embd": 48})])
+def test_bfloat16_cast_round_trips_exactly(scheme, kwargs, tmp_path):
+    """Fixed tables are not buffers a cast would round: a bf16-cast model and its bf16 reload agree bit for bit."""
+    model = make_model("gpt2", scheme, **kwargs).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    ids = random_ids(1, 30)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+def test_flex_attention_on_float64_falls_back_with_the_same_numbers():
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        flex = make_model("bert", "t5", attn="flex_attention").double()(ids).logits
+        eager = make_model("bert", "t5", attn="eager").double()(ids).logits
+    torch.testing.assert_close(flex, eager)
