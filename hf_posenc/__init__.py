@@ -19,6 +19,7 @@ from .attention_normalizers import ATTENTION_NORMALIZERS
 from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
 from .conversion import convert
 from .modeling_posenc_bert import (
+    POSENC_BERT_MODELS,
     PosEncBertForMaskedLM,
     PosEncBertForQuestionAnswering,
     PosEncBertForSequenceClassification,
@@ -27,6 +28,7 @@ from .modeling_posenc_bert import (
     PosEncBertPreTrainedModel,
 )
 from .modeling_posenc_gpt2 import (
+    POSENC_GPT2_MODELS,
     PosEncGPT2ForSequenceClassification,
     PosEncGPT2LMHeadModel,
     PosEncGPT2Model,
@@ -47,19 +49,7 @@ _AUTO_CLASSES = {
     "AutoModelForTokenClassification": AutoModelForTokenClassification,
 }
 
-for _config_class, _model_classes in (
-    (
-        PosEncBertConfig,
-        (
-            PosEncBertModel,
-            PosEncBertForMaskedLM,
-            PosEncBertForSequenceClassification,
-            PosEncBertForTokenClassification,
-            PosEncBertForQuestionAnswering,
-        ),
-    ),
-    (PosEncGPT2Config, (PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification)),
-):
+for _config_class, _model_classes in ((PosEncBertConfig, POSENC_BERT_MODELS), (PosEncGPT2Config, POSENC_GPT2_MODELS)):
     AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
     for _model_class in _model_classes:
         _AUTO_CLASSES[_model_class._auto_class].register(_config_class, _model_class, exist_ok=True)

@@ -416,16 +416,14 @@ class PosEncBertForQuestionAnswering(PosEncBertPreTrainedModel):
         )
 
 
-PosEncBertPreTrainedModel.family_auto_map = auto_map_for(
-    PosEncBertConfig,
-    [
-        PosEncBertModel,
-        PosEncBertForMaskedLM,
-        PosEncBertForSequenceClassification,
-        PosEncBertForTokenClassification,
-        PosEncBertForQuestionAnswering,
-    ],
+POSENC_BERT_MODELS = (
+    PosEncBertModel,
+    PosEncBertForMaskedLM,
+    PosEncBertForSequenceClassification,
+    PosEncBertForTokenClassification,
+    PosEncBertForQuestionAnswering,
 )
+PosEncBertPreTrainedModel.family_auto_map = auto_map_for(PosEncBertConfig, POSENC_BERT_MODELS)
 
 __all__ = [
     "PosEncBertModel",

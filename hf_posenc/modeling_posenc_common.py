@@ -125,7 +125,7 @@ def reject_unsupported_inputs(model, kwargs: dict[str, Any], names: tuple[str, .
         raise ValueError(f"{type(model).__name__} does not support {given} (no cross-attention in hf_posenc models).")
 
 
-def auto_map_for(config_class: type, model_classes: list[type]) -> dict[str, str]:
+def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[str, str]:
     """``auto_map`` naming every class of a family by its module file, so a saved folder loads as remote code."""
     entries = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}"}
     for model_class in model_classes:

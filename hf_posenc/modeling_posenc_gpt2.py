@@ -330,9 +330,8 @@ class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
         )
 
 
-PosEncGPT2PreTrainedModel.family_auto_map = auto_map_for(
-    PosEncGPT2Config, [PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification]
-)
+POSENC_GPT2_MODELS = (PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification)
+PosEncGPT2PreTrainedModel.family_auto_map = auto_map_for(PosEncGPT2Config, POSENC_GPT2_MODELS)
 
 __all__ = [
     "PosEncGPT2Model",
