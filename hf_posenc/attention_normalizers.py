@@ -13,18 +13,21 @@ import torch
 from torch import nn
 
 from .options import CatalogueEntry
-from .position_encodings import BACKENDS, AttentionDims
+from .position_interface import BACKENDS, AttentionDims, AttentionInputs
 
 
 class AttentionNormalizer(CatalogueEntry, nn.Module):
-    """Base class: ``forward(scores) -> weights``.
+    """Base class: ``forward(scores, attention_inputs) -> weights``, one module per attention layer.
 
     Args of ``forward``:
         scores: ``(batch, heads, q_len, kv_len)`` scores ``b_ij`` in at least float32, ``finfo.min`` on masked keys;
             every row has at least one visible key.
+        attention_inputs: the per-forward :data:`AttentionInputs` (``"visible"`` keys, query and key positions),
+            for normalizers that need more than the scores.
 
     Class attributes:
-        backends: attention backends that can compute it without materialising the weights.
+        backends: attention backends that can compute it without materialising the weights
+            (``supported_backends`` may narrow it by option).
     """
 
     backends: tuple[str, ...] = ("eager",)
@@ -34,11 +37,16 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         self.spec = spec
         self.dims = dims
 
+    @classmethod
+    def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
+        """The backends that can run the normalizer with these options."""
+        return cls.backends
+
     def value_init_scale(self) -> float:
         """Factor on the initial std of W_V and W_O (1: the family's usual init)."""
         return 1.0
 
-    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+    def forward(self, scores: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -49,7 +57,7 @@ class Softmax(AttentionNormalizer):
     description = "e^b / sum_j e^b (rows sum to 1)"
     backends = BACKENDS
 
-    def forward(self, scores):
+    def forward(self, scores, attention_inputs):
         return torch.softmax(scores, dim=-1)
 
 
@@ -68,7 +76,7 @@ class L2(AttentionNormalizer):
     def value_init_scale(self) -> float:
         return self.dims.max_positions**-0.25
 
-    def forward(self, scores):
+    def forward(self, scores, attention_inputs):
         exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: exp(min - max) = 0 exactly
         return exp / exp.square().sum(dim=-1, keepdim=True).sqrt()  # >= 1: the row max contributes e^0
 

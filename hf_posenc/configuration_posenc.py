@@ -13,9 +13,11 @@ from .options import resolve_spec
 from .position_encodings import POSITION_ENCODINGS
 
 
-def resolve_position_encoding(value: Any, max_position_embeddings: int) -> dict[str, Any]:
-    """Full spec of a position encoding; a ``learned`` table defaults to ``max_position_embeddings`` rows."""
+def resolve_position_encoding(value: Any, max_position_embeddings: int, causal: bool) -> dict[str, Any]:
+    """Full spec of a position encoding for an encoder or a decoder (``causal``); a ``learned`` table defaults to
+    ``max_position_embeddings`` rows. A scheme with no form for the family raises ``ValueError``."""
     spec = resolve_spec("position_encoding", value, POSITION_ENCODINGS)
+    POSITION_ENCODINGS[spec["type"]].check_family(spec, causal)
     if spec["type"] == "learned" and spec["max_positions"] is None:
         spec["max_positions"] = max_position_embeddings
     return spec
@@ -48,7 +50,9 @@ class PosEncBertConfig(BertConfig):
     attention_normalizer: str | dict = "softmax"
 
     def __post_init__(self, **kwargs):
-        self.position_encoding = resolve_position_encoding(self.position_encoding, self.max_position_embeddings)
+        self.position_encoding = resolve_position_encoding(
+            self.position_encoding, self.max_position_embeddings, causal=self.is_decoder
+        )
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
         super().__post_init__(**kwargs)
 
@@ -71,6 +75,6 @@ class PosEncGPT2Config(GPT2Config):
     attention_normalizer: str | dict = "softmax"
 
     def __post_init__(self, **kwargs):
-        self.position_encoding = resolve_position_encoding(self.position_encoding, self.n_positions)
+        self.position_encoding = resolve_position_encoding(self.position_encoding, self.n_positions, causal=True)
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
         super().__post_init__(**kwargs)

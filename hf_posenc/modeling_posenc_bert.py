@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.nn import CrossEntropyLoss
 from transformers import initialization as init
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPooling,
@@ -35,8 +34,10 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_posenc import PosEncBertConfig
 from .modeling_posenc_common import (
     PosEncPreTrainedMixin,
+    PositionalLayer,
     auto_map_for,
     build_attention_normalizer,
+    build_layer_position_term,
     build_position_encoding,
     prepare_attention,
     reject_unsupported_inputs,
@@ -44,7 +45,7 @@ from .modeling_posenc_common import (
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
-from .position_encodings import PositionContext, PositionEncoding
+from .position_interface import AttentionInputs, EmbeddingInputs, PositionEncoding
 
 
 class PosEncBertEmbeddings(nn.Module):
@@ -64,13 +65,16 @@ class PosEncBertEmbeddings(nn.Module):
         input_ids: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
-        embeddings = position_encoding.embed(embeddings, position_ids)
+        embeddings = position_encoding.embed(
+            EmbeddingInputs(embeddings, position_ids, input_ids=input_ids, attention_mask=attention_mask)
+        )
         return self.dropout(self.LayerNorm(embeddings))
 
 
@@ -87,14 +91,14 @@ class PosEncBertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
         self.normalizer = build_attention_normalizer(config, causal=config.is_decoder)
+        self.position_term = build_layer_position_term(config, config.is_decoder, layer_idx)
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask,
-        position_context: PositionContext,
+        attention_inputs: AttentionInputs,
         position_encoding: PositionEncoding,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -105,10 +109,10 @@ class PosEncBertSelfAttention(nn.Module):
             query,
             key,
             value,
-            attention_mask,
-            position_context,
+            attention_inputs,
             position_encoding,
             self.normalizer,
+            self.position_term,
             scaling=self.scaling,
             dropout=self.dropout.p,
             training=self.training,
@@ -123,12 +127,12 @@ class PosEncBertAttention(nn.Module):
         self.self = PosEncBertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask, position_context, position_encoding):
-        attention_output, weights = self.self(hidden_states, attention_mask, position_context, position_encoding)
+    def forward(self, hidden_states, attention_inputs, position_encoding):
+        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding)
         return self.output(attention_output, hidden_states), weights
 
 
-class PosEncBertLayer(GradientCheckpointingLayer):
+class PosEncBertLayer(PositionalLayer):
     def __init__(self, config: PosEncBertConfig, layer_idx: int):
         super().__init__()
         self.attention = PosEncBertAttention(config, layer_idx)
@@ -136,13 +140,10 @@ class PosEncBertLayer(GradientCheckpointingLayer):
         self.output = BertOutput(config)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask,
-        position_context: PositionContext,
-        position_encoding: PositionEncoding,
+        self, hidden_states: torch.Tensor, *attention_leaves, attention_spec, position_encoding: PositionEncoding
     ) -> torch.Tensor:
-        attention_output, _ = self.attention(hidden_states, attention_mask, position_context, position_encoding)
+        attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
+        attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding)
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -151,9 +152,9 @@ class PosEncBertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([PosEncBertLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask, position_context, position_encoding) -> BaseModelOutput:
+    def forward(self, hidden_states, attention_inputs: AttentionInputs, position_encoding) -> BaseModelOutput:
         for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_mask, position_context, position_encoding)
+            hidden_states = layer(hidden_states, attention_inputs, position_encoding=position_encoding)
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
@@ -164,6 +165,7 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flex_attn = True
+    _can_compile_fullgraph = True
     _no_split_modules = ["PosEncBertEmbeddings", "PosEncBertLayer"]
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
@@ -219,9 +221,14 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             inputs_embeds = self.embeddings.word_embeddings(input_ids)
         position_ids = resolve_position_ids(position_ids, inputs_embeds, 0)
         embedding_output = self.embeddings(
-            self.position_encoding, position_ids, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds
+            self.position_encoding,
+            position_ids,
+            input_ids=input_ids,
+            token_type_ids=token_type_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
         )
-        mask, position_context = prepare_attention(
+        attention_inputs = prepare_attention(
             self,
             self.position_encoding,
             embedding_output,
@@ -231,9 +238,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             attention_dropout=self.config.attention_probs_dropout_prob,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
         )
-        sequence_output = self.encoder(
-            embedding_output, mask, position_context, self.position_encoding
-        ).last_hidden_state
+        sequence_output = self.encoder(embedding_output, attention_inputs, self.position_encoding).last_hidden_state
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 

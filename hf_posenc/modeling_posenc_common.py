@@ -7,11 +7,14 @@ from typing import Any
 
 import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
-from .posenc_attention import build_attention_mask, build_dense_mask, build_position_context, choose_backend
-from .position_encodings import POSITION_ENCODINGS, AttentionDims, PositionContext, PositionEncoding
+from .posenc_attention import build_attention_mask, build_dense_mask, choose_backend
+from .position_encodings import POSITION_ENCODINGS
+from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 
 
 def attention_dims(config, causal: bool) -> AttentionDims:
@@ -26,14 +29,23 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         head_dim=config.hidden_size // config.num_attention_heads,
         max_positions=config.max_position_embeddings,
         causal=causal,
+        num_layers=config.num_hidden_layers,
     )
 
 
 def build_position_encoding(config, causal: bool) -> PositionEncoding:
-    # Resolved again: a user may have assigned a name or a partial dict to the field after the config was built.
-    config.position_encoding = resolve_position_encoding(config.position_encoding, config.max_position_embeddings)
+    # Resolved again: a user may have assigned a name or a partial dict (or is_decoder) after the config was built.
+    config.position_encoding = resolve_position_encoding(
+        config.position_encoding, config.max_position_embeddings, causal
+    )
     spec = config.position_encoding
     return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
+
+
+def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPositionTerm | None:
+    """The scheme's per-layer module for attention layer ``layer_idx`` (schemes that read the content), or None."""
+    spec = resolve_position_encoding(config.position_encoding, config.max_position_embeddings, causal)
+    return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
 
 
 def build_attention_normalizer(config, causal: bool) -> AttentionNormalizer:
@@ -68,23 +80,29 @@ def prepare_attention(
     causal: bool,
     attention_dropout: float,
     past_key_values=None,
+    position_cache: PositionCache | None = None,
     output_attentions: bool = False,
-) -> tuple[Any, PositionContext]:
-    """Pick the backend for this forward, then build the mask and the position context every layer shares."""
+) -> AttentionInputs:
+    """Pick the backend for this forward, then build what every layer reads (:data:`AttentionInputs`): the mask with
+    the scheme's position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``),
+    and the scheme's shared tables."""
     config = model.config
     backend = choose_backend(
         config._attn_implementation,
-        encoding,
-        ATTENTION_NORMALIZERS[config.attention_normalizer["type"]],
+        config.position_encoding,
+        config.attention_normalizer,
         inputs_embeds.device,
         inputs_embeds.dtype,
         need_weights=output_attentions,
         attention_dropout=model.training and attention_dropout > 0,
         query_length=inputs_embeds.shape[1],
+        given_mask=attention_mask,
     )
-    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-    kv_length = past_length + inputs_embeds.shape[1]
-    context = build_position_context(encoding, position_ids, kv_length, backend)
+    key_positions = position_ids
+    if position_cache is not None:
+        key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
+    tables = encoding.prepare(position_ids, key_positions, backend)
+    score_bias = tables.pop("score_bias", None)
     mask = build_attention_mask(
         config,
         backend,
@@ -93,13 +111,34 @@ def prepare_attention(
         attention_mask,
         past_key_values=past_key_values,
         position_ids=position_ids,
-        # Nothing masked and no bias: SDPA needs no mask (is_causal covers causality), nor does a bidirectional eager.
-        allow_skip=context.score_bias is None and (backend == "sdpa" or not causal),
+        # Nothing masked and nothing added: SDPA needs no mask (is_causal covers causality), nor a bidirectional eager.
+        allow_skip=score_bias is None and not encoding.has_layer_term and (backend == "sdpa" or not causal),
     )
-    if backend != "flex_attention":
+    inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
+    if backend == "flex_attention":
+        inputs.update(mask=mask, visible=None, row_has_key=None)
+    else:
         dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
-        mask = build_dense_mask(mask, context.score_bias, dtype, keep_boolean=backend == "sdpa")
-    return mask, context
+        inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
+    return inputs
+
+
+class PositionalLayer(GradientCheckpointingLayer):
+    """A Transformer layer that reads the per-forward :data:`AttentionInputs`.
+
+    Called as ``layer(hidden_states, attention_inputs, **kwargs)``; the dict reaches ``forward`` flattened into
+    positional arguments (``torch.utils._pytree``), so reentrant activation checkpointing sees, recomputes and
+    differentiates through every tensor in it (a position bias shared by all layers included), and unflattened again
+    by :meth:`attention_inputs`.
+    """
+
+    def __call__(self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs, **kwargs):
+        leaves, spec = tree_flatten(attention_inputs)
+        return super().__call__(hidden_states, *leaves, attention_spec=spec, **kwargs)
+
+    @staticmethod
+    def attention_inputs(leaves: tuple, spec) -> AttentionInputs:
+        return tree_unflatten(list(leaves), spec)
 
 
 def sequence_classification_loss(config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

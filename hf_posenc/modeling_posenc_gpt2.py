@@ -14,7 +14,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -29,8 +28,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_posenc import PosEncGPT2Config
 from .modeling_posenc_common import (
     PosEncPreTrainedMixin,
+    PositionalLayer,
     auto_map_for,
     build_attention_normalizer,
+    build_layer_position_term,
     build_position_encoding,
     prepare_attention,
     reject_unsupported_inputs,
@@ -38,7 +39,7 @@ from .modeling_posenc_common import (
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
-from .position_encodings import PositionContext, PositionEncoding
+from .position_interface import AttentionInputs, EmbeddingInputs, PositionCache, PositionEncoding
 
 
 class PosEncGPT2Attention(nn.Module):
@@ -58,13 +59,13 @@ class PosEncGPT2Attention(nn.Module):
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         self.normalizer = build_attention_normalizer(config, causal=True)
+        self.position_term = build_layer_position_term(config, True, layer_idx)
         self.layer_idx = layer_idx
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask,
-        position_context: PositionContext,
+        attention_inputs: AttentionInputs,
         position_encoding: PositionEncoding,
         past_key_values: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,10 +77,10 @@ class PosEncGPT2Attention(nn.Module):
             query,
             key,
             value,
-            attention_mask,
-            position_context,
+            attention_inputs,
             position_encoding,
             self.normalizer,
+            self.position_term,
             scaling=self.scaling,
             dropout=self.attn_dropout.p,
             training=self.training,
@@ -91,7 +92,7 @@ class PosEncGPT2Attention(nn.Module):
         return self.resid_dropout(output), weights
 
 
-class PosEncGPT2Block(GradientCheckpointingLayer):
+class PosEncGPT2Block(PositionalLayer):
     def __init__(self, config: PosEncGPT2Config, layer_idx: int):
         super().__init__()
         inner_dim = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
@@ -103,14 +104,13 @@ class PosEncGPT2Block(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask,
-        position_context: PositionContext,
+        *attention_leaves,
+        attention_spec,
         position_encoding: PositionEncoding,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
-        attn_output, _ = self.attn(
-            self.ln_1(hidden_states), attention_mask, position_context, position_encoding, past_key_values
-        )
+        attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
+        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_inputs, position_encoding, past_key_values)
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -122,6 +122,7 @@ class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flex_attn = True
+    _can_compile_fullgraph = True
     _no_split_modules = ["PosEncGPT2Block"]
     _skip_keys_device_placement = ["past_key_values"]
     _can_record_outputs = {
@@ -193,13 +194,18 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
+        position_cache = None
+        if past_key_values is not None:
+            position_cache = PositionCache(past_key_values, self.config.num_hidden_layers)
 
-        hidden_states = self.position_encoding.embed(inputs_embeds, position_ids)
+        hidden_states = self.position_encoding.embed(
+            EmbeddingInputs(inputs_embeds, position_ids, input_ids, attention_mask, position_cache)
+        )
         if token_type_ids is not None:
             hidden_states = hidden_states + self.wte(token_type_ids)
         hidden_states = self.drop(hidden_states)
 
-        mask, position_context = prepare_attention(
+        attention_inputs = prepare_attention(
             self,
             self.position_encoding,
             inputs_embeds,
@@ -208,11 +214,15 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
             causal=True,
             attention_dropout=self.config.attn_pdrop,
             past_key_values=past_key_values,
+            position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
         )
         for block in self.h:
             hidden_states = block(
-                hidden_states, mask, position_context, self.position_encoding, past_key_values=past_key_values
+                hidden_states,
+                attention_inputs,
+                position_encoding=self.position_encoding,
+                past_key_values=past_key_values,
             )
         return BaseModelOutputWithPast(
             last_hidden_state=self.ln_f(hidden_states), past_key_values=past_key_values if use_cache else None
@@ -228,6 +238,12 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         self.transformer = PosEncGPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        """With a static cache, ``generate`` would build a 4-D mask in the format of the requested backend; hf_posenc
+        picks the backend per forward (a decoding step may run another one), so it keeps the 2-D mask and builds the
+        4-D one itself, in the format of the backend that runs."""
+        return attention_mask
 
     @can_return_tuple
     def forward(

@@ -1,7 +1,8 @@
 """The one attention composition both model families use.
 
 ``positional_attention`` takes projected q, k, v and composes, in order: the scheme's q/k/v transform, the KV cache,
-the scores with the scheme's position term, the normalizer, and the values. ``choose_backend`` picks what runs it:
+the scores with the scheme's position terms (the shared bias folded into the mask, the layer's content term), the
+normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
 * ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
@@ -15,8 +16,8 @@ computes the same numbers, so a fallback changes speed, never the result.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,8 +25,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.utils import logging
 
-from .attention_normalizers import AttentionNormalizer
-from .position_encodings import PositionContext, PositionEncoding, key_positions_for
+from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .position_encodings import POSITION_ENCODINGS
+from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding
 
 
 logger = logging.get_logger(__name__)
@@ -35,35 +37,50 @@ FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def choose_backend(
     requested: str | None,
-    encoding: PositionEncoding,
-    normalizer: type[AttentionNormalizer],
+    position_encoding: dict[str, Any],
+    attention_normalizer: dict[str, Any],
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     need_weights: bool = False,
     attention_dropout: bool = False,
     query_length: int = 2,
+    given_mask: torch.Tensor | BlockMask | None = None,
 ) -> str:
-    """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer, else the next
-    of flex -> sdpa -> eager that can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no
-    attention dropout, so ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding
-    step (``query_length == 1``) gains nothing from it and would compile once per cache length, so it runs SDPA;
-    FlexAttention on CPU takes float32, float16 and bfloat16 only."""
+    """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer with their options
+    (``position_encoding``, ``attention_normalizer``: full config specs), else the next of flex -> sdpa -> eager that
+    can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no attention dropout, so
+    ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding step (``query_length ==
+    1``) gains nothing from it and would compile once per cache length, so it runs SDPA; FlexAttention on CPU takes
+    float32, float16 and bfloat16 only, and no gradients. A user's 4-D tensor mask (``given_mask``) runs on eager or
+    SDPA; a user's ``BlockMask`` needs FlexAttention."""
     requested = requested or "sdpa"
     order = ("flex_attention", "sdpa", "eager")
     if requested not in order:
         raise ValueError(f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {order}.")
+    scheme_backends = POSITION_ENCODINGS[position_encoding["type"]].supported_backends(position_encoding)
+    normalizer_backends = ATTENTION_NORMALIZERS[attention_normalizer["type"]].supported_backends(attention_normalizer)
+    flex_possible = not (
+        attention_dropout
+        or query_length == 1
+        or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
+        or isinstance(given_mask, torch.Tensor) and given_mask.dim() == 4
+    )
+    if isinstance(given_mask, BlockMask):
+        if not (flex_possible and "flex_attention" in scheme_backends and "flex_attention" in normalizer_backends):
+            raise ValueError(
+                f"A BlockMask attention_mask needs FlexAttention, which cannot run {position_encoding['type']} + "
+                f"{attention_normalizer['type']} here (CPU with gradients, dropout, float64 or a one-token step); "
+                "pass a 2-D or 4-D tensor mask instead."
+            )
+        return "flex_attention"
     for backend in order[order.index(requested) :]:
         if backend != "eager" and need_weights:
             continue
-        if backend == "flex_attention" and (
-            attention_dropout
-            or query_length == 1
-            or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
-        ):
+        if backend == "flex_attention" and not flex_possible:
             continue
-        if backend in encoding.backends and backend in normalizer.backends:
+        if backend in scheme_backends and backend in normalizer_backends:
             if backend != requested:
-                _log_fallback(requested, backend, encoding.name, normalizer.name)
+                _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
             return backend
     raise AssertionError("eager runs every scheme and normalizer")
 
@@ -71,19 +88,6 @@ def choose_backend(
 @cache
 def _log_fallback(requested: str, backend: str, encoding: str, normalizer: str) -> None:
     logger.info(f"hf_posenc: {encoding} + {normalizer} runs on {backend} (requested {requested}).")
-
-
-def build_position_context(
-    encoding: PositionEncoding, position_ids: torch.Tensor, kv_length: int, backend: str
-) -> PositionContext:
-    """Compute once per forward what every layer shares: positions and the scheme's tables or score term."""
-    context = PositionContext(
-        query_positions=position_ids,
-        key_positions=key_positions_for(position_ids, kv_length),
-        backend=backend,
-    )
-    encoding.prepare(context)
-    return context
 
 
 def build_attention_mask(
@@ -98,7 +102,7 @@ def build_attention_mask(
 ):
     """The mask in the form ``backend`` takes, through ``transformers.masking_utils``: a ``BlockMask`` for flex, a
     boolean ``(batch, 1, q_len, kv_len)`` tensor (True = visible) for eager and sdpa, or None when ``allow_skip`` and
-    nothing is masked beyond plain causality."""
+    nothing is masked beyond plain causality. A 4-D mask given by the user comes back as it is."""
     mask_format = "flex_attention" if backend == "flex_attention" else "sdpa"
     if config._attn_implementation != mask_format:
         config = copy.copy(config)
@@ -125,61 +129,66 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@dataclass
-class DenseMask:
-    """What eager and SDPA add to the scores, built once per forward and shared by every layer.
-
-    Attributes:
-        additive: ``(batch|1, heads|1, q_len, kv_len)``: the position bias plus ``finfo.min`` on masked keys (so their
-            ``e^b`` is exactly 0), or None when there is neither.
-        visible: boolean ``(batch|1, 1, q_len, kv_len)`` (True = may attend) for SDPA's boolean path, used only when
-            there is no position bias; else None.
-        row_has_key: ``(batch|1, 1, q_len, 1)``, False on query rows that see no key: those rows attend everywhere
-            (so nothing is NaN) and their weights and output are set to 0. None when every row sees a key.
-    """
-
-    additive: torch.Tensor | None
-    visible: torch.Tensor | None
-    row_has_key: torch.Tensor | None
-
-
 def build_dense_mask(
-    visible: torch.Tensor | None, score_bias: torch.Tensor | None, dtype: torch.dtype, keep_boolean: bool
-) -> DenseMask:
-    """Fold the boolean mask from :func:`build_attention_mask` and the scheme's position bias into one
-    :class:`DenseMask` (``keep_boolean``: keep a boolean mask when there is no bias, as SDPA prefers)."""
-    row_has_key = None
-    if visible is not None:
-        row_has_key = visible.any(dim=-1, keepdim=True)
-        if bool(row_has_key.all()):
-            row_has_key = None
-        else:
-            visible = visible | ~row_has_key
-    if keep_boolean and score_bias is None:
-        return DenseMask(additive=None, visible=visible, row_has_key=row_has_key)
+    mask: torch.Tensor | None, score_bias: torch.Tensor | None, dtype: torch.dtype, keep_boolean: bool
+) -> AttentionInputs:
+    """Fold the mask from :func:`build_attention_mask` and the scheme's position bias, once per forward, into the
+    ``"mask"``, ``"visible"`` and ``"row_has_key"`` entries of :data:`AttentionInputs` for eager and SDPA.
+
+    ``mask`` is boolean (True = visible) or a user's additive float mask (entries below ``finfo.min / 2``, or
+    ``-inf``, are masked; the others are added to the scores, as stock Transformers does). The result is an additive
+    float mask with ``finfo(dtype).min`` on masked keys, or, when ``keep_boolean`` and there is nothing to add, SDPA's
+    boolean mask. Query rows that see no key attend everywhere (so nothing is NaN); the attention zeroes their output.
+    """
+    if mask is None:
+        additive = None if score_bias is None else score_bias.to(dtype)
+        return {"mask": additive, "visible": None, "row_has_key": None}
     additive = None if score_bias is None else score_bias.to(dtype)
-    if visible is not None:
-        floor = torch.finfo(dtype).min
-        if additive is None:
-            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        additive = additive.masked_fill(~visible, floor)
-    return DenseMask(additive=additive, visible=None, row_has_key=row_has_key)
+    if mask.dtype == torch.bool:
+        visible = mask
+    else:
+        visible = mask > torch.finfo(mask.dtype).min / 2
+        user_additive = mask.to(dtype).masked_fill(~visible, 0.0)
+        additive = user_additive if additive is None else additive + user_additive
+    row_has_key = visible.any(dim=-1, keepdim=True)
+    attend = visible | ~row_has_key
+    if keep_boolean and additive is None:
+        return {"mask": attend, "visible": visible, "row_has_key": row_has_key}
+    if additive is None:
+        additive = torch.zeros(attend.shape, dtype=dtype, device=attend.device)
+    additive = additive.masked_fill(~attend, torch.finfo(dtype).min)
+    return {"mask": additive, "visible": visible, "row_has_key": row_has_key}
 
 
-def _eager(query, key, value, mask: DenseMask, normalizer, scaling, dropout, training):
+def _eager(query, key, value, attention_inputs, normalizer, position_term, scaling, dropout, training):
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
-    if mask.additive is not None:
-        scores = scores + mask.additive
-    weights = normalizer(scores)
-    if mask.row_has_key is not None:
-        weights = weights * mask.row_has_key
+    score_term = position_term.score_term(query, key, attention_inputs) if position_term is not None else None
+    if score_term is not None:
+        scores = scores + score_term
+    if attention_inputs["mask"] is not None:
+        scores = scores + attention_inputs["mask"]
+    weights = normalizer(scores, attention_inputs)
+    if attention_inputs["row_has_key"] is not None:
+        weights = weights * attention_inputs["row_has_key"]
     weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
-    return torch.matmul(weights, value), weights
+    output = torch.matmul(weights, value)
+    value_term = position_term.value_term(weights, attention_inputs) if position_term is not None else None
+    if value_term is not None:
+        output = output + value_term
+    return output, weights
 
 
-def _sdpa(query, key, value, mask: DenseMask, scaling, dropout, training, causal):
-    attn_mask = mask.additive if mask.additive is not None else mask.visible
+def _sdpa(query, key, value, attention_inputs, position_term, scaling, dropout, training, causal):
+    attn_mask = attention_inputs["mask"]
+    score_term = position_term.score_term(query, key, attention_inputs) if position_term is not None else None
+    if score_term is not None:
+        if attn_mask is None:
+            attn_mask = score_term.to(query.dtype)
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = score_term.to(query.dtype).masked_fill(~attn_mask, torch.finfo(query.dtype).min)
+        else:
+            attn_mask = attn_mask + score_term.to(attn_mask.dtype)
     output = nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -189,8 +198,8 @@ def _sdpa(query, key, value, mask: DenseMask, scaling, dropout, training, causal
         scale=scaling,
         is_causal=attn_mask is None and causal and query.shape[-2] > 1,
     )
-    if mask.row_has_key is not None:
-        output = output * mask.row_has_key
+    if attention_inputs["row_has_key"] is not None:
+        output = output * attention_inputs["row_has_key"]
     return output
 
 
@@ -198,10 +207,10 @@ def positional_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask,
-    context: PositionContext,
+    attention_inputs: AttentionInputs,
     encoding: PositionEncoding,
     normalizer: AttentionNormalizer,
+    position_term: LayerPositionTerm | None,
     *,
     scaling: float,
     dropout: float,
@@ -212,20 +221,25 @@ def positional_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in.
 
-    ``attention_mask`` is a ``BlockMask`` (or None) for flex, a :class:`DenseMask` otherwise. Returns the output
-    ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
+    ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
+    :class:`LayerPositionTerm` or None. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
+    ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
-    query, key, value = encoding.transform_qkv(query, key, value, context)
+    tables = attention_inputs["position"]
+    query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, layer_idx)
     weights = None
-    if context.backend == "flex_attention":
-        block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
+    backend = attention_inputs["backend"]
+    if backend == "flex_attention":
+        score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
         output = _compiled_flex_attention()(
-            query, key, value, score_mod=context.score_mod, block_mask=block_mask, scale=scaling
+            query, key, value, score_mod=score_mod, block_mask=attention_inputs["mask"], scale=scaling
         )
-    elif context.backend == "sdpa":
-        output = _sdpa(query, key, value, attention_mask, scaling, dropout, training, causal)
+    elif backend == "sdpa":
+        output = _sdpa(query, key, value, attention_inputs, position_term, scaling, dropout, training, causal)
     else:
-        output, weights = _eager(query, key, value, attention_mask, normalizer, scaling, dropout, training)
+        output, weights = _eager(
+            query, key, value, attention_inputs, normalizer, position_term, scaling, dropout, training
+        )
     return output.transpose(1, 2).contiguous(), weights

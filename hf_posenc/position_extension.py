@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .position_encodings import LearnedAbsolute
+from .absolute_encodings import LearnedAbsolute
 
 
 EXTENSION_METHODS = ("hierarchical", "interpolate")

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import make_model, random_ids
 
-from hf_posenc.position_encodings import sinusoidal_table
+from hf_posenc.absolute_encodings import sinusoidal_table
+from hf_posenc.position_interface import EmbeddingInputs
 
 
 def test_sinusoidal_table_by_hand():
@@ -25,7 +26,7 @@ def test_sinusoidal_is_added_to_the_input(family):
     model = make_model(family, "sinusoidal")
     encoding = model.base_model.position_encoding
     x = torch.zeros(1, 3, 32)
-    out = encoding.embed(x, torch.tensor([[0, 1, 2]]))
+    out = encoding.embed(EmbeddingInputs(x, torch.tensor([[0, 1, 2]])))
     torch.testing.assert_close(out, sinusoidal_table(torch.tensor([[0, 1, 2]]), 32, 10000.0))
 
 
@@ -34,7 +35,7 @@ def test_learned_table_is_added_to_the_input(family):
     encoding = model.base_model.position_encoding
     x = torch.randn(1, 3, 32)
     positions = torch.tensor([[4, 0, 39]])
-    torch.testing.assert_close(encoding.embed(x, positions), x + encoding.table.weight[positions[0]][None])
+    torch.testing.assert_close(encoding.embed(EmbeddingInputs(x, positions)), x + encoding.table.weight[positions[0]][None])
 
 
 def test_learned_table_defaults_to_max_position_embeddings(family):

@@ -8,38 +8,45 @@ import pytest
 import torch
 
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
-from hf_posenc.posenc_attention import (
-    build_dense_mask,
-    build_position_context,
-    choose_backend,
-    positional_attention,
-)
-from hf_posenc.position_encodings import POSITION_ENCODINGS, AttentionDims
+from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import AttentionDims
 
 
 DIMS = AttentionDims(hidden_size=8, num_heads=2, head_dim=4, max_positions=16, causal=True)
 CPU = torch.device("cpu")
 
 
+def spec(name):
+    return {"type": name, **{k: o.default for k, o in POSITION_ENCODINGS[name].options.items()}}
+
+
 def scheme(name):
-    return POSITION_ENCODINGS[name](
-        {"type": name, **{k: o.default for k, o in POSITION_ENCODINGS[name].options.items()}}, DIMS
-    )
+    return POSITION_ENCODINGS[name](spec(name), DIMS)
+
+
+SOFTMAX, L2 = {"type": "softmax"}, {"type": "l2"}
+
+
+def attention_inputs(encoding, query_positions, key_positions, backend, visible, dtype):
+    """What a model builds once per forward (``prepare_attention``), for a bare scheme."""
+    tables = encoding.prepare(query_positions, key_positions, backend)
+    inputs = {"backend": backend, "query_positions": query_positions, "key_positions": key_positions}
+    inputs.update(build_dense_mask(visible, tables.pop("score_bias", None), dtype, keep_boolean=backend == "sdpa"))
+    return {**inputs, "position": tables}
 
 
 @pytest.mark.parametrize("name", ["learned", "sinusoidal", "none", "rope", "t5", "alibi"])
 def test_softmax_runs_where_it_is_asked(name):
-    encoding = scheme(name) if name != "learned" else None
-    encoding = encoding or POSITION_ENCODINGS["learned"]({"type": "learned", "max_positions": 16}, DIMS)
-    softmax = ATTENTION_NORMALIZERS["softmax"]
+    encoding = spec(name)
     for backend in ("eager", "sdpa"):
-        assert choose_backend(backend, encoding, softmax, CPU) == backend
+        assert choose_backend(backend, encoding, SOFTMAX, CPU) == backend
     with torch.no_grad():
-        assert choose_backend("flex_attention", encoding, softmax, CPU) == "flex_attention"
+        assert choose_backend("flex_attention", encoding, SOFTMAX, CPU) == "flex_attention"
 
 
 def test_fallbacks():
-    t5, softmax, l2 = scheme("t5"), ATTENTION_NORMALIZERS["softmax"], ATTENTION_NORMALIZERS["l2"]
+    t5, softmax, l2 = spec("t5"), SOFTMAX, L2
     assert choose_backend("sdpa", t5, l2, CPU) == "eager"  # l2 has no fused kernel
     with torch.no_grad():
         assert choose_backend("flex_attention", t5, l2, CPU) == "eager"
@@ -55,7 +62,7 @@ def test_fallbacks():
 
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match=r"attn_implementation 'paged' is not supported.*'flex_attention', 'sdpa'"):
-        choose_backend("paged", scheme("t5"), ATTENTION_NORMALIZERS["softmax"], CPU)
+        choose_backend("paged", spec("t5"), SOFTMAX, CPU)
 
 
 def reference_alibi_l2_causal(q, k, v, slopes):
@@ -82,17 +89,16 @@ def test_positional_attention_matches_the_formula_with_a_cache():
     outputs = []
     for chunk in (slice(0, 5), slice(5, 8)):
         positions = torch.arange(chunk.start, chunk.stop)[None]
-        context = build_position_context(encoding, positions, chunk.stop, "eager")
         visible = torch.ones(chunk.stop - chunk.start, chunk.stop, dtype=torch.bool).tril(chunk.start)[None, None]
-        mask = build_dense_mask(visible, context.score_bias, torch.float64, keep_boolean=False)
+        inputs = attention_inputs(encoding, positions, torch.arange(chunk.stop)[None], "eager", visible, torch.float64)
         out, _ = positional_attention(
             q[:, :, chunk],
             k[:, :, chunk],
             v[:, :, chunk],
-            mask,
-            context,
+            inputs,
             encoding,
             normalizer,
+            None,
             scaling=0.5,
             dropout=0.0,
             training=False,
@@ -115,25 +121,16 @@ def test_rows_without_a_visible_key_give_zero_and_others_are_unchanged(backend, 
     q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
     encoding = scheme(scheme_name)
     normalizer = ATTENTION_NORMALIZERS[normalizer_name]({"type": normalizer_name}, DIMS)
-    context = build_position_context(encoding, torch.arange(4)[None], 4, backend)
+    positions = torch.arange(4)[None]
     visible = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     visible[..., 1, :] = False  # query 1 sees nothing
-    dtype = torch.float32
     kwargs = dict(scaling=0.5, dropout=0.0, training=False, causal=True)
-    mask = build_dense_mask(visible, context.score_bias, dtype, keep_boolean=backend == "sdpa")
-    out, weights = positional_attention(q, k, v, mask, context, encoding, normalizer, **kwargs)
+    inputs = attention_inputs(encoding, positions, positions, backend, visible, torch.float32)
+    out, weights = positional_attention(q, k, v, inputs, encoding, normalizer, None, **kwargs)
     assert torch.equal(out[:, 1], torch.zeros(1, 2, 4))
     if weights is not None:
         assert torch.equal(weights[..., 1, :], torch.zeros(1, 2, 4))
-    full = build_dense_mask(torch.ones(1, 1, 4, 4, dtype=torch.bool).tril(), context.score_bias, dtype, False)
-    reference, _ = positional_attention(
-        q,
-        k,
-        v,
-        full,
-        build_position_context(encoding, torch.arange(4)[None], 4, "eager"),
-        encoding,
-        normalizer,
-        **kwargs,
-    )
+    causal = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    full = attention_inputs(encoding, positions, positions, "eager", causal, torch.float32)
+    reference, _ = positional_attention(q, k, v, full, encoding, normalizer, None, **kwargs)
     torch.testing.assert_close(out[:, [0, 2, 3]], reference[:, [0, 2, 3]])

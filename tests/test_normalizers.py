@@ -9,10 +9,13 @@ import torch
 from conftest import make_model, random_ids
 
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
-from hf_posenc.position_encodings import AttentionDims
+from hf_posenc.position_interface import AttentionDims
 
 
 DIMS = AttentionDims(hidden_size=8, num_heads=2, head_dim=4, max_positions=16, causal=False)
+
+
+NO_INPUTS = {"visible": None, "row_has_key": None}  # softmax and l2 read only the scores
 
 
 def normalizer(name):
@@ -30,19 +33,19 @@ def reference(name, row):
 @pytest.mark.parametrize("name", ["softmax", "l2"])
 def test_matches_the_formula(name):
     scores = torch.randn(2, 2, 3, 5, dtype=torch.float64)
-    weights = normalizer(name)(scores)
+    weights = normalizer(name)(scores, NO_INPUTS)
     for index in torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(3)).tolist():
         expected = reference(name, scores[tuple(index)].tolist())
         torch.testing.assert_close(weights[tuple(index)], torch.tensor(expected, dtype=torch.float64))
 
 
 def test_softmax_rows_sum_to_one():
-    weights = normalizer("softmax")(torch.randn(3, 2, 4, 6))
+    weights = normalizer("softmax")(torch.randn(3, 2, 4, 6), NO_INPUTS)
     torch.testing.assert_close(weights.sum(-1), torch.ones(3, 2, 4))
 
 
 def test_l2_rows_have_unit_norm_and_free_sum():
-    weights = normalizer("l2")(torch.randn(3, 2, 4, 6))
+    weights = normalizer("l2")(torch.randn(3, 2, 4, 6), NO_INPUTS)
     torch.testing.assert_close(weights.norm(dim=-1), torch.ones(3, 2, 4))
     assert (weights.sum(-1) > 1.0 + 1e-3).all()  # l1 sum is in [1, sqrt(n)]
 
@@ -50,7 +53,7 @@ def test_l2_rows_have_unit_norm_and_free_sum():
 @pytest.mark.parametrize("name", ["softmax", "l2"])
 def test_large_scores_stay_finite_and_correct(name):
     scores = torch.tensor([[[[1000.0, 999.0, -1000.0]]]])
-    weights = normalizer(name)(scores)
+    weights = normalizer(name)(scores, NO_INPUTS)
     shifted = reference(name, [0.0, -1.0, -2000.0])  # both formulas are invariant to a shift of the row
     torch.testing.assert_close(weights[0, 0, 0], torch.tensor(shifted, dtype=torch.float32))
 
@@ -60,7 +63,7 @@ def test_masked_keys_weigh_exactly_zero(name):
     """Masked keys reach a normalizer as finfo.min (the attention composition's contract) and get weight 0."""
     scores = torch.randn(1, 2, 2, 4)
     visible = torch.tensor([[True, False, True, False], [True, True, True, True]])
-    weights = normalizer(name)(scores.masked_fill(~visible, torch.finfo(scores.dtype).min))
+    weights = normalizer(name)(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), NO_INPUTS)
     assert torch.equal(weights[..., 0, 1], torch.zeros(1, 2))
     assert torch.equal(weights[..., 0, 3], torch.zeros(1, 2))
     expected = reference(name, scores[0, 0, 0, [0, 2]].tolist())

@@ -10,7 +10,7 @@ from conftest import make_model, random_ids
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from hf_posenc.position_encodings import alibi_slopes, t5_relative_bucket
+from hf_posenc.score_bias_encodings import alibi_slopes, t5_relative_bucket
 
 
 # kexue.fm/archives/8130, "T5式": f(i - j) for i - j = 0..30 (32 bidirectional buckets, max_distance 128), as the

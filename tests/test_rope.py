@@ -9,7 +9,7 @@ import torch
 from conftest import make_model, random_ids
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hf_posenc.position_encodings import apply_rotary, rotary_inverse_frequencies
+from hf_posenc.rotary_encodings import apply_rotary, rotary_inverse_frequencies
 
 
 def rotation_matrix(position: int, dim: int, theta: float = 10000.0) -> torch.Tensor:

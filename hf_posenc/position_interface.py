@@ -1,0 +1,257 @@
+"""The plug-in interface every position encoding implements, written once for both model families.
+
+A scheme is a :class:`PositionEncoding` held by the base model. Each forward the model calls, in order:
+
+* ``embed(inputs)``: the input side (add, multiply, convolve ...), given an :class:`EmbeddingInputs` (embeddings,
+  position ids, token ids, the attention mask and the :class:`PositionCache`);
+* ``prepare(query_positions, key_positions, backend)``: once per forward, the tensors every layer shares (rotary
+  cos/sin, a bias table), as a dict; a position-only score term returned as ``"score_bias"`` is folded into the mask
+  once (eager, SDPA), and rebuilt per layer as a FlexAttention ``score_mod`` from the same dict by ``score_mod``;
+* in every attention layer: ``transform_qkv`` (before the KV cache), then the layer's own
+  :class:`LayerPositionTerm` (from ``layer_term``), which may add a content-dependent term to the scores and a term
+  computed from the attention weights to the output.
+
+Everything a layer reads per forward travels in one dict of tensors (:data:`AttentionInputs`), which the layers
+receive flattened into positional tensor arguments, so reentrant activation checkpointing, ``torch.compile`` and
+accelerate's device hooks see every tensor. Positions of cached keys are kept with the KV cache
+(:class:`PositionCache`), never inferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
+
+from .options import CatalogueEntry
+
+
+BACKENDS = ("eager", "sdpa", "flex_attention")
+FAMILIES = ("encoder", "decoder")
+
+AttentionInputs = dict[str, Any]
+"""What every attention layer reads per forward, built once by the model:
+
+* ``"backend"``: the backend that runs this forward (``"eager"``, ``"sdpa"`` or ``"flex_attention"``);
+* ``"mask"``: a ``BlockMask`` (flex), or for eager/SDPA an additive float ``(batch|1, heads|1, q_len, kv_len)`` tensor
+  (position bias plus ``finfo.min`` on masked keys) or SDPA's boolean mask, or None when nothing is masked;
+* ``"visible"``: boolean ``(batch|1, 1, q_len, kv_len)``, True where a query may attend a key (eager/SDPA), or None;
+* ``"row_has_key"``: boolean ``(batch|1, 1, q_len, 1)``, False on query rows that see no key (their output is set to
+  0), or None when nothing is masked;
+* ``"query_positions"``: ``(batch|1, q_len)``; ``"key_positions"``: ``(batch|1, kv_len)``, cached keys included;
+* ``"position"``: the dict of tensors the scheme's ``prepare`` returned.
+"""
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Sizes a scheme or normalizer needs to build its parameters."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    max_positions: int
+    causal: bool
+    num_layers: int = 1
+
+
+class PositionCache:
+    """Per-token state kept with a Transformers KV cache, in extra cache layers after the model's attention layers.
+
+    Slot 0 holds the position of every cached key; a scheme may keep more per-token state in the slots it names in
+    ``PositionEncoding.cache_states`` (slot ``1 + index``). Each is stored as a ``(batch, 1, seq, features)`` key
+    tensor of its cache layer, so beam-search reordering, cropping, batch expansion and a static cache's
+    preallocation apply to it exactly as to the keys and values. Supports ``DynamicCache`` and ``StaticCache``.
+    """
+
+    def __init__(self, cache: Cache, num_layers: int):
+        if not isinstance(cache, (DynamicCache, StaticCache)):
+            raise ValueError(
+                f"hf_posenc models keep key positions with the cache and support DynamicCache and StaticCache; "
+                f"got {type(cache).__name__}."
+            )
+        self.cache = cache
+        self.num_layers = num_layers
+
+    def append(self, slot: int, states: torch.Tensor) -> torch.Tensor:
+        """Store ``states`` ``(batch, seq, features)`` for the current tokens; return the slot's states of every
+        cached token and the current ones, ``(batch, kv_len, features)`` (a static cache returns ``max_cache_len``
+        rows, those not yet written are zeros)."""
+        index = self.num_layers + slot
+        layers = self.cache.layers
+        if self.cache.layer_class_to_replicate is None:
+            template = layers[0]
+            while len(layers) <= index:
+                is_static = isinstance(template, StaticLayer)
+                layers.append(StaticLayer(template.max_cache_len) if is_static else DynamicLayer())
+        stored, _ = self.cache.update(states[:, None], states[:, None, :, :0], index)
+        return stored[:, 0]
+
+    def append_key_positions(self, positions: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Store the positions ``(batch|1, seq)`` of the current tokens; return those of every key ``(batch, kv_len)``."""
+        return self.append(0, positions.expand(batch_size, -1)[..., None])[..., 0]
+
+    def append_state(self, name: str, states: torch.Tensor, scheme: PositionEncoding) -> torch.Tensor:
+        """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
+        return self.append(1 + scheme.cache_states.index(name), states)
+
+
+@dataclass
+class EmbeddingInputs:
+    """What the ``embed`` hook sees.
+
+    Attributes:
+        inputs_embeds: ``(batch, seq, hidden)`` token embeddings (BERT: word + token type).
+        position_ids: ``(batch|1, seq)`` positions of the current tokens.
+        input_ids: ``(batch, seq)`` token ids, or None when the model was given ``inputs_embeds``.
+        attention_mask: the mask given to the model (``(batch, kv_len)`` with 1 on real tokens, a 4-D mask, or None).
+        cache: the :class:`PositionCache` of a decoding model, or None.
+    """
+
+    inputs_embeds: torch.Tensor
+    position_ids: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    cache: PositionCache | None = None
+
+
+class LayerPositionTerm(nn.Module):
+    """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, TUPE, CoPE), owned by
+    each attention layer. It holds that layer's parameters; parameters shared by all layers reach it through the
+    per-forward ``attention_inputs["position"]`` tensors that the scheme's ``prepare`` computes once."""
+
+    def score_term(
+        self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
+    ) -> torch.Tensor | None:
+        """A ``(batch, heads, q_len, kv_len)`` term added to the scaled scores, from ``query`` ``(batch, heads,
+        q_len, head_dim)`` and ``key`` ``(batch, heads, kv_len, head_dim)`` (cached keys included), or None."""
+        return None
+
+    def value_term(self, weights: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor | None:
+        """A ``(batch, heads, q_len, head_dim)`` term added to the attention output, from the normalized weights
+        ``(batch, heads, q_len, kv_len)``, or None."""
+        return None
+
+
+class PositionEncoding(CatalogueEntry, nn.Module):
+    """Base class of a scheme. Subclasses set ``name``, ``description``, ``options`` and override hooks.
+
+    Class attributes:
+        relative: the scheme only sees ``i - j``, so shifting all position ids by a constant changes nothing.
+        families: ``"encoder"`` and/or ``"decoder"``: where the scheme has a form; checked when the config is built.
+        backends: the attention backends that can run it (``supported_backends`` may narrow it by option).
+        cache_states: names of the per-token states it keeps across decoding steps (see :class:`PositionCache`).
+        has_layer_term: ``layer_term`` gives each attention layer a :class:`LayerPositionTerm`.
+    """
+
+    relative: bool = False
+    families: tuple[str, ...] = FAMILIES
+    backends: tuple[str, ...] = BACKENDS
+    cache_states: tuple[str, ...] = ()
+    has_layer_term: bool = False
+
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
+        super().__init__()
+        self.spec = spec
+        self.dims = dims
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {**super().describe(), "relative": cls.relative, "families": list(cls.families)}
+
+    @classmethod
+    def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
+        """Raise ``ValueError`` if the scheme has no form for this family (``causal``: a decoder)."""
+        family = "decoder" if causal else "encoder"
+        if family not in cls.families:
+            raise ValueError(
+                f"position_encoding {spec['type']!r} has no {family} form; it runs in: {list(cls.families)} "
+                "(posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
+            )
+
+    @classmethod
+    def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
+        """The backends that can run the scheme with these options."""
+        return cls.backends
+
+    @classmethod
+    def layer_term(cls, spec: dict[str, Any], dims: AttentionDims, layer_idx: int) -> LayerPositionTerm | None:
+        """The per-layer module of a scheme that reads the content, or None."""
+        return None
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        """Input side: the ``(batch, seq, hidden)`` embeddings combined with positions."""
+        return inputs.inputs_embeds
+
+    def prepare(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, backend: str
+    ) -> dict[str, torch.Tensor]:
+        """Tensors every layer shares, computed once per forward. A ``"score_bias"`` entry ``(batch|1, heads,
+        q_len, kv_len)`` is added to the scores on eager and SDPA (folded into the mask once)."""
+        return {}
+
+    def score_mod(
+        self, tables: dict[str, torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> Callable | None:
+        """The position-only score term as a FlexAttention ``score_mod`` built from ``prepare``'s tables, or None."""
+        return None
+
+    def transform_qkv(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k/v side, on ``(batch, heads, seq, head_dim)`` tensors of the current tokens, before the KV cache."""
+        return query, key, value
+
+
+class RelativeScoreBias(PositionEncoding):
+    """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.
+
+    Subclasses define ``bias_table(device)`` (what the formula reads: a parameter, or fixed values computed in float32
+    each forward so that casting the model never rounds them) and ``position_bias(query_position, key_position,
+    head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
+    kv_len)`` bias once per forward (eager, SDPA) and runs inside the FlexAttention ``score_mod``, so every backend
+    evaluates one formula.
+    """
+
+    relative = True
+
+    def bias_table(self, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def position_bias(
+        self, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, query_positions, key_positions, backend):
+        table = self.bias_table(query_positions.device)
+        if backend == "flex_attention":
+            return {"bias_table": table}
+        heads = torch.arange(self.dims.num_heads, device=query_positions.device)[None, :, None, None]
+        bias = self.position_bias(query_positions[:, None, :, None], key_positions[:, None, None, :], heads, table)
+        return {"score_bias": bias}
+
+    def score_mod(self, tables, query_positions, key_positions):
+        table = tables["bias_table"]
+        query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
+
+        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            bias = self.position_bias(query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx), head_idx, table)
+            return score + bias.to(score.dtype)
+
+        return score_mod
+
+
+def _position_lookup(positions: torch.Tensor) -> Callable:
+    """``(batch_idx, idx) -> position`` for a FlexAttention ``score_mod``; ``(1, seq)`` positions serve every row."""
+    if positions.shape[0] == 1:
+        shared = positions[0]
+        return lambda batch_idx, idx: shared[idx]
+    return lambda batch_idx, idx: positions[batch_idx, idx]
