@@ -63,7 +63,8 @@ def choose_backend(
         attention_dropout
         or query_length == 1
         or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
-        or isinstance(given_mask, torch.Tensor) and given_mask.dim() == 4
+        or isinstance(given_mask, torch.Tensor)
+        and given_mask.dim() == 4
     )
     if isinstance(given_mask, BlockMask):
         if not (flex_possible and "flex_attention" in scheme_backends and "flex_attention" in normalizer_backends):

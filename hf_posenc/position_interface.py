@@ -92,7 +92,7 @@ class PositionCache:
         return stored[:, 0]
 
     def append_key_positions(self, positions: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Store the positions ``(batch|1, seq)`` of the current tokens; return those of every key ``(batch, kv_len)``."""
+        """Store the positions ``(batch|1, seq)`` of the current tokens; return every key's ``(batch, kv_len)``."""
         return self.append(0, positions.expand(batch_size, -1)[..., None])[..., 0]
 
     def append_state(self, name: str, states: torch.Tensor, scheme: PositionEncoding) -> torch.Tensor:
@@ -243,8 +243,8 @@ class RelativeScoreBias(PositionEncoding):
         query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
 
         def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            bias = self.position_bias(query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx), head_idx, table)
-            return score + bias.to(score.dtype)
+            query, key = query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx)
+            return score + self.position_bias(query, key, head_idx, table).to(score.dtype)
 
         return score_mod
 

@@ -16,7 +16,16 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
-RELATIVE_SCHEMES = [name for name, entry in hf_posenc.list_position_encodings().items() if entry["relative"]]
+CATALOGUE = hf_posenc.list_position_encodings()
+RELATIVE_SCHEMES = [name for name, entry in CATALOGUE.items() if entry["relative"]]
+DECODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "decoder" in entry["families"]]
+ENCODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "encoder" in entry["families"]]
+# Every scheme with softmax, and every other normalizer with a representative absolute and relative scheme: the
+# behaviours of a normalizer do not depend on which scheme feeds it scores, so the full cross product adds only time.
+REPRESENTATIVE_SCHEMES = ["learned", "t5"]
+COMBOS = [(scheme, "softmax") for scheme in SCHEMES] + [
+    (scheme, normalizer) for normalizer in NORMALIZERS if normalizer != "softmax" for scheme in REPRESENTATIVE_SCHEMES
+]
 VOCAB = 61
 
 
@@ -78,6 +87,15 @@ def perturb_position_parameters(model: torch.nn.Module) -> None:
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def supports(family: str, scheme: str) -> bool:
+    return scheme in (ENCODER_SCHEMES if family == "bert" else DECODER_SCHEMES)
+
+
+def family_combos(combos: list[tuple[str, str]]) -> list:
+    """``(family, scheme, normalizer)`` for each combination and each family that has a form for the scheme."""
+    return [(family, *combo) for family in FAMILIES for combo in combos if supports(family, combo[0])]
 
 
 @pytest.fixture(params=FAMILIES)

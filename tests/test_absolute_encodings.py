@@ -35,7 +35,8 @@ def test_learned_table_is_added_to_the_input(family):
     encoding = model.base_model.position_encoding
     x = torch.randn(1, 3, 32)
     positions = torch.tensor([[4, 0, 39]])
-    torch.testing.assert_close(encoding.embed(EmbeddingInputs(x, positions)), x + encoding.table.weight[positions[0]][None])
+    expected = x + encoding.table.weight[positions[0]][None]
+    torch.testing.assert_close(encoding.embed(EmbeddingInputs(x, positions)), expected)
 
 
 def test_learned_table_defaults_to_max_position_embeddings(family):

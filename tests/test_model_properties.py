@@ -5,11 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import NORMALIZERS, RELATIVE_SCHEMES, SCHEMES, make_model, random_ids
+from conftest import (
+    COMBOS,
+    DECODER_SCHEMES,
+    FAMILIES,
+    RELATIVE_SCHEMES,
+    SCHEMES,
+    family_combos,
+    make_model,
+    random_ids,
+    supports,
+)
 
 
-COMBOS = [(scheme, normalizer) for scheme in SCHEMES for normalizer in NORMALIZERS]
 ATOL = 1e-5
+FAMILY_COMBOS = family_combos(COMBOS)
+DECODER_COMBOS = [combo for combo in COMBOS if combo[0] in DECODER_SCHEMES]
+FAMILY_SCHEMES = [(family, scheme) for family in FAMILIES for scheme in SCHEMES if supports(family, scheme)]
+RELATIVE_COMBOS = family_combos([combo for combo in COMBOS if combo[0] in RELATIVE_SCHEMES])
 
 
 def hf_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -19,7 +32,7 @@ def hf_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
 def test_row_alone_equals_row_in_padded_batch(family, scheme, normalizer, padding_side, attn):
     model = make_model(family, scheme, normalizer, attn=attn)
     short, full = random_ids(1, 7, seed=1), random_ids(1, 11, seed=2)
@@ -36,7 +49,7 @@ def test_row_alone_equals_row_in_padded_batch(family, scheme, normalizer, paddin
     torch.testing.assert_close(in_batch[1], full_alone, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
 def test_generate_with_cache_equals_without_cache(scheme, normalizer):
     model = make_model("gpt2", scheme, normalizer, attn="sdpa")
     prompt = random_ids(2, 6, seed=3)
@@ -51,7 +64,7 @@ def test_generate_with_cache_equals_without_cache(scheme, normalizer):
     torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
 def test_cached_forward_continues_positions(scheme, normalizer):
     """Feeding a sequence in two chunks through the KV cache gives the logits of one full forward."""
     model = make_model("gpt2", scheme, normalizer, attn="eager")
@@ -63,7 +76,7 @@ def test_cached_forward_continues_positions(scheme, normalizer):
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
 def test_save_pretrained_round_trip_is_exact(family, scheme, normalizer, tmp_path):
     model = make_model(family, scheme, normalizer)
     model.save_pretrained(tmp_path)
@@ -78,7 +91,7 @@ def test_save_pretrained_round_trip_is_exact(family, scheme, normalizer, tmp_pat
         assert torch.equal(model(ids).logits, reloaded(ids).logits)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
 def test_eager_sdpa_flex_agree(family, scheme, normalizer):
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
@@ -93,8 +106,7 @@ def test_eager_sdpa_flex_agree(family, scheme, normalizer):
         torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("normalizer", NORMALIZERS)
-@pytest.mark.parametrize("scheme", RELATIVE_SCHEMES)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), RELATIVE_COMBOS)
 def test_relative_schemes_are_shift_invariant(family, scheme, normalizer):
     model = make_model(family, scheme, normalizer)
     ids = random_ids(2, 9)
@@ -118,7 +130,7 @@ def test_absolute_schemes_see_the_shift(family, scheme):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
 def test_fully_masked_rows_give_no_nan(family, scheme, normalizer, attn):
     """BERT: a row whose mask is all zeros; GPT-2: left padding, whose pad queries see no key."""
     model = make_model(family, scheme, normalizer, attn=attn)
@@ -135,15 +147,18 @@ def test_fully_masked_rows_give_no_nan(family, scheme, normalizer, attn):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
-def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normalizer):
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normalizer, use_reentrant):
+    """Both activation-checkpointing modes; the reentrant one differentiates only through the tensors a layer gets
+    as arguments, so a position bias shared by all layers must reach each layer as one."""
     ids = random_ids(2, 8)
     grads = []
     for checkpointing in (False, True):
         model = make_model(family, scheme, normalizer, attn="sdpa").train()
         if checkpointing:
-            model.activation_checkpointing_enable()
-            assert model.is_activation_checkpointing
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            assert model.is_gradient_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
@@ -151,7 +166,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normali
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
 def test_bfloat16_matches_float32(family, scheme, normalizer):
     model = make_model(family, scheme, normalizer, attn="sdpa")
     ids = random_ids(2, 8)
@@ -176,7 +191,7 @@ def test_flex_gives_zero_for_a_fully_masked_row_like_eager(scheme):
     torch.testing.assert_close(outputs["flex_attention"], outputs["eager"], atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "normalizer"), COMBOS)
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
 def test_generate_for_a_left_padded_batch_equals_each_row_alone(scheme, normalizer):
     model = make_model("gpt2", scheme, normalizer, attn="sdpa")
     short, long = random_ids(1, 4, seed=5), random_ids(1, 7, seed=6)
@@ -188,7 +203,7 @@ def test_generate_for_a_left_padded_batch_equals_each_row_alone(scheme, normaliz
     assert torch.equal(together[1], model.generate(long, **kwargs)[0])
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("family", "scheme"), FAMILY_SCHEMES)
 def test_one_dimensional_position_ids_serve_every_row(family, scheme):
     model = make_model(family, scheme)
     ids = random_ids(2, 6)
@@ -219,3 +234,84 @@ def test_flex_attention_on_float64_falls_back_with_the_same_numbers():
         flex = make_model("bert", "t5", attn="flex_attention").double()(ids).logits
         eager = make_model("bert", "t5", attn="eager").double()(ids).logits
     torch.testing.assert_close(flex, eager)
+
+
+def generate_kwargs() -> dict:
+    return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+def assert_same_generation(first, second) -> None:
+    assert torch.equal(first.sequences, second.sequences)
+    for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+def test_generate_with_a_gapped_mask_equals_without_cache(scheme, normalizer):
+    """A mask with a hole: generate's positions are not contiguous, so cached keys must keep theirs."""
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa")
+    prompt = random_ids(2, 8, seed=3)
+    attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+def test_chunked_forward_with_non_contiguous_positions_equals_one_forward(scheme, normalizer):
+    model = make_model("gpt2", scheme, normalizer, attn="eager")
+    ids = random_ids(2, 7, seed=4)
+    positions = torch.tensor([[0, 1, 2, 3, 10, 11, 12], [5, 6, 7, 9, 10, 20, 21]])
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        first = model(ids[:, :4], position_ids=positions[:, :4], use_cache=True)
+        second = model(ids[:, 4:], position_ids=positions[:, 4:], past_key_values=first.past_key_values)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+def test_static_cache_generation_equals_dynamic_cache_generation(scheme, normalizer, attn):
+    model = make_model("gpt2", scheme, normalizer, attn=attn)
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert_same_generation(static, model.generate(prompt, **kwargs))
+
+
+def four_d_masks(attention_mask: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boolean ``(batch, 1, q, k)`` mask equal to a 2-D padding mask, and its additive float form."""
+    n = attention_mask.shape[1]
+    visible = attention_mask.bool()[:, None, None, :].expand(-1, 1, n, n)
+    if causal:
+        visible = visible & torch.ones(n, n, dtype=torch.bool).tril()
+    additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    return visible, additive
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+def test_four_d_boolean_and_additive_masks_equal_the_two_d_mask(family, scheme, normalizer, attn):
+    model = make_model(family, scheme, normalizer, attn=attn)
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 6:] = 0
+    boolean, additive = four_d_masks(attention_mask, causal=family == "gpt2")
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).logits
+        for mask in (boolean, additive):
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("gpt2", "t5"), ("gpt2", "rope")])
+def test_compiled_fullgraph_forward_equals_eager_mode(family, scheme):
+    model = make_model(family, scheme, attn="sdpa")
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :3] = 0
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(compiled(ids, attention_mask=attention_mask).logits, expected, atol=ATOL, rtol=1e-4)

@@ -153,3 +153,20 @@ def test_convert_leaves_the_stock_model_alone():
     ids = random_ids(1, 5)
     assert all(torch.equal(before[name], tensor) for name, tensor in stock.state_dict().items())
     assert stock(ids).last_hidden_state.shape == (1, 5, 384)
+
+
+# Stock GPT-2's eager attention adds a boolean 4-D mask to the scores as 0/1 numbers instead of masking with it, so the
+# boolean form is compared on SDPA; hf_posenc reads a boolean mask as "True = visible" on every backend.
+@pytest.mark.parametrize(("attn", "kind"), [("eager", "additive"), ("sdpa", "additive"), ("sdpa", "boolean")])
+def test_converted_gpt2_takes_a_four_d_mask_as_stock_gpt2_does(stock_gpt2, attn, kind):
+    stock = transformers.GPT2LMHeadModel.from_pretrained(stock_gpt2, attn_implementation=attn).eval()
+    converted = hf_posenc.convert(stock)
+    ids = random_ids(2, 7)
+    visible = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
+    visible[0, :, :, :2] = False  # the first row's first two tokens are padding
+    visible[0, :, :2, :2] = torch.eye(2, dtype=torch.bool)  # which see themselves, so no row is empty in stock GPT-2
+    mask = visible if kind == "boolean" else torch.zeros(visible.shape).masked_fill(~visible, torch.finfo().min)
+    with torch.no_grad():
+        expected = stock(ids, attention_mask=mask).logits
+        actual = converted(ids, attention_mask=mask).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
