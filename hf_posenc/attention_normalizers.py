@@ -30,6 +30,14 @@ from .options import CatalogueEntry, Option
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
 
 
+GATE_OPTIONS = {
+    "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
+    "toeplitz_max_distance": Option(
+        128, (int,), "k of clip(i - j, -k, k) in the Toeplitz gate", lambda v: v >= 1, "an int >= 1"
+    ),
+}
+
+
 class AttentionNormalizer(CatalogueEntry, nn.Module):
     """Base class: ``forward(scores, attention_inputs) -> weights``, one module per attention layer.
 
@@ -54,14 +62,14 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
             FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
     """
 
-    options = {
-        "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
-        "toeplitz_max_distance": Option(
-            128, (int,), "k of clip(i - j, -k, k) in the Toeplitz gate", lambda v: v >= 1, "an int >= 1"
-        ),
-    }
+    options = GATE_OPTIONS
     backends: tuple[str, ...] = ("eager",)
     flex_needs_lse: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        """Every normalizer takes the gate options beside its own."""
+        super().__init_subclass__(**kwargs)
+        cls.options = {**cls.options, **GATE_OPTIONS}
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__()
