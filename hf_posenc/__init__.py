@@ -36,6 +36,7 @@ from .modeling_posenc_gpt2 import (
 )
 from .position_encodings import POSITION_ENCODINGS
 from .position_extension import extend_positions
+from .probe import probe
 
 
 __version__ = "0.1.0"
@@ -82,4 +83,5 @@ __all__ = [
     "extend_positions",
     "list_position_encodings",
     "list_attention_normalizers",
+    "probe",
 ]

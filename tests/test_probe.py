@@ -1,0 +1,63 @@
+"""The position probe (kexue.fm/archives/9105, SPEC section 4): the library function and its recipe, reduced."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_posenc
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import probe as probe_recipe  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_relative_scheme_with_softmax_gives_equal_outputs(family):
+    """Rows sum to 1 and every value is the same: every output is the same, to float rounding."""
+    result = hf_posenc.probe("t5", "softmax", family=family, length=8, steps=20, learning_rate=3e-3)
+    assert result["output_spread"] < 1e-5
+    assert result["relative_mse"] == pytest.approx(1.0, abs=1e-4)  # the best constant: the mean
+    assert result["target_variance"] == pytest.approx((8**2 - 1) / 12)
+    assert not result["fitted"]
+
+
+def test_relative_scheme_with_l2_fits_the_positions():
+    result = hf_posenc.probe("t5", "l2", family="gpt2", length=8, steps=100, learning_rate=3e-3)
+    assert result["mse"] < 0.01 * result["target_variance"]
+    assert result["fitted"]
+    assert result["attention_normalizer"]["type"] == "l2" and result["position_encoding"]["type"] == "t5"
+    assert [round(p) for p in result["predictions"]] == list(range(1, 9))
+
+
+def test_probe_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"family 'llama' is not one of \('bert', 'gpt2'\)"):
+        hf_posenc.probe("t5", family="llama")
+    with pytest.raises(ValueError, match="length must be at least 2"):
+        hf_posenc.probe("t5", length=1)
+
+
+def test_recipe_writes_the_table_the_results_and_the_heat_map(tmp_path):
+    argv = ["--families", "gpt2", "--schemes", "learned", "none", "--variants", "softmax", "exp+gate+boundary"]
+    results = probe_recipe.main([*argv, "--length", "4", "--steps", "2", "--output-dir", str(tmp_path)])
+    assert [(r["scheme"], r["variant"]) for r in results] == [
+        ("learned", "softmax"), ("learned", "exp+gate+boundary"), ("none", "softmax"), ("none", "exp+gate+boundary"),
+    ]  # fmt: skip
+    gated = results[1]
+    assert gated["attention_normalizer"]["toeplitz_gate"] and gated["boundary_tokens"]
+    assert json.loads((tmp_path / "probe_results.json").read_text()) == results
+    table = (tmp_path / "probe_table.md").read_text()
+    assert "| `none` |" in table and "exp+gate+boundary" in table
+    assert (tmp_path / "probe_heatmap.png").stat().st_size > 1000
+
+
+def test_recipe_parses_schemes_with_options_and_rejects_unknown_variants(capsys):
+    assert probe_recipe.parse_scheme("shaw:use_value=false,max_distance=4") == {
+        "type": "shaw", "use_value": False, "max_distance": 4
+    }  # fmt: skip
+    with pytest.raises(SystemExit):
+        probe_recipe.parse_args(["--variants", "softmax+gated"])
+    assert "unknown flag(s) ['gated']" in capsys.readouterr().err
