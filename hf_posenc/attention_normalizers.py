@@ -185,7 +185,9 @@ class L2(AttentionNormalizer):
         return self.dims.max_positions**-0.25
 
     def normalize(self, scores, attention_inputs):
-        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: exp(min - max) = 0 exactly
+        # The row max is a constant shift the ratio does not see (its gradient is 0): detached, so that autograd does
+        # not keep the (q, k) scores for it. Masked keys: exp(min - max) = 0 exactly.
+        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
         return exp / torch.linalg.vector_norm(exp, dim=-1, keepdim=True)  # >= 1: the row max contributes e^0
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
