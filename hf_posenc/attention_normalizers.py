@@ -24,10 +24,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+from torch.nn.attention.flex_attention import BlockMask
 
 from .options import CatalogueEntry, Option
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
+
+
+try:  # torch >= 2.9; before it, flex_attention(..., return_lse=True)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
 
 
 GATE_OPTIONS = {
@@ -141,9 +147,10 @@ def _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scal
             score = score if inner is None else inner(score, batch_idx, head_idx, q_idx, kv_idx)
             return score * factor
 
-    output, aux = attend(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
-    )
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale)
+    if AuxRequest is None:
+        return attend(query, key, value, return_lse=True, **kwargs)
+    output, aux = attend(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
     return output, aux.lse
 
 

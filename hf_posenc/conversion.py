@@ -64,7 +64,8 @@ def convert(
 
     With ``learned`` the stock position table becomes the scheme's table, and the result computes what the stock
     model computes. With any other scheme the stock table is dropped and the scheme's own parameters (if any) start
-    from their init. The stock model is left unchanged.
+    from their init, as do the normalizer's (a Toeplitz gate starts at 1, so a gated softmax computes what the stock
+    model computes). The stock model is left unchanged.
     """
     entry = STOCK_TO_POSENC.get(type(model))
     if entry is None:
@@ -87,7 +88,8 @@ def convert(
     with torch.device(model.device):
         converted = posenc_class(config).to(model.dtype)
     missing, unexpected = converted.load_state_dict(state, strict=False)
-    missing = [name for name in missing if ".position_encoding." not in f".{name}"]
+    # The scheme's parameters and the normalizers' (a Toeplitz gate, at 1) start from their init.
+    missing = [name for name in missing if ".position_encoding." not in f".{name}" and ".normalizer." not in name]
     if missing or unexpected:
         raise ValueError(f"convert(): weights did not line up; missing {missing}, unexpected {unexpected}.")
     return converted.train(model.training)

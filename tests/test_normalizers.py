@@ -11,6 +11,7 @@ import transformers
 from conftest import make_config, make_model, random_ids
 from torch.nn.attention.flex_attention import flex_attention
 
+import hf_posenc
 from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
@@ -409,8 +410,6 @@ def test_models_shrink_the_value_and_output_init_by_the_factor(family, name):
 
 
 def test_listing_names_every_normalizer_with_the_gate_options():
-    import hf_posenc
-
     listing = hf_posenc.list_attention_normalizers()
     assert list(listing) == NORMALIZERS
     for entry in listing.values():
@@ -418,3 +417,15 @@ def test_listing_names_every_normalizer_with_the_gate_options():
     assert make_config("gpt2", "t5", {"type": "relu2", "toeplitz_gate": True}).attention_normalizer == {
         "type": "relu2", "toeplitz_gate": True, "toeplitz_max_distance": 128
     }  # fmt: skip
+
+
+def test_convert_with_a_gated_softmax_gives_the_stock_logits():
+    """convert() starts the gate from its init (1): a converted stock GPT-2 computes what the stock one does."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=40, vocab_size=61)
+    stock = transformers.GPT2LMHeadModel(config).eval()
+    converted = hf_posenc.convert(stock, attention_normalizer={"type": "softmax", "toeplitz_gate": True}).eval()
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, stock(ids).logits, atol=ATOL, rtol=1e-4)
+    assert converted.transformer.h[1].attn.normalizer.toeplitz_gate.eq(1).all()
