@@ -173,11 +173,18 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
 
 
 class PosEncPreTrainedMixin:
-    """Shared by both families' ``PreTrainedModel``: full ``auto_map`` on save (the modeling files are copied
-    beside the weights by ``save_pretrained``), and switching ``attn_implementation`` at any time (the backend is
-    chosen at every forward)."""
+    """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
+    (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``), full ``auto_map`` on save (the modeling
+    files are copied beside the weights by ``save_pretrained``), and switching ``attn_implementation`` at any time
+    (the backend is chosen at every forward)."""
 
     family_auto_map: dict[str, str] = {}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, (PositionEncoding, LayerPositionTerm)):
+            module.init_weights(self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)

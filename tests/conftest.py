@@ -77,10 +77,11 @@ def make_model(family: str, position_encoding="learned", attention_normalizer="s
 
 
 def perturb_position_parameters(model: torch.nn.Module) -> None:
-    """Give zero- or small-initialised position parameters (a T5 table) values large enough to matter in tests."""
+    """Give zero- or small-initialised position parameters (a T5 table, CoPE's per-layer embeddings) values large
+    enough to matter in tests."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".position_encoding." in f".{name}":
+            if ".position_encoding." in f".{name}" or ".position_term." in name:
                 param.normal_(0.0, 1.0)
 
 
