@@ -11,8 +11,6 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, s
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -281,7 +279,11 @@ class DeBERTa(PositionEncoding):
             "'c2p|p2c', 'c2p' or 'p2c'",
         ),
         "position_buckets": Option(
-            256, (int,), "log buckets (0: none, distances clipped)", lambda v: v >= 0 and v % 2 == 0, "an even int >= 0"
+            256,
+            (int,),
+            "log buckets (0: none, distances clipped)",
+            lambda v: v >= 0 and v % 2 == 0,
+            "an even int >= 0",
         ),
         "max_relative_positions": Option(512, (int,), "distance of the last bucket", lambda v: v >= 1, "an int >= 1"),
         "share_att_key": Option(True, (bool,), "project the relative embeddings with the layer's own W_Q, W_K"),
@@ -463,7 +465,11 @@ class CoPE(PositionEncoding):
     backends = ("eager", "sdpa")
     options = {
         "max_positions": Option(
-            64, (int,), "position embeddings; contextual positions are clamped below it", lambda v: v >= 2, "an int >= 2"
+            64,
+            (int,),
+            "position embeddings; contextual positions are clamped below it",
+            lambda v: v >= 2,
+            "an int >= 2",
         ),
     }
 
