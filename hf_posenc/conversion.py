@@ -64,7 +64,7 @@ def convert(
 
     With ``learned`` the stock position table becomes the scheme's table, and the result computes what the stock
     model computes. With any other scheme the stock table is dropped and the scheme's own parameters (if any) start
-    from their init. The stock model is left unchanged.
+    from their init (per-layer ones too). The stock model is left unchanged.
     """
     entry = STOCK_TO_POSENC.get(type(model))
     if entry is None:
@@ -87,7 +87,8 @@ def convert(
     with torch.device(model.device):
         converted = posenc_class(config).to(model.dtype)
     missing, unexpected = converted.load_state_dict(state, strict=False)
-    missing = [name for name in missing if ".position_encoding." not in f".{name}"]
+    # The scheme's own parameters, shared (position_encoding) or per layer (position_term), start from their init.
+    missing = [name for name in missing if ".position_encoding." not in f".{name}" and ".position_term." not in name]
     if missing or unexpected:
         raise ValueError(f"convert(): weights did not line up; missing {missing}, unexpected {unexpected}.")
     return converted.train(model.training)

@@ -533,3 +533,18 @@ def test_a_layer_term_is_built_per_layer_with_its_own_parameters():
     config = make_config("bert", "xlnet")
     first, second = (build_layer_position_term(config, False, index) for index in (0, 1))
     assert first.content_bias is not second.content_bias
+
+
+@pytest.mark.parametrize("scheme", ["shaw", "xlnet", "deberta", "tupe"])
+def test_convert_keeps_the_stock_weights_and_initialises_the_layer_terms(scheme):
+    import transformers
+
+    stock = transformers.BertModel(
+        transformers.BertConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, vocab_size=61)
+    ).eval()
+    converted = hf_posenc.convert(stock, position_encoding=scheme)
+    layer, stock_layer = converted.encoder.layer[1].attention.self, stock.encoder.layer[1].attention.self
+    assert torch.equal(layer.query.weight, stock_layer.query.weight)
+    assert all(torch.isfinite(p).all() for p in converted.parameters())
+    with torch.no_grad():
+        assert torch.isfinite(converted(random_ids(2, 9)).last_hidden_state).all()
