@@ -66,8 +66,9 @@ class ShawTerm(LayerPositionTerm):
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         key_table, _ = self.tables(attention_inputs)
-        row_scores = torch.matmul(query, key_table.to(query.dtype).T)  # (batch, heads, q_len, 2k + 1)
-        return gather_rows(row_scores, attention_inputs["position"]["shaw_index"]) * scaling
+        # The scale goes on the (2k + 1)-row table, not on the (q_len, kv_len) result: one pass fewer.
+        row_scores = torch.matmul(query, key_table.to(query.dtype).T * scaling)  # (batch, heads, q_len, 2k + 1)
+        return gather_rows(row_scores, attention_inputs["position"]["shaw_index"])
 
     def value_term(self, weights, attention_inputs):
         if not self.use_value:
@@ -157,12 +158,14 @@ class TransformerXLTerm(LayerPositionTerm):
         tables = attention_inputs["position"]
         sinusoids = tables["xl_sinusoids"].to(self.position_key.weight.dtype)
         rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
-        # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered.
+        # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered. The scale goes on
+        # the small factors, not on the (q_len, kv_len) result.
+        rows = rows * scaling
         row_scores = torch.matmul(query + self.position_bias[:, None].to(query.dtype), rows.transpose(-1, -2))
         position_scores = gather_rows(row_scores, tables["xl_index"])
         # Term 3: u W_K x_j, the same for every query.
-        content_bias_scores = torch.matmul(key, self.content_bias[..., None].to(key.dtype)).transpose(-1, -2)
-        return (position_scores + content_bias_scores) * scaling
+        content_bias = self.content_bias[..., None].to(key.dtype) * scaling
+        return position_scores + torch.matmul(key, content_bias).transpose(-1, -2)
 
 
 class TransformerXL(PositionEncoding):
@@ -235,18 +238,19 @@ class DeBERTaTerm(LayerPositionTerm):
         if self.share_att_key:
             position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
         score = 0.0
+        # The scale goes on the (2 span)-row projections, not on the (q_len, kv_len) result: one pass fewer.
         if "c2p" in self.att_type:
             if not self.share_att_key:
                 position_key = self.heads(self.pos_key_proj(embeddings))
             # c2p_ij = q_i . K^r[idx(i, j)]
-            score = score + gather_rows(torch.matmul(query, position_key.transpose(-1, -2)), index)
+            score = gather_rows(torch.matmul(query, position_key.transpose(-1, -2) * scaling), index)
         if "p2c" in self.att_type:
             if not self.share_att_key:
                 position_query = self.heads(self.pos_query_proj(embeddings))
             # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index.
-            key_rows = torch.matmul(key, position_query.transpose(-1, -2))  # (batch, heads, kv_len, 2 span)
+            key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)  # (batch, heads, kv_len, 2 span)
             score = score + gather_rows(key_rows, index.transpose(-1, -2)).transpose(-1, -2)
-        return score * scaling
+        return score
 
 
 class DeBERTa(PositionEncoding):

@@ -111,8 +111,9 @@ def prepare_attention(
         attention_mask,
         past_key_values=past_key_values,
         position_ids=position_ids,
-        # Nothing masked and nothing added: SDPA needs no mask (is_causal covers causality), nor a bidirectional eager.
-        allow_skip=score_bias is None and not encoding.has_layer_term and (backend == "sdpa" or not causal),
+        # Nothing masked and nothing added: a bidirectional layer needs no mask, nor SDPA (is_causal covers
+        # causality) unless a layer's own term takes the place of the mask.
+        allow_skip=score_bias is None and (not causal or backend == "sdpa" and not encoding.has_layer_term),
     )
     inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
     if backend == "flex_attention":
