@@ -435,7 +435,7 @@ class CoPETerm(LayerPositionTerm):
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         compute_dtype = torch.promote_types(query.dtype, torch.float32)
         query = query.to(compute_dtype)
-        gates = torch.sigmoid(torch.matmul(query, key.to(compute_dtype).transpose(-1, -2)) * scaling)
+        gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
         if attention_inputs["visible"] is not None:
             gates = gates * attention_inputs["visible"]  # masked keys (the future, padding) count nothing
         # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
