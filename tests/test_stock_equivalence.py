@@ -170,3 +170,38 @@ def test_converted_gpt2_takes_a_four_d_mask_as_stock_gpt2_does(stock_gpt2, attn,
         expected = stock(ids, attention_mask=mask).logits
         actual = converted(ids, attention_mask=mask).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "class_name",
+    [
+        "RobertaModel",
+        "RobertaForMaskedLM",
+        "RobertaForSequenceClassification",
+        "RobertaForTokenClassification",
+        "RobertaForQuestionAnswering",
+    ],
+)
+def test_converted_roberta_gives_the_stock_outputs(class_name, tmp_path):
+    """RoBERTa numbers tokens from padding_idx + 1: the PosEnc table keeps the rows from there on. Its classification
+    head is BERT's pooler + classifier, its LM head BERT's prediction head."""
+    config = transformers.RobertaConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=42, pad_token_id=1, num_labels=2 if "Question" in class_name else 3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    getattr(transformers, class_name)(config).save_pretrained(tmp_path)
+    stock = getattr(transformers, class_name).from_pretrained(tmp_path).eval()
+    converted = hf_posenc.convert(tmp_path)  # a folder, loaded with the class its config names
+    assert converted.config.max_position_embeddings == 40
+    assert converted.config.position_encoding["max_positions"] == 40
+    ids = random_ids(2, 9)
+    ids[1, 6:] = 1  # right padding
+    mask = (ids != 1).long()
+    with torch.no_grad():
+        expected, actual = stock(ids, attention_mask=mask), converted(ids, attention_mask=mask)
+    for name in expected.keys():
+        theirs, ours = expected[name], actual[name]
+        if theirs.shape[:2] == mask.shape:  # per-token outputs: only real tokens have RoBERTa's positions
+            theirs, ours = theirs[mask.bool()], ours[mask.bool()]
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
