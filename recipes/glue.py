@@ -344,6 +344,8 @@ def train_one_seed(
 ) -> dict:
     """Fine-tune with one seed; evaluate every epoch, save the best epoch, predict the test splits with it."""
     task = GLUE_TASKS[args.task_name]
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
     set_seed(seed)
     model = load_model(args, args.task_name, tokenizer)
     scheme = describe_scheme(model)

@@ -163,6 +163,9 @@ def test_sst2_loss_falls_best_checkpoint_reloads_and_test_predictions_are_writte
         expected = model(**inputs).logits.argmax(-1).tolist()
     assert [int(row["prediction"]) for row in submission] == expected
 
+    evaluated = glue.main(sst2_args(tmp_path, tmp_path / "evaluated", "--num_train_epochs", "0"))["runs"][0]["best"]
+    assert evaluated == {"epoch": 0, "step": 0, "validation_accuracy": run["best"]["validation_accuracy"]}
+
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["mean"] == {"validation_accuracy": run["best"]["validation_accuracy"]} and saved["std"] == {
         "validation_accuracy": None
