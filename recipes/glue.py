@@ -4,16 +4,17 @@
     accelerate launch recipes/glue.py --model_name_or_path my-t5-bert --task_name mnli --seeds 1 2 3 ...
     python recipes/glue.py --model_name_or_path bert-base-uncased --position_encoding rope --task_name rte ...
     python recipes/glue.py --task_name sst2 --train_file train.tsv --validation_file dev.tsv --test_file test.tsv ...
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 recipes/glue.py ...       # several CPU processes (gloo)
 
 Data: ``nyu-mll/glue`` from the Hub, or local CSV / TSV / JSON files with GLUE's column names (``sentence``,
 ``sentence1``/``sentence2``, ``question``/``sentence``, ``premise``/``hypothesis``, ... and ``label``, as integers or
 the task's label names; test files need no label, and an ``idx`` column numbers their predictions). The model is
 evaluated after every epoch with the task's GLUE metrics (``recipes/metrics/glue``, a local ``evaluate`` module); the
 best epoch is saved (``save_pretrained`` with the tokenizer) and predicts the test split into GLUE's submission file
-(``SST-2.tsv``, ``MNLI-m.tsv``, ...). ``--seeds`` repeats the run per seed and reports mean and standard deviation.
-Flags follow Transformers' ``run_glue_no_trainer.py``. ``--position_encoding`` / ``--attention_normalizer`` convert a
-stock checkpoint with ``hf_posenc.convert`` (the other weights kept) before fine-tuning; ``--retrofit`` comes with
-``hf_posenc.retrofit``.
+(``SST-2.tsv``, ``MNLI-m.tsv``, ...); ``--num_train_epochs 0`` evaluates the checkpoint as it is. ``--seeds`` repeats
+the run per seed and reports mean and standard deviation. Flags follow Transformers' ``run_glue_no_trainer.py``.
+``--position_encoding`` / ``--attention_normalizer`` convert a stock checkpoint with ``hf_posenc.convert`` (the other
+weights kept) before fine-tuning; ``--retrofit`` comes with ``hf_posenc.retrofit``.
 """
 
 from __future__ import annotations
