@@ -122,7 +122,7 @@ class Glue(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
         if self.config_name not in TASK_METRICS:
             raise KeyError(f"unknown GLUE config {self.config_name!r}; valid: {sorted(TASK_METRICS)}")
-        value_type = "float32" if self.config_name == "stsb" else "int64"
+        value_type = "float64" if self.config_name == "stsb" else "int64"
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation=_CITATION,
