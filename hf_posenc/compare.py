@@ -123,7 +123,13 @@ def compare_table(rows: list[dict[str, Any]], factors: tuple[int, ...], with_pro
         cells += [format_cell(row["probe"])] if with_probe else []
         cells += [f"{row['num_parameters']:,}", f"{row['tokens_per_second']:,.0f}", f"{row['train_seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    notes = []
+    for row in rows:
+        reasons = {f: row["extrapolation"][f"{f}x"] for f in factors if isinstance(row["extrapolation"][f"{f}x"], str)}
+        if reasons:
+            where = ", ".join(f"{f}x" for f in reasons)
+            notes.append(f"{row['scheme']} + {row['normalizer']}, n/a at {where}: {next(iter(reasons.values()))}.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path) -> None:
