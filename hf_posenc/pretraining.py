@@ -390,7 +390,10 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train one model; returns the final metrics (also written to ``output_dir/results.json``)."""
     args = parse_args(argv)
+    # torchrun on a machine without CUDA: run the processes as multi-CPU (gloo) rather than as independent copies.
+    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     accelerator = Accelerator(
+        cpu=multi_cpu or None,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
@@ -418,11 +421,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else None
     )
     columns = packed.with_format("torch", columns=["input_ids"])
-    train_loader = torch.utils.data.DataLoader(columns["train"], args.per_device_train_batch_size, shuffle=True)
+    # A generator of its own: a DataLoader iterator draws its worker seed from it, not from the global RNG, so that
+    # restarting the iterator on resume leaves dropout's random stream where the checkpoint saved it.
+    train_loader = torch.utils.data.DataLoader(
+        columns["train"],
+        args.per_device_train_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     validation = columns["validation"]
     if args.max_eval_blocks is not None:
         validation = validation.select(range(min(args.max_eval_blocks, len(validation))))
-    eval_loader = torch.utils.data.DataLoader(validation, args.per_device_eval_batch_size)
+    eval_loader = torch.utils.data.DataLoader(
+        validation, args.per_device_eval_batch_size, generator=torch.Generator().manual_seed(args.seed)
+    )
     optimizer = torch.optim.AdamW(
         optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
     )

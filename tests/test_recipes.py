@@ -133,11 +133,10 @@ def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags,
 
 
 def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
-    """accelerate launch --num_processes 2 --cpu (gloo): each process takes half of every global batch."""
+    """torchrun --nproc_per_node 2 on CPU (gloo): each process takes half of every global batch."""
     flags = [*TINY, "--max_train_steps", "8", "--position_encoding", "t5", "--eval_steps", "8"]
     one = pretraining.main([*flags, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8"])
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [*launch, str(ROOT / "recipes" / "pretrain.py"), *flags, "--per_device_train_batch_size", "4"]
@@ -145,7 +144,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "results.json").read_text())
