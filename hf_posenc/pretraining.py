@@ -288,8 +288,7 @@ def load_text_datasets(args: argparse.Namespace) -> datasets.DatasetDict:
 
 
 def tokenize_and_pack(raw: datasets.DatasetDict, tokenizer, args, accelerator: Accelerator) -> datasets.DatasetDict:
-    """Tokenise every split and pack the concatenated tokens into blocks of ``block_size`` (the tail is dropped).
-    Tokens of the validation split are also kept whole under ``validation_stream`` for long-context evaluation."""
+    """Tokenise every split and pack the concatenated tokens into blocks of ``block_size`` (the tail is dropped)."""
 
     def tokenize(batch):
         return {"input_ids": tokenizer(batch[args.text_column_name], add_special_tokens=False)["input_ids"]}
@@ -317,13 +316,7 @@ def tokenize_and_pack(raw: datasets.DatasetDict, tokenizer, args, accelerator: A
         )
     if len(packed["train"]) == 0 or len(packed["validation"]) == 0:
         raise ValueError(f"The text is too short for one block of {args.block_size} tokens in train and validation.")
-    packed["validation_stream"] = tokenized["validation"]
     return packed
-
-
-def token_stream(tokenized: datasets.Dataset) -> torch.Tensor:
-    """All tokens of a tokenised split, in order, as one 1-D tensor."""
-    return torch.tensor([token for row in tokenized["input_ids"] for token in row], dtype=torch.long)
 
 
 def batch_generator(seed: int, *indices: int) -> torch.Generator:
