@@ -28,13 +28,13 @@ from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 import hf_posenc
+from hf_posenc.pretraining import embedded_corpus_file
 
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-DEFAULT_CORPUS = Path(__file__).parent / "data" / "emma_chapters_1_4.txt"
 # The stock scheme (the baseline), then the schemes; the content-position ones once they are registered.
 DEFAULT_SCHEMES = ["learned"] + [
     scheme for scheme in ("rope", "alibi", "t5", "shaw", "deberta") if scheme in hf_posenc.list_position_encodings()
@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=default_model(), help="folder or Hub id (default: the offline MiniLM)")
     parser.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES)
     parser.add_argument("--normalizers", nargs="+", default=["softmax"])
-    parser.add_argument("--train_file", "--train-file", type=Path, default=DEFAULT_CORPUS, help="plain text")
+    parser.add_argument(
+        "--train_file", "--train-file", type=Path, default=None, help="plain text (default: the embedded Emma)"
+    )
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50, help="MLM steps after the patch")
@@ -74,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for normalizer in args.normalizers:
         if normalizer not in hf_posenc.list_attention_normalizers():
             parser.error(f"unknown normalizer {normalizer!r}; valid: {sorted(hf_posenc.list_attention_normalizers())}")
+    if args.train_file is None:
+        args.train_file = embedded_corpus_file()
     if not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
     return args
