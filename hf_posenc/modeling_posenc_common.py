@@ -179,6 +179,11 @@ class PosEncPreTrainedMixin:
 
     family_auto_map: dict[str, str] = {}
 
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PositionEncoding):  # after its submodules, so a scheme may override their defaults
+            module.init_parameters(self.config.initializer_range)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)
         return super().save_pretrained(save_directory, *args, **kwargs)

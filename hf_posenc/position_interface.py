@@ -7,9 +7,9 @@ A scheme is a :class:`PositionEncoding` held by the base model. Each forward the
 * ``prepare(query_positions, key_positions, backend)``: once per forward, the tensors every layer shares (rotary
   cos/sin, a bias table), as a dict; a position-only score term returned as ``"score_bias"`` is folded into the mask
   once (eager, SDPA), and rebuilt per layer as a FlexAttention ``score_mod`` from the same dict by ``score_mod``;
-* in every attention layer: ``transform_qkv`` (before the KV cache), then the layer's own
-  :class:`LayerPositionTerm` (from ``layer_term``), which may add a content-dependent term to the scores and a term
-  computed from the attention weights to the output.
+* in every attention layer: ``transform_qkv`` (before the KV cache), ``transform_cached_kv`` (after it, on every key
+  and value attended to), then the layer's own :class:`LayerPositionTerm` (from ``layer_term``), which may add a
+  content-dependent term to the scores and a term computed from the attention weights to the output.
 
 Everything a layer reads per forward travels in one dict of tensors (:data:`AttentionInputs`), which the layers
 receive flattened into positional tensor arguments, so reentrant activation checkpointing, ``torch.compile`` and
@@ -209,24 +209,41 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         """q/k/v side, on ``(batch, heads, seq, head_dim)`` tensors of the current tokens, before the KV cache."""
         return query, key, value
 
+    def transform_cached_kv(
+        self, key: torch.Tensor, value: torch.Tensor, tables: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v side after the KV cache, on every ``(batch, heads, kv_len, head_dim)`` key and value attended to
+        (cached ones included, at ``key_positions``): for a transform of a key that depends on the whole forward
+        (dynamic NTK RoPE), which a key stored already transformed would miss."""
+        return key, value
+
+    def init_parameters(self, initializer_range: float) -> None:
+        """Initialise the scheme's parameters where the reference implementation does not use Transformers'
+        defaults (called by the model's ``_init_weights`` after its own init of the submodules; use
+        ``transformers.initialization`` functions, which leave loaded weights alone)."""
+
 
 class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.
 
-    Subclasses define ``bias_table(device)`` (what the formula reads: a parameter, or fixed values computed in float32
-    each forward so that casting the model never rounds them) and ``position_bias(query_position, key_position,
-    head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
+    Subclasses define ``bias_table(device)`` (what the formula reads, computed once per forward: a parameter, fixed
+    values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and
+    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
     kv_len)`` bias once per forward (eager, SDPA) and runs inside the FlexAttention ``score_mod``, so every backend
     evaluates one formula.
     """
 
     relative = True
 
-    def bias_table(self, device: torch.device) -> torch.Tensor:
+    def bias_table(self, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def position_bias(
-        self, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor, table: torch.Tensor
+        self,
+        query_position: torch.Tensor,
+        key_position: torch.Tensor,
+        head: torch.Tensor,
+        table: torch.Tensor | dict[str, torch.Tensor],
     ) -> torch.Tensor:
         raise NotImplementedError
 
