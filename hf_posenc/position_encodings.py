@@ -13,5 +13,6 @@ from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias
 
 
 POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
-    scheme.name: scheme for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE)
+    scheme.name: scheme
+    for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE)
 }

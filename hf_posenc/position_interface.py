@@ -228,9 +228,9 @@ class RelativeScoreBias(PositionEncoding):
 
     Subclasses define ``bias_table(device)`` (what the formula reads, computed once per forward: a parameter, fixed
     values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and
-    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
-    kv_len)`` bias once per forward (eager, SDPA) and runs inside the FlexAttention ``score_mod``, so every backend
-    evaluates one formula.
+    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function
+    builds the dense ``(batch, heads, q_len, kv_len)`` bias once per forward (eager, SDPA) and runs inside the
+    FlexAttention ``score_mod``, so every backend evaluates one formula.
     """
 
     relative = True
