@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from .absolute_encodings import LearnedAbsolute, NoPosition, SinusoidalAbsolute
 from .position_interface import PositionEncoding
-from .rotary_encodings import RoPE
+from .rotary_encodings import RoPE, XPos
 from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias
 
 
 POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
     scheme.name: scheme
-    for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE)
+    for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE, XPos)
 }
