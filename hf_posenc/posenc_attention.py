@@ -1,9 +1,8 @@
 """The one attention composition both model families use.
 
 ``positional_attention`` takes projected q, k, v and composes, in order: the scheme's q/k/v transform, the KV cache,
-the scheme's transform of every cached key and value, the scores with the scheme's position terms (the shared bias
-folded into the mask, the layer's content term), the normalizer, the values and the layer's value term.
-``choose_backend`` picks what runs it:
+the scores with the scheme's position terms (the shared bias folded into the mask, the layer's content term), the
+normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
 * ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
@@ -231,7 +230,6 @@ def positional_attention(
     query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, layer_idx)
-    key, value = encoding.transform_cached_kv(key, value, tables)
     weights = None
     backend = attention_inputs["backend"]
     if backend == "flex_attention":

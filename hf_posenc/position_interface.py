@@ -7,9 +7,9 @@ A scheme is a :class:`PositionEncoding` held by the base model. Each forward the
 * ``prepare(query_positions, key_positions, backend)``: once per forward, the tensors every layer shares (rotary
   cos/sin, a bias table), as a dict; a position-only score term returned as ``"score_bias"`` is folded into the mask
   once (eager, SDPA), and rebuilt per layer as a FlexAttention ``score_mod`` from the same dict by ``score_mod``;
-* in every attention layer: ``transform_qkv`` (before the KV cache), ``transform_cached_kv`` (after it, on every key
-  and value attended to), then the layer's own :class:`LayerPositionTerm` (from ``layer_term``), which may add a
-  content-dependent term to the scores and a term computed from the attention weights to the output.
+* in every attention layer: ``transform_qkv`` (before the KV cache), then the layer's own
+  :class:`LayerPositionTerm` (from ``layer_term``), which may add a content-dependent term to the scores and a term
+  computed from the attention weights to the output.
 
 Everything a layer reads per forward travels in one dict of tensors (:data:`AttentionInputs`), which the layers
 receive flattened into positional tensor arguments, so reentrant activation checkpointing, ``torch.compile`` and
@@ -208,14 +208,6 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q/k/v side, on ``(batch, heads, seq, head_dim)`` tensors of the current tokens, before the KV cache."""
         return query, key, value
-
-    def transform_cached_kv(
-        self, key: torch.Tensor, value: torch.Tensor, tables: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k/v side after the KV cache, on every ``(batch, heads, kv_len, head_dim)`` key and value attended to
-        (cached ones included, at ``key_positions``): for a transform of a key that depends on the whole forward
-        (dynamic NTK RoPE), which a key stored already transformed would miss."""
-        return key, value
 
     def init_parameters(self, initializer_range: float) -> None:
         """Initialise the scheme's parameters where the reference implementation does not use Transformers'

@@ -154,10 +154,11 @@ class RoPE(PositionEncoding):
     * ``linear`` (position interpolation, Chen et al. 2023): ``theta^(-2i/d) / factor``;
     * ``ntk`` (NTK-aware, bloc97 2023): the base ``theta * factor^(d/(d-2))``;
     * ``dynamic`` (dynamic NTK, emozilla 2023): the base ``theta * (factor L / L0 - (factor - 1))^(d/(d-2))`` with
-      ``L0 = original_max_positions`` and ``L = max(L0, 1 + the largest key position of the row in this forward)``,
-      cached keys included (padding keys count too). It changes with ``L``, so keys (and values) are stored in the
-      KV cache unrotated and rotated after it (``transform_cached_kv``) at every forward: cached generation then
-      equals a forward over the whole sequence;
+      ``L0 = original_max_positions`` and, for each token, ``L = max(L0, its position + 1)``: a token is rotated
+      with the base of the length it ends (Transformers' cached generation does the same for keys, one step at a
+      time). A length shared by the forward (the largest position + 1) would make cache = no cache fail: the cached
+      keys and, through them, every later layer's states of earlier tokens were computed with a shorter length.
+      Below ``L0`` it is plain RoPE; beyond, scores are no longer a function of ``i - j`` alone;
     * ``yarn`` (Peng et al. 2023): per-dimension ramp between the original and interpolated frequencies, and q, k
       multiplied by the attention factor (:func:`yarn_attention_factor`);
     * ``llama3`` (Llama 3.1): wavelength-banded interpolation.
@@ -191,7 +192,6 @@ class RoPE(PositionEncoding):
                 f"{self.rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
             )
         self.scaling = spec["scaling"]
-        self.dynamic = self.scaling is not None and self.scaling["type"] == "dynamic"
         self.attention_factor = 1.0
         if self.scaling is not None and self.scaling["type"] == "yarn":
             self.attention_factor = yarn_attention_factor(self.scaling)
@@ -200,36 +200,35 @@ class RoPE(PositionEncoding):
     def original_max_positions(self) -> int:
         return self.scaling.get("original_max_positions") or self.dims.max_positions
 
-    def inverse_frequencies(self, key_positions: torch.Tensor) -> torch.Tensor:
-        """``(batch|1, d/2)`` float64 inverse frequencies of this forward (they depend on it only for ``dynamic``)."""
+    def inverse_frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+        """Float64 inverse frequencies, ``(1, 1, d/2)``, or ``(batch|1, seq, d/2)`` for ``dynamic``, whose base
+        depends on each token's position (``positions`` ``(batch|1, seq)``)."""
         theta, dim = self.spec["theta"], self.rotary_dim
         kind = None if self.scaling is None else self.scaling["type"]
-        device = key_positions.device
+        device = positions.device
         if kind is None:
-            return rotary_inverse_frequencies(dim, theta).to(device)[None]
+            return rotary_inverse_frequencies(dim, theta).to(device)[None, None]
         factor = self.scaling["factor"]
         if kind == "linear":
-            return (rotary_inverse_frequencies(dim, theta) / factor).to(device)[None]
+            return (rotary_inverse_frequencies(dim, theta) / factor).to(device)[None, None]
         if kind == "ntk":
-            return rotary_inverse_frequencies(dim, theta * factor ** (dim / (dim - 2))).to(device)[None]
+            return rotary_inverse_frequencies(dim, theta * factor ** (dim / (dim - 2))).to(device)[None, None]
         if kind == "yarn":
-            return yarn_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions).to(device)[None]
+            frequencies = yarn_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
+            return frequencies.to(device)[None, None]
         if kind == "llama3":
-            return llama3_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions).to(device)[None]
+            frequencies = llama3_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
+            return frequencies.to(device)[None, None]
         original = self.original_max_positions
-        length = (key_positions.amax(dim=-1, keepdim=True) + 1).clamp(min=original).double()
+        length = (positions[..., None] + 1).clamp(min=original).double()
         base = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
         return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
     def prepare(self, query_positions, key_positions, backend):
         # Frequencies in float64, angles in float32, for each forward: a model cast to bf16 keeps exact rotations.
-        inv_freq = self.inverse_frequencies(key_positions).float()[:, None, None, :]
-        angles = query_positions[:, None, :, None].float() * inv_freq
-        tables = {"cos": angles.cos(), "sin": angles.sin()}
-        if self.dynamic:
-            key_angles = key_positions[:, None, :, None].float() * inv_freq
-            tables.update(key_cos=key_angles.cos(), key_sin=key_angles.sin())
-        return tables
+        inv_freq = self.inverse_frequencies(query_positions).float()
+        angles = (query_positions[..., None].float() * inv_freq)[:, None]
+        return {"cos": angles.cos(), "sin": angles.sin()}
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         rotated = apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
@@ -238,21 +237,10 @@ class RoPE(PositionEncoding):
     def transform_qkv(self, query, key, value, tables):
         cos, sin = tables["cos"], tables["sin"]
         query = self.rotate(query, cos, sin, self.attention_factor)
-        if self.dynamic:  # keys and values are rotated after the cache, with this forward's frequencies
-            return query, key, value
         key = self.rotate(key, cos, sin, self.attention_factor)
         if self.spec["apply_to_value"]:
             value = self.rotate(value, cos, sin)
         return query, key, value
-
-    def transform_cached_kv(self, key, value, tables):
-        if not self.dynamic:
-            return key, value
-        cos, sin = tables["key_cos"], tables["key_sin"]
-        key = self.rotate(key, cos, sin)
-        if self.spec["apply_to_value"]:
-            value = self.rotate(value, cos, sin)
-        return key, value
 
 
 def xpos_decay_base(head_dim: int, gamma: float = 0.4) -> torch.Tensor:

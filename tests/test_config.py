@@ -16,7 +16,7 @@ CONFIG_CLASSES = [hf_posenc.PosEncBertConfig, hf_posenc.PosEncGPT2Config]
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
 def test_names_expand_to_full_dicts_with_defaults(config_class):
     config = config_class(position_encoding="t5", attention_normalizer="l2")
-    assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128}
+    assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": None}
     assert config.attention_normalizer == {"type": "l2"}
 
 
@@ -32,7 +32,13 @@ def test_config_json_stores_the_full_spec(config_class, tmp_path):
     config = config_class(position_encoding={"type": "rope", "theta": 500})
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["position_encoding"] == {"type": "rope", "theta": 500.0, "rotary_fraction": 1.0}
+    assert saved["position_encoding"] == {
+        "type": "rope",
+        "theta": 500.0,
+        "rotary_fraction": 1.0,
+        "apply_to_value": False,
+        "scaling": None,
+    }
     assert saved["model_type"] == config_class.model_type
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(reloaded) is config_class
@@ -51,7 +57,11 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("position_encoding", "rop", r"Unknown position_encoding 'rop'; valid choices: \['alibi', 'learned'"),
+        (
+            "position_encoding",
+            "rop",
+            r"Unknown position_encoding 'rop'; valid choices: \['alibi', 'fire', 'kerple', 'learned'",
+        ),
         ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['l2', 'softmax'\]"),
         ("position_encoding", {"type": "rope", "thta": 1.0}, r"Unknown option\(s\) \['thta'\].*'rotary_fraction'"),
         ("position_encoding", {"type": "alibi", "slope": 1}, r"Unknown option\(s\) \['slope'\].*none"),
