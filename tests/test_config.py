@@ -98,13 +98,15 @@ def test_unsupported_attn_implementation_is_refused():
 
 def test_listings_describe_every_scheme_with_options_and_defaults():
     encodings = hf_posenc.list_position_encodings()
-    assert set(encodings) == {"learned", "sinusoidal", "none", "rope", "t5", "alibi"}
+    assert set(encodings) == {"learned", "sinusoidal", "none", "rope", "t5", "alibi", "kerple", "fire", "xpos"}
     assert encodings["rope"]["options"]["theta"]["default"] == 10000.0
-    assert [name for name, entry in encodings.items() if entry["relative"]] == ["none", "rope", "t5", "alibi"]
+    relative = [name for name, entry in encodings.items() if entry["relative"]]
+    assert relative == ["none", "rope", "t5", "alibi", "kerple", "xpos"]  # fire: only below its threshold
     assert encodings["t5"]["backends"] == ["eager", "sdpa", "flex_attention"]
     assert encodings["t5"]["options"] == {
         "num_buckets": {"default": 32, "doc": "number of buckets"},
         "max_distance": {"default": 128, "doc": "distance of the last bucket"},
+        "table_scale": {"default": None, "doc": "bias = table_scale * table (None: sqrt(head_dim))"},
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
@@ -123,7 +125,13 @@ def test_a_field_reassigned_after_construction_is_resolved_when_the_model_is_bui
     config.position_encoding = "rope"
     config.attention_normalizer = {"type": "l2"}
     model = transformers.AutoModel.from_config(config)
-    assert model.config.position_encoding == {"type": "rope", "theta": 10000.0, "rotary_fraction": 1.0}
+    assert model.config.position_encoding == {
+        "type": "rope",
+        "theta": 10000.0,
+        "rotary_fraction": 1.0,
+        "apply_to_value": False,
+        "scaling": None,
+    }
     config.position_encoding = "rotary"
     with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'"):
         transformers.AutoModel.from_config(config)
