@@ -52,8 +52,8 @@ class T5Bias(RelativeScoreBias):
     moves its bias by ``lr`` per step, far slower than the attention logits it competes with; read through ``s`` it
     moves ``s`` times faster (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps). The
     initial bias keeps T5's small values: the table starts at ``N(0, initializer_range / s)``; buckets that training
-    never reaches (distances beyond the training length) keep that near-zero bias. A T5 checkpoint's table (bias values) converts as
-    ``weight / s``; ``table_scale=1.0`` reads it unchanged (and learns at T5's own pace).
+    never reaches (distances beyond the training length) keep that near-zero bias. A T5 checkpoint's table (bias
+    values) converts as ``weight / s``; ``table_scale=1.0`` reads it unchanged (and learns at T5's own pace).
     """
 
     name = "t5"
