@@ -36,6 +36,7 @@ from .modeling_posenc_gpt2 import (
 )
 from .position_encodings import POSITION_ENCODINGS
 from .position_extension import extend_positions
+from .retrofit import retrofit
 
 
 __version__ = "0.1.0"
@@ -80,6 +81,7 @@ __all__ = [
     "PosEncGPT2PreTrainedModel",
     "convert",
     "extend_positions",
+    "retrofit",
     "list_position_encodings",
     "list_attention_normalizers",
 ]

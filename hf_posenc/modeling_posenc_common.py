@@ -18,7 +18,9 @@ from .position_interface import AttentionDims, AttentionInputs, LayerPositionTer
 
 
 def attention_dims(config, causal: bool) -> AttentionDims:
-    if config.hidden_size % config.num_attention_heads != 0:
+    """Sizes from a config; ``head_dim`` is ``hidden_size / num_attention_heads`` unless the config sets it (Llama)."""
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and config.hidden_size % config.num_attention_heads != 0:
         raise ValueError(
             f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
             f"({config.num_attention_heads})."
@@ -26,7 +28,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
     return AttentionDims(
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
+        head_dim=head_dim or config.hidden_size // config.num_attention_heads,
         max_positions=config.max_position_embeddings,
         causal=causal,
         num_layers=config.num_hidden_layers,

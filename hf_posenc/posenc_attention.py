@@ -220,7 +220,8 @@ def positional_attention(
     past_key_values=None,
     layer_idx: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in.
+    """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
+    may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
 
     ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
@@ -230,6 +231,9 @@ def positional_attention(
     query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, layer_idx)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: key/value head h serves query heads h*g .. h*g+g-1
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     weights = None
     backend = attention_inputs["backend"]
     if backend == "flex_attention":
