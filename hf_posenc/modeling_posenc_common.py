@@ -186,7 +186,7 @@ class PosEncPreTrainedMixin:
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, (PositionEncoding, LayerPositionTerm)):
+        if isinstance(module, (PositionEncoding, LayerPositionTerm)):  # after its submodules' default init
             module.init_weights(self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
