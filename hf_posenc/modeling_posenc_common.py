@@ -30,6 +30,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         max_positions=config.max_position_embeddings,
         causal=causal,
         num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -173,11 +174,17 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
 
 
 class PosEncPreTrainedMixin:
-    """Shared by both families' ``PreTrainedModel``: full ``auto_map`` on save (the modeling files are copied
-    beside the weights by ``save_pretrained``), and switching ``attn_implementation`` at any time (the backend is
-    chosen at every forward)."""
+    """Shared by both families' ``PreTrainedModel``: the scheme's own initialisation
+    (``PositionEncoding.init_weights``, after Transformers' default one of its submodules), full ``auto_map`` on save
+    (the modeling files are copied beside the weights by ``save_pretrained``), and switching ``attn_implementation``
+    at any time (the backend is chosen at every forward)."""
 
     family_auto_map: dict[str, str] = {}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PositionEncoding):
+            module.init_weights(self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)
