@@ -5,6 +5,8 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -312,6 +314,13 @@ class ConvAbsolute(PositionEncoding):
         return inputs.inputs_embeds + self.convolve(window)
 
 
+def fresh_float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in float32 in newly allocated memory. The sequential schemes multiply matrices by single vectors,
+    and CPU matrix-vector kernels round differently with the data's alignment: a loaded (memory-mapped) weight would
+    give other last bits than the one saved, breaking the exact save/load round trip."""
+    return weight.float().clone()
+
+
 class GeneratedTable(PositionEncoding):
     """Base of the schemes whose table is generated in sequence (a recurrence, an ODE) rather than stored: each
     forward generates rows ``0 .. L - 1`` once, ``L`` the largest position id + 1, and adds ``table[position]``.
@@ -387,7 +396,7 @@ class RecurrentAbsolute(GeneratedTable):
         return torch.lerp(torch.tanh(torch.sigmoid(reset) * candidate), p, torch.sigmoid(update))
 
     def generate_table(self, length: int) -> torch.Tensor:
-        weight, bias = self.transition.weight.float(), self.transition.bias.float()
+        weight, bias = fresh_float32(self.transition.weight), self.transition.bias.float()
         rows = [self.initial.float()]
         for _ in range(length - 1):
             rows.append(self.step(rows[-1], weight, bias))
@@ -429,10 +438,12 @@ class Floater(GeneratedTable):
     caches it in eval). The paper also injects ``p`` in every layer; here it enters at the input only.
 
     ``dynamics="linear"``: ``h(p, t) = A p``. ``dynamics="mlp"``: ``h(p, t) = A p + W_2 tanh(W_1 [p; t] + b_1) + b_2``
-    (``width`` hidden units). Initialised so that FLOATER starts as the sinusoidal table, its special solution:
-    ``p(0) = PE(0)`` (``[0, 1, 0, 1, ...]``), ``A`` the rotation generator of :func:`sinusoidal_generator`
-    (base 10000), ``W_2 = 0`` and ``b_2 = 0``; ``W_1`` ``N(0, initializer_range)``. Parameters: ``initial``
-    ``(hidden,)``, ``generator`` ``(hidden, hidden)``, and for ``mlp`` ``inner`` / ``outer`` (``W_1``, ``W_2``).
+    (``width`` hidden units). ``A = G - G^T`` is skew-symmetric, a rotation generator: the linear part keeps
+    ``|p|``, so no long input makes the solution blow up, and the sinusoidal table remains a solution. Initialised
+    so that FLOATER starts as that special solution: ``p(0) = PE(0)`` (``[0, 1, 0, 1, ...]``), ``G`` the upper half
+    of :func:`sinusoidal_generator` (base 10000), ``W_2 = 0`` and ``b_2 = 0``; ``W_1`` ``N(0, initializer_range)``.
+    Parameters: ``initial`` ``(hidden,)``, ``generator`` ``G`` ``(hidden, hidden)``, and for ``mlp`` ``inner`` /
+    ``outer`` (``W_1``, ``W_2``).
     Needs an even ``hidden_size`` and the torchdiffeq package (imported only when the table is solved).
     """
 
@@ -469,19 +480,26 @@ class Floater(GeneratedTable):
     def init_weights(self, std: float) -> None:
         hidden = self.dims.hidden_size
         init.copy_(self.initial, sinusoidal_table(torch.zeros(1, 1, dtype=torch.long), hidden, 10000.0)[0, 0])
-        init.copy_(self.generator, sinusoidal_generator(hidden, 10000.0))
+        init.copy_(self.generator, sinusoidal_generator(hidden, 10000.0).triu())
         if self.spec["dynamics"] == "mlp":
             init.zeros_(self.outer.weight)
             init.zeros_(self.outer.bias)
 
-    def dynamics(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """``h(p, t)``; ``t`` a scalar tensor, ``p`` ``(hidden,)`` in float32."""
-        rate = self.generator.float() @ p
-        if self.spec["dynamics"] == "mlp":
-            features = torch.cat((p, t.reshape(1).to(p.dtype)))
-            hidden = torch.tanh(F.linear(features, self.inner.weight.float(), self.inner.bias.float()))
-            rate = rate + F.linear(hidden, self.outer.weight.float(), self.outer.bias.float())
-        return rate
+    def dynamics(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``h(t, p)`` for torchdiffeq (``t`` a scalar tensor, ``p`` ``(hidden,)``), in float32, its weights prepared
+        once per solve."""
+        generator = self.generator.float()
+        rotation = generator - generator.T
+        if self.spec["dynamics"] == "linear":
+            return lambda t, p: rotation @ p
+        inner_weight, inner_bias = fresh_float32(self.inner.weight), self.inner.bias.float()
+        outer_weight, outer_bias = fresh_float32(self.outer.weight), self.outer.bias.float()
+
+        def mlp_dynamics(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            hidden = torch.tanh(F.linear(torch.cat((p, t.reshape(1))), inner_weight, inner_bias))
+            return rotation @ p + F.linear(hidden, outer_weight, outer_bias)
+
+        return mlp_dynamics
 
     def generate_table(self, length: int) -> torch.Tensor:
         odeint = import_odeint()
@@ -489,7 +507,7 @@ class Floater(GeneratedTable):
         if length == 1:
             return initial[None]
         times = torch.arange(length, dtype=torch.float32, device=initial.device)
-        method = self.spec["method"]
+        method, dynamics = self.spec["method"], self.dynamics()
         if method in FLOATER_FIXED_STEP_METHODS:
-            return odeint(self.dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
-        return odeint(self.dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
+            return odeint(dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
+        return odeint(dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
