@@ -3,9 +3,17 @@
 For each family (BERT, GPT-2) and sequence length it times, as a ratio to the stock model on sdpa:
 
 * the stock model on sdpa and eager, and ``hf_posenc.convert(stock)`` (learned + softmax, same weights) on sdpa;
-* every position encoding with softmax on sdpa and eager (and on flex_attention with ``--flex``);
-* the l2 normalizer on eager;
-* one training step (forward + backward, no optimizer) of PosEnc learned vs stock, both sdpa.
+* every position encoding (``--schemes``, default: every registered one) with softmax on sdpa and eager (and on
+  flex_attention with ``--flex``), and one training step (forward + backward, no optimizer) of each on sdpa;
+* every other attention normalizer (``--normalizers``) with ``learned``, forward and training step, on the backend
+  it runs on;
+* one training step of the stock model, both sdpa.
+
+Besides ``ratio_vs_stock``, each row gives ``ratio_vs_none`` (the ``none`` scheme, same backend and mode, same run)
+and, for normalizers, ``ratio_vs_softmax_eager`` and ``ratio_vs_softmax_sdpa`` (``learned`` + softmax, same mode).
+``--memory-seq-len 2048`` adds peak training memory per scheme and normalizer at that length, batch 1, each measured
+in a fresh process (CUDA: peak allocated; CPU: the resident set's highest growth during one training step, sampled),
+with its ratio to ``none``.
 
 Every model of a family shares the stock weights and sees the same seeded input ids. Timings are medians over
 ``--repeats`` calls after ``--warmup`` calls (the first one compiles FlexAttention), run round-robin across the
@@ -14,6 +22,7 @@ peak counter), so on CPU the table shows latency only.
 
     python benchmarks/bench_attention.py                          # CPU defaults: about 2 minutes on 2 idle cores
     python benchmarks/bench_attention.py --flex --json bench.json
+    python benchmarks/bench_attention.py --families bert --seq-lens 512 --schemes none t5 alibi --memory-seq-len 2048
     python benchmarks/bench_attention.py --device cuda --batch 32 --seq-lens 512 1024 2048
 """
 
@@ -24,6 +33,9 @@ import copy
 import json
 import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,7 +46,8 @@ import transformers
 import hf_posenc
 
 
-SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
+SCHEMES = list(hf_posenc.list_position_encodings())
+NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
 
 
@@ -54,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=SCHEMES, help="`none` is always added")
+    parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
+    parser.add_argument("--memory-seq-len", type=int, default=None, help="also measure peak training memory")
+    parser.add_argument("--memory-child", nargs=3, metavar=("FAMILY", "SCHEME", "NORMALIZER"), help=argparse.SUPPRESS)
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -66,12 +83,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--flex", action="store_true", help="also time flex_attention (compiles on first call)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="save settings and results as JSON")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.schemes = ["none"] + [scheme for scheme in args.schemes if scheme != "none"]
+    return args
+
+
+def supports(family: str, scheme: str) -> bool:
+    return ("encoder" if family == "bert" else "decoder") in hf_posenc.list_position_encodings()[scheme]["families"]
 
 
 def stock_model(family: str, args: argparse.Namespace) -> transformers.PreTrainedModel:
     """A randomly initialised stock BertModel / GPT2Model on sdpa, dropout off so train and eval do the same work."""
-    max_len = max(args.seq_lens)
+    max_len = max(args.seq_lens + [args.memory_seq_len or 0])
     if family == "bert":
         config = transformers.BertConfig(
             vocab_size=args.vocab,
@@ -117,17 +140,30 @@ def build_cases(family: str, args: argparse.Namespace) -> list[Case]:
     for backend in backends:
         if backend != "flex_attention" or type(stock)._supports_flex_attn:  # stock GPT-2 has no flex support
             cases.append(Case(family, "stock", "softmax", backend, "forward", on_backend(stock, backend)))
-    for scheme in SCHEMES:
+    for scheme in [s for s in args.schemes if supports(family, s)]:
         converted = hf_posenc.convert(stock, position_encoding=scheme)
         for backend in backends:
             cases.append(Case(family, scheme, "softmax", backend, "forward", on_backend(converted, backend)))
-    l2 = on_backend(hf_posenc.convert(stock, attention_normalizer="l2"), "eager")
-    cases.append(Case(family, "learned", "l2", "eager", "forward", l2))
+        cases.append(Case(family, scheme, "softmax", "sdpa", "train", copy.deepcopy(converted)))
+    for normalizer in args.normalizers:
+        converted = hf_posenc.convert(stock, attention_normalizer=normalizer)
+        for mode in ("forward", "train"):
+            for backend in ("eager", "sdpa") if normalizer == "softmax" else (runs_on(converted),):
+                if normalizer != "softmax" or not (backend == "sdpa" and "learned" in args.schemes):
+                    model = on_backend(copy.deepcopy(converted), backend)
+                    cases.append(Case(family, "learned", normalizer, backend, mode, model))
     cases.append(Case(family, "stock", "softmax", "sdpa", "train", stock_model(family, args)))
-    cases.append(Case(family, "learned", "softmax", "sdpa", "train", hf_posenc.convert(stock_model(family, args))))
     for case in cases:
         case.model.train(case.mode == "train")
     return cases
+
+
+def runs_on(model: transformers.PreTrainedModel) -> str:
+    """The backend hf_posenc picks for this model when asked for sdpa (with gradients, as in training)."""
+    config = model.config
+    return hf_posenc.posenc_attention.choose_backend(
+        "sdpa", config.position_encoding, config.attention_normalizer, model.device
+    )
 
 
 def step_fn(case: Case, ids: torch.Tensor) -> Callable[[], None]:
@@ -189,23 +225,101 @@ def check_cases(cases: list[Case], ids: torch.Tensor) -> None:
 
 
 def rows_for(cases: list[Case], seq_len: int) -> list[dict]:
-    baseline = {c.mode: statistics.median(c.times) for c in cases if c.scheme == "stock" and c.backend == "sdpa"}
+    median = {(c.scheme, c.normalizer, c.backend, c.mode): statistics.median(c.times) for c in cases}
     rows = []
     for case in cases:
         ms = statistics.median(case.times)
         row = {k: v for k, v in asdict(case).items() if k not in ("model", "times")}
-        row.update(seq_len=seq_len, ms=ms, ratio_vs_stock=ms / baseline[case.mode], times_ms=case.times)
+
+        def ratio(scheme: str, normalizer: str, backend: str) -> float | None:
+            base = median.get((scheme, normalizer, backend, case.mode))  # noqa: B023 (used within the iteration)
+            return None if base is None else ms / base  # noqa: B023
+
+        row.update(seq_len=seq_len, ms=ms, times_ms=case.times)
+        row.update(ratio_vs_stock=ratio("stock", "softmax", "sdpa"))
+        row.update(ratio_vs_none=ratio("none", "softmax", case.backend))
+        if case.scheme == "learned":
+            row.update(
+                ratio_vs_softmax_eager=ratio("learned", "softmax", "eager"),
+                ratio_vs_softmax_sdpa=ratio("learned", "softmax", "sdpa"),
+            )
         rows.append(row)
     return rows
 
 
+def measure_peak_memory(family: str, scheme: str, normalizer: str, args: argparse.Namespace) -> float:
+    """Peak memory (MiB) of one training step at ``--memory-seq-len``, batch 1, in this (fresh) process."""
+    stock = stock_model(family, args)
+    model = hf_posenc.convert(stock, position_encoding=scheme, attention_normalizer=normalizer).train()
+    model.set_attn_implementation(runs_on(model))
+    ids = torch.randint(0, args.vocab, (1, args.memory_seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+    step = step_fn(Case(family, scheme, normalizer, "sdpa", "train", model), ids)
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+        base = torch.cuda.memory_allocated(args.device)
+        step()
+        return (torch.cuda.max_memory_allocated(args.device) - base) / 2**20
+    return sampled_peak_growth_mib(step)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def sampled_peak_growth_mib(fn: Callable[[], None]) -> float:
+    """Growth of the resident set over its value before ``fn``, at its highest while ``fn`` runs (sampled every
+    0.2 ms from another thread; torch releases the GIL in its kernels). The CPU allocator keeps no peak counter, and
+    the process's high-water mark (``ru_maxrss``) may predate ``fn``."""
+    before, peak, done = resident_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_bytes())
+            time.sleep(2e-4)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    fn()
+    done.set()
+    sampler.join()
+    return (max(peak[0], resident_bytes()) - before) / 2**20
+
+
+def memory_rows(args: argparse.Namespace) -> list[dict]:
+    """Peak training memory of every scheme (softmax) and normalizer (learned), each in a fresh process."""
+    rows = []
+    for family in args.families:
+        combos = [(s, "softmax") for s in args.schemes if supports(family, s)]
+        combos += [("learned", n) for n in args.normalizers if n != "softmax"]
+        for scheme, normalizer in combos:
+            command = [sys.executable, __file__, "--memory-child", family, scheme, normalizer]
+            command += ["--memory-seq-len", str(args.memory_seq_len), "--device", args.device, "--seq-lens", "1"]
+            command += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads)]
+            command += ["--vocab", str(args.vocab), "--seed", str(args.seed)]
+            peak = float(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
+            rows.append({"family": family, "scheme": scheme, "normalizer": normalizer, "peak_mib": peak})
+        base = next(r["peak_mib"] for r in rows if r["family"] == family and r["scheme"] == "none")
+        for row in rows:
+            if row["family"] == family:
+                row["ratio_vs_none"] = row["peak_mib"] / base if base > 0 else None
+    return rows
+
+
+def format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_table(rows: list[dict]) -> None:
-    columns = ["family", "scheme", "normalizer", "backend", "mode", "seq_len", "ms", "ratio_vs_stock", "peak_mib"]
+    columns = ["family", "scheme", "normalizer", "backend", "mode", "seq_len", "ms", "ratio_vs_stock", "ratio_vs_none"]
+    columns += ["ratio_vs_softmax_eager", "ratio_vs_softmax_sdpa", "peak_mib"]
     cells = [columns]
     for row in rows:
         peak = "-" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
         values = [row["family"], row["scheme"], row["normalizer"], row["backend"], row["mode"], str(row["seq_len"])]
-        cells.append(values + [f"{row['ms']:.2f}", f"{row['ratio_vs_stock']:.3f}", peak])
+        ratios = [row.get(key) for key in columns[7:11]]
+        cells.append(values + [f"{row['ms']:.2f}"] + [format_ratio(r) for r in ratios] + [peak])
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     for index, line in enumerate(cells):
         pairs = enumerate(zip(line, widths, strict=True))
@@ -218,6 +332,9 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     args = parse_args()
     transformers.logging.set_verbosity_error()  # no model-building log lines between the progress lines
+    if args.memory_child:
+        print(measure_peak_memory(*args.memory_child, args))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.flex:  # one compiled flex_attention serves every scheme and shape: past 8 variants dynamo would stop
@@ -244,10 +361,19 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs (other work on the machine skews CPU timings).\n"
     )
     print_table(rows)
+    memory = memory_rows(args) if args.memory_seq_len else []
+    if memory:
+        kind = "CUDA peak allocated" if device.type == "cuda" else "CPU peak resident-set growth"
+        print(f"\nPeak training memory, {args.memory_seq_len} tokens, batch 1 ({kind}, one process each):")
+        for row in memory:
+            print(
+                f"{row['family']:5} {row['scheme']:14} {row['normalizer']:9} {row['peak_mib']:9.1f} MiB  "
+                f"{format_ratio(row['ratio_vs_none'])}x none"
+            )
     if args.json:
         with open(args.json, "w") as handle:
             versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-            json.dump({"settings": vars(args), **versions, "results": rows}, handle, indent=2)
+            json.dump({"settings": vars(args), **versions, "results": rows, "memory": memory}, handle, indent=2)
 
 
 if __name__ == "__main__":
