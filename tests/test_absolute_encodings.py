@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cmath
 import math
+import subprocess
 import sys
 
 import pytest
@@ -390,3 +391,26 @@ def test_bad_options_of_the_new_schemes_are_named(spec, message):
 def test_table_length_defaults_are_written_into_the_config():
     config = hf_posenc.PosEncBertConfig(position_encoding="hierarchical", max_position_embeddings=64)
     assert config.position_encoding == {"type": "hierarchical", "max_positions": 64, "alpha": 0.4}
+
+
+@pytest.mark.parametrize("scheme", ["conv", "floater"])
+def test_remote_code_needs_torchdiffeq_only_for_floater(scheme, tmp_path):
+    """absolute_encodings.py is copied with every saved model: without torchdiffeq (and without hf_posenc) a saved
+    model of another scheme loads and runs, and a floater model loads and names the package when it runs."""
+    from test_remote_code import LOAD_WITHOUT_HF_POSENC
+
+    model = make_model("gpt2", scheme)
+    model.save_pretrained(tmp_path)
+    ids = random_ids(1, 5)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = 'import sys\nsys.modules["torchdiffeq"] = None\n' + LOAD_WITHOUT_HF_POSENC
+    command = [sys.executable, "-c", script, str(tmp_path), "AutoModelForCausalLM"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    if scheme == "floater":
+        assert result.returncode != 0
+        assert "pip install torchdiffeq" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "AutoModelForCausalLM.pt"), expected, atol=1e-5, rtol=1e-4)
