@@ -407,15 +407,13 @@ FLOATER_ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "adaptive_heun")
 FLOATER_FIXED_STEP_METHODS = ("rk4", "midpoint", "euler")
 
 
-def sinusoidal_generator(dim: int, base: float) -> torch.Tensor:
-    """The ``(dim, dim)`` matrix ``A`` with ``d/dt PE(t) = A PE(t)`` for the sin/cos table of
-    :func:`sinusoidal_table`: per pair ``(sin w_i t, cos w_i t)``, ``A[2i, 2i+1] = w_i`` and ``A[2i+1, 2i] = -w_i``."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    generator = torch.zeros(dim, dim)
-    index = torch.arange(0, dim, 2)
-    generator[index, index + 1] = inv_freq
-    generator[index + 1, index] = -inv_freq
-    return generator
+def rotate_pairs(p: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """``exp(Omega t) p`` for the pairs ``(x, y) = (p_2i, p_2i+1)``, ``angles = omega_i t``:
+    ``(x cos + y sin, -x sin + y cos)``, the flow of ``dx/dt = omega_i y``, ``dy/dt = -omega_i x``, which carries
+    ``(0, 1)`` to ``(sin omega_i t, cos omega_i t)``. ``p`` ``(..., 2 n)``, ``angles`` ``(..., n)``."""
+    x, y = p[..., 0::2], p[..., 1::2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack((x * cos + y * sin, y * cos - x * sin), dim=-1).flatten(-2)
 
 
 def import_odeint():
@@ -437,21 +435,28 @@ class Floater(GeneratedTable):
     (``L`` the largest position + 1) once per forward, gradients through the solver's steps (:class:`GeneratedTable`
     caches it in eval). The paper also injects ``p`` in every layer; here it enters at the input only.
 
-    ``dynamics="linear"``: ``h(p, t) = A p``. ``dynamics="mlp"``: ``h(p, t) = A p + W_2 tanh(W_1 [p; t] + b_1) + b_2``
-    (``width`` hidden units). ``A = G - G^T`` is skew-symmetric, a rotation generator: the linear part keeps
-    ``|p|``, so no long input makes the solution blow up, and the sinusoidal table remains a solution. Initialised
-    so that FLOATER starts as that special solution: ``p(0) = PE(0)`` (``[0, 1, 0, 1, ...]``), ``G`` the upper half
-    of :func:`sinusoidal_generator` (base 10000), ``W_2 = 0`` and ``b_2 = 0``; ``W_1`` ``N(0, initializer_range)``.
-    Parameters: ``initial`` ``(hidden,)``, ``generator`` ``G`` ``(hidden, hidden)``, and for ``mlp`` ``inner`` /
-    ``outer`` (``W_1``, ``W_2``).
-    Needs an even ``hidden_size`` and the torchdiffeq package (imported only when the table is solved).
+    ``h(p, t) = Omega p + g(p, t)``: ``Omega`` rotates each feature pair ``(p_2i, p_2i+1)`` at a learned frequency
+    ``omega_i`` (:func:`rotate_pairs`), so the sin/cos table is the solution with ``g = 0`` (its special solution,
+    kexue.fm/archives/8130); ``dynamics="mlp"``: ``g = W_2 tanh(W_1 [p; t] + b_1) + b_2`` (``width`` hidden units),
+    ``dynamics="linear"``: ``g = 0``. The solver runs in the frame that rotates with ``Omega`` (an integrating
+    factor): ``q = exp(-Omega t) p`` obeys ``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)``, and ``p(k) =
+    exp(Omega k) q(k)`` exactly, so its steps follow ``g`` alone rather than the fastest rotation (about one radian
+    per position: hundreds of steps over a long input). Initialised as that special solution: ``p(0) = PE(0)``
+    (``[0, 1, 0, 1, ...]``), ``omega_i = 10000^(-2i / hidden)``, ``W_2 = 0``, ``b_2 = 0``; ``W_1``
+    ``N(0, initializer_range)``. Parameters: ``initial`` ``(hidden,)``, ``frequencies`` ``(hidden / 2,)``, and for
+    ``mlp`` ``inner`` / ``outer`` (``W_1``, ``W_2``). Needs an even ``hidden_size`` and the torchdiffeq package
+    (imported only when the table is solved).
     """
 
     name = "floater"
     description = "FLOATER: dp/dt = h(p, t) solved at integer positions with torchdiffeq, added to the input"
     options = {
         "dynamics": Option(
-            "mlp", (str,), "h: 'mlp' (A p + MLP) or 'linear' (A p)", lambda v: v in ("mlp", "linear"), "mlp, linear"
+            "mlp",
+            (str,),
+            "h: 'mlp' (rotation + MLP) or 'linear' (rotation)",
+            lambda v: v in ("mlp", "linear"),
+            "mlp, linear",
         ),
         "width": Option(32, (int,), "hidden units of the MLP dynamics", lambda v: v >= 1, "an int >= 1"),
         "method": Option(
@@ -472,7 +477,7 @@ class Floater(GeneratedTable):
         if hidden % 2:
             raise ValueError(f"floater needs an even hidden_size (sin/cos pairs); got {hidden}.")
         self.initial = nn.Parameter(torch.empty(hidden))
-        self.generator = nn.Parameter(torch.empty(hidden, hidden))
+        self.frequencies = nn.Parameter(torch.empty(hidden // 2))
         if spec["dynamics"] == "mlp":
             self.inner = nn.Linear(hidden + 1, spec["width"])
             self.outer = nn.Linear(spec["width"], hidden)
@@ -480,34 +485,37 @@ class Floater(GeneratedTable):
     def init_weights(self, std: float) -> None:
         hidden = self.dims.hidden_size
         init.copy_(self.initial, sinusoidal_table(torch.zeros(1, 1, dtype=torch.long), hidden, 10000.0)[0, 0])
-        init.copy_(self.generator, sinusoidal_generator(hidden, 10000.0).triu())
+        init.copy_(self.frequencies, 10000.0 ** (-torch.arange(0, hidden, 2, dtype=torch.float32) / hidden))
         if self.spec["dynamics"] == "mlp":
             init.zeros_(self.outer.weight)
             init.zeros_(self.outer.bias)
 
-    def dynamics(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``h(t, p)`` for torchdiffeq (``t`` a scalar tensor, ``p`` ``(hidden,)``), in float32, its weights prepared
-        once per solve."""
-        generator = self.generator.float()
-        rotation = generator - generator.T
+    def rotating_frame_dynamics(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)`` for torchdiffeq (``t`` a scalar tensor, ``q``
+        ``(hidden,)``), in float32, its weights prepared once per solve."""
+        frequencies = self.frequencies.float()
         if self.spec["dynamics"] == "linear":
-            return lambda t, p: rotation @ p
+            return lambda t, q: torch.zeros_like(q)
         inner_weight, inner_bias = fresh_float32(self.inner.weight), self.inner.bias.float()
         outer_weight, outer_bias = fresh_float32(self.outer.weight), self.outer.bias.float()
 
-        def mlp_dynamics(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        def dynamics(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            angles = frequencies * t
+            p = rotate_pairs(q, angles)
             hidden = torch.tanh(F.linear(torch.cat((p, t.reshape(1))), inner_weight, inner_bias))
-            return rotation @ p + F.linear(hidden, outer_weight, outer_bias)
+            return rotate_pairs(F.linear(hidden, outer_weight, outer_bias), -angles)
 
-        return mlp_dynamics
+        return dynamics
 
     def generate_table(self, length: int) -> torch.Tensor:
         odeint = import_odeint()
         initial = self.initial.float()
-        if length == 1:
-            return initial[None]
         times = torch.arange(length, dtype=torch.float32, device=initial.device)
-        method, dynamics = self.spec["method"], self.dynamics()
-        if method in FLOATER_FIXED_STEP_METHODS:
-            return odeint(dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
-        return odeint(dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
+        method, dynamics = self.spec["method"], self.rotating_frame_dynamics()
+        if length == 1:
+            rotating = initial[None]
+        elif method in FLOATER_FIXED_STEP_METHODS:
+            rotating = odeint(dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
+        else:
+            rotating = odeint(dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
+        return rotate_pairs(rotating, self.frequencies.float() * times[:, None])

@@ -78,7 +78,7 @@ def make_model(family: str, position_encoding="learned", attention_normalizer="s
 
 # Matrices a recurrence or an ODE applies to the position vector again and again: N(0, 1) entries would make those
 # dynamics chaotic (no trained model is), amplifying any rounding past every tolerance; they get N(0, 1/fan_in).
-ITERATED_MATRICES = (".transition.weight", ".generator", ".inner.weight", ".outer.weight")
+ITERATED_MATRICES = (".transition.weight", ".inner.weight", ".outer.weight")
 
 
 def perturb_position_parameters(model: torch.nn.Module) -> None:

@@ -118,11 +118,11 @@ def test_recurrent_table_equals_a_python_loop_of_torch_cells(cell):
     torch.testing.assert_close(encoding.embed(EmbeddingInputs(x, positions)), x + expected[positions])
 
 
-def rotation_generator_by_hand(dim: int, base: float) -> torch.Tensor:
-    """G with G - G^T the generator of the sin/cos pairs: d/dt sin(w t) = w cos(w t), d/dt cos(w t) = -w sin(w t)."""
-    generator = torch.zeros(dim, dim)
-    for i in range(dim // 2):
-        generator[2 * i, 2 * i + 1] = base ** (-2 * i / dim)
+def rotation_generator_by_hand(frequencies: list[float]) -> torch.Tensor:
+    """Omega with d/dt (sin w t, cos w t) = (w cos w t, -w sin w t) on each feature pair."""
+    generator = torch.zeros(2 * len(frequencies), 2 * len(frequencies))
+    for i, omega in enumerate(frequencies):
+        generator[2 * i, 2 * i + 1], generator[2 * i + 1, 2 * i] = omega, -omega
     return generator
 
 
@@ -132,13 +132,33 @@ def test_sinusoidal_table_is_a_solution_of_floater_with_linear_dynamics(method):
     spec = {"type": "floater", "dynamics": "linear", "method": method, "rtol": 1e-7, "atol": 1e-9, "step_size": 0.05}
     encoding = scheme_module("bert", spec)
     with torch.no_grad():
-        encoding.generator.copy_(rotation_generator_by_hand(32, 10000.0))
+        encoding.frequencies.copy_(torch.tensor([10000 ** (-2 * i / 32) for i in range(16)]))
         encoding.initial.copy_(torch.tensor([0.0, 1.0] * 16))
     table = encoding.generate_table(30)
     expected = torch.tensor(
         [[f(k / 10000 ** (2 * (d // 2) / 32)) for d, f in enumerate([math.sin, math.cos] * 16)] for k in range(30)]
     )
-    torch.testing.assert_close(table, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(table, expected, atol=1e-5, rtol=0)
+
+
+def test_floater_equals_a_direct_solve_of_its_ode():
+    """The scheme solves in the rotating frame; solving dp/dt = Omega p + W_2 tanh(W_1 [p; t] + b_1) + b_2 as it
+    stands (torchdiffeq, tight tolerances) gives the same table."""
+    from torchdiffeq import odeint
+
+    spec = {"type": "floater", "rtol": 1e-7, "atol": 1e-9}
+    encoding = scheme_module("gpt2", spec)
+    with torch.no_grad():
+        encoding.outer.weight.mul_(0.3)
+    omega = rotation_generator_by_hand(encoding.frequencies.tolist())
+    inner, outer = encoding.inner, encoding.outer
+
+    def h(t, p):
+        return omega @ p + outer(torch.tanh(inner(torch.cat((p, t.reshape(1))))))
+
+    with torch.no_grad():
+        direct = odeint(h, encoding.initial.clone(), torch.arange(12.0), rtol=1e-9, atol=1e-10, method="dopri5")
+        torch.testing.assert_close(encoding.generate_table(12), direct, atol=1e-4, rtol=1e-4)
 
 
 def test_floater_starts_as_the_sinusoidal_table():
@@ -151,7 +171,7 @@ def test_floater_starts_as_the_sinusoidal_table():
 def test_floater_gradients_flow_through_the_solver():
     encoding = scheme_module("gpt2", "floater").train()
     encoding.generate_table(15).square().sum().backward()
-    for name in ("initial", "generator", "inner.weight", "outer.weight"):
+    for name in ("initial", "frequencies", "inner.weight", "outer.weight"):
         assert encoding.get_parameter(name).grad.abs().sum() > 0, name
 
 
