@@ -98,8 +98,9 @@ def scheme_module(family: str, spec, **overrides):
 
 
 @pytest.mark.parametrize("cell", ["gru", "tanh"])
-def test_recurrent_table_equals_a_python_loop_of_torch_cells(cell):
-    """p_(k+1) = f(p_k), f = torch's own GRUCell / RNNCell fed a zero input (their input weights do nothing)."""
+def test_recurrent_table_and_gradients_equal_a_python_loop_of_torch_cells(cell):
+    """p_(k+1) = f(p_k), f = torch's own GRUCell / RNNCell fed a zero input (their input weights do nothing);
+    the hand-written backward through time against autograd through that loop."""
     encoding = scheme_module("gpt2", {"type": "recurrent", "cell": cell})
     hidden = 32
     reference = torch.nn.GRUCell(1, hidden) if cell == "gru" else torch.nn.RNNCell(1, hidden, nonlinearity="tanh")
@@ -107,15 +108,23 @@ def test_recurrent_table_equals_a_python_loop_of_torch_cells(cell):
         reference.weight_hh.copy_(encoding.transition.weight)
         reference.bias_hh.copy_(encoding.transition.bias)
         reference.bias_ih.zero_()
-    p, rows = encoding.initial[None], [encoding.initial[None]]
+    initial = encoding.initial.detach().clone().requires_grad_()
+    p, rows = initial[None], [initial[None]]
     for _ in range(11):
         p = reference(torch.zeros(1, 1), p)
         rows.append(p)
     expected = torch.cat(rows)
     x = torch.randn(2, 4, hidden)
     positions = torch.tensor([[0, 3, 11, 5], [1, 2, 3, 4]])
-    torch.testing.assert_close(encoding.generate_table(12), expected)
+    table = encoding.generate_table(12)
+    torch.testing.assert_close(table, expected)
     torch.testing.assert_close(encoding.embed(EmbeddingInputs(x, positions)), x + expected[positions])
+    weights = torch.randn(12, hidden)
+    (table * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(encoding.initial.grad, initial.grad)
+    torch.testing.assert_close(encoding.transition.weight.grad, reference.weight_hh.grad)
+    torch.testing.assert_close(encoding.transition.bias.grad, reference.bias_hh.grad)
 
 
 def rotation_generator_by_hand(frequencies: list[float]) -> torch.Tensor:
