@@ -32,6 +32,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         max_positions=config.max_position_embeddings,
         causal=causal,
         num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
     )
 
 
