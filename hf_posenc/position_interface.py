@@ -215,11 +215,6 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 
-    def init_weights(self, std: float) -> None:
-        """Initialise the scheme's own parameters where Transformers' default (``N(0, std)`` for every ``nn.Linear``,
-        ``nn.Embedding`` and convolution) is not what its source does. Called by the model's ``_init_weights`` after
-        the submodules got that default; use ``transformers.initialization`` so that loaded weights are left alone."""
-
     def resize_token_tables(self, num_tokens: int) -> None:
         """Called when the model's token embedding is replaced (``set_input_embeddings``, hence also
         ``resize_token_embeddings``): a scheme with per-token tables resizes them to ``num_tokens`` rows."""
