@@ -207,6 +207,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
+        self.position_encoding.resize_token_tables(value.num_embeddings)
 
     @merge_with_config_defaults
     @capture_outputs

@@ -32,6 +32,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         max_positions=config.max_position_embeddings,
         causal=causal,
         num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -186,7 +187,7 @@ class PosEncPreTrainedMixin:
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, (PositionEncoding, LayerPositionTerm)):
+        if isinstance(module, (PositionEncoding, LayerPositionTerm)):  # after its submodules' default init
             module.init_weights(self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):

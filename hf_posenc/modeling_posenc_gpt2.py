@@ -177,6 +177,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
 
     def set_input_embeddings(self, new_embeddings):
         self.wte = new_embeddings
+        self.position_encoding.resize_token_tables(new_embeddings.num_embeddings)
 
     @merge_with_config_defaults
     @capture_outputs

@@ -7,25 +7,17 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .absolute_encodings import LearnedAbsolute
+from .absolute_encodings import LearnedAbsolute, hierarchical_positions
 
 
 EXTENSION_METHODS = ("hierarchical", "interpolate")
 
 
 def hierarchical_table(table: torch.Tensor, max_positions: int, alpha: float = 0.4) -> torch.Tensor:
-    """Hierarchical decomposition (Su, kexue.fm/archives/7947), 0-indexed: with ``n`` trained rows ``p``,
-    ``u_i = (p_i - alpha p_0) / (1 - alpha)`` and ``q_(i n + j) = alpha u_i + (1 - alpha) u_j``.
-
-    Rows below ``n`` come back unchanged (``q_j = p_j``); the table reaches up to ``n^2`` positions.
-    ``table`` ``(n, hidden)`` -> ``(max_positions, hidden)``.
-    """
-    n = table.shape[0]
-    basis = (table - alpha * table[:1]) / (1 - alpha)
-    positions = torch.arange(max_positions, device=table.device)
-    extended = alpha * basis[positions // n] + (1 - alpha) * basis[positions % n]
-    extended[:n] = table  # equal by the formula; copied so that they stay bit-exact
-    return extended
+    """The first ``max_positions`` rows (up to ``n^2``) of the hierarchical decomposition of the ``(n, hidden)``
+    ``table`` (kexue.fm/archives/7947; :func:`hierarchical_positions`, shared with the ``hierarchical`` scheme):
+    rows below ``n`` come back unchanged."""
+    return hierarchical_positions(table, torch.arange(max_positions, device=table.device), alpha)
 
 
 def interpolated_table(table: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ class AttentionDims:
     max_positions: int
     causal: bool
     num_layers: int = 1
+    vocab_size: int = 0
 
 
 class PositionCache:
@@ -183,7 +184,9 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         self.dims = dims
 
     def init_weights(self, initializer_range: float) -> None:
-        """As :meth:`LayerPositionTerm.init_weights`: bare parameters only."""
+        """Initialise the scheme's parameters where its reference implementation does not use Transformers' defaults
+        (bare ``nn.Parameter``s; a table with its own scale). Called by the model's ``_init_weights`` after the
+        submodules got the family's init; use ``transformers.initialization``, which leaves loaded weights alone."""
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -212,6 +215,10 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 
+    def resize_token_tables(self, num_tokens: int) -> None:
+        """Called when the model's token embedding is replaced (``set_input_embeddings``, hence also
+        ``resize_token_embeddings``): a scheme with per-token tables resizes them to ``num_tokens`` rows."""
+
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
         """Input side: the ``(batch, seq, hidden)`` embeddings combined with positions."""
         return inputs.inputs_embeds
@@ -239,20 +246,24 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.
 
-    Subclasses define ``bias_table(device)`` (what the formula reads: a parameter, or fixed values computed in float32
-    each forward so that casting the model never rounds them) and ``position_bias(query_position, key_position,
-    head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
-    kv_len)`` bias once per forward (eager, SDPA) and runs inside the FlexAttention ``score_mod``, so every backend
-    evaluates one formula.
+    Subclasses define ``bias_table(device)`` (what the formula reads, computed once per forward: a parameter, fixed
+    values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and
+    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function
+    builds the dense ``(batch, heads, q_len, kv_len)`` bias once per forward (eager, SDPA) and runs inside the
+    FlexAttention ``score_mod``, so every backend evaluates one formula.
     """
 
     relative = True
 
-    def bias_table(self, device: torch.device) -> torch.Tensor:
+    def bias_table(self, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def position_bias(
-        self, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor, table: torch.Tensor
+        self,
+        query_position: torch.Tensor,
+        key_position: torch.Tensor,
+        head: torch.Tensor,
+        table: torch.Tensor | dict[str, torch.Tensor],
     ) -> torch.Tensor:
         raise NotImplementedError
 

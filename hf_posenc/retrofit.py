@@ -472,7 +472,7 @@ def retrofit(
     for module in new_modules:
         for submodule in module.modules():
             model._init_weights(submodule)
-            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):  # bare parameters (u, v of xlnet)
+            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):  # the scheme's own init, as in PosEnc
                 submodule.init_weights(getattr(model.config, "initializer_range", 0.02))
     if spec["type"] == "learned" and table is not None:
         with torch.no_grad():

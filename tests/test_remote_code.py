@@ -44,6 +44,7 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         ("gpt2", "rope", "softmax", "AutoModelForCausalLM,AutoModel"),
         ("gpt2", "alibi", "l2", "AutoModelForCausalLM"),
         ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
+        ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
     ],
 )
 def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):
