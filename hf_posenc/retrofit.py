@@ -470,9 +470,11 @@ def retrofit(
     model.config.attention_normalizer = resolve_attention_normalizer(attention_normalizer)
     new_modules = patch(model, family)
     for module in new_modules:
-        for submodule in module.modules():
+        submodules = list(module.modules())
+        for submodule in submodules:
             model._init_weights(submodule)
-            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):  # the scheme's own init, as in PosEnc
+        for submodule in submodules:  # the scheme's own init after its submodules' family init, as in PosEnc models
+            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):
                 submodule.init_weights(getattr(model.config, "initializer_range", 0.02))
     if spec["type"] == "learned" and table is not None:
         with torch.no_grad():
