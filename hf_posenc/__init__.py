@@ -36,6 +36,7 @@ from .modeling_posenc_gpt2 import (
 )
 from .position_encodings import POSITION_ENCODINGS
 from .position_extension import extend_positions
+from .probe import probe
 from .retrofit import retrofit
 
 
@@ -84,4 +85,5 @@ __all__ = [
     "retrofit",
     "list_position_encodings",
     "list_attention_normalizers",
+    "probe",
 ]

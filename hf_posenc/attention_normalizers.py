@@ -1,86 +1,300 @@
 """The attention-normalizer catalogue: how raw scores ``b_ij`` become attention weights ``a_ij``.
 
-Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105). A normalizer sees scores
-whose masked keys (padding, causal) are already ``finfo.min``, and must give them a weight of exactly 0; the attention
-composition guarantees every row it sees has a visible key, and sets rows without one to 0 itself.
+Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105, "F" below). With softmax
+every row of weights sums to 1, so n identical tokens under a relative-only scheme give n identical outputs; every
+other normalizer here (and the Toeplitz gate, an option of each) lets the row sums vary with the position.
+
+A normalizer sees scores whose masked keys (padding, causal) are already ``finfo.min``, and must give them a weight
+of exactly 0; the attention composition guarantees every row it sees has a visible key, and sets rows without one
+to 0 itself. Weights are computed in at least float32 whatever the model dtype.
+
+Initialisation (F: "with the standard Attention + FFN block, l2 needs a smaller initial variance of W_V, W_O").
+At init the scores are near 0, so the weights of a row of ``n`` keys are near uniform and the output is
+``(sum_j a_j) v`` for equal values (``||a||_2 std(v)`` for independent ones). Softmax gives ``sum_j a_j = 1``
+(``||a||_2 = 1/sqrt(n)``); a normalizer whose output is ``r(n)`` times softmax's scales W_V and W_O each by
+``r(n)^(-1/2)``, with ``n = max_positions`` (the longest row), so the attention output at full length starts at
+softmax's scale. ``value_init_scale()`` gives that factor per normalizer.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from .options import CatalogueEntry
+from .options import CatalogueEntry, Option
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
+
+
+try:  # torch >= 2.9; before it, flex_attention(..., return_lse=True)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
+
+
+GATE_OPTIONS = {
+    "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
+    "toeplitz_max_distance": Option(
+        128, (int,), "k of clip(i - j, -k, k) in the Toeplitz gate", lambda v: v >= 1, "an int >= 1"
+    ),
+}
 
 
 class AttentionNormalizer(CatalogueEntry, nn.Module):
     """Base class: ``forward(scores, attention_inputs) -> weights``, one module per attention layer.
 
+    Subclasses write ``normalize`` (the formula). ``forward`` computes it in at least float32 and applies the option
+    every normalizer takes, the Toeplitz gate (Luo et al. 2022, "Your Transformer May Not be as Powerful as You
+    Expect"; F): ``a_ij <- a_ij c_ij`` with ``c_ij = g_h(clip(i - j, -k, k))`` (``clip(i - j, 0, k)`` in a
+    decoder, where later keys are masked), ``k = toeplitz_max_distance``, ``g`` trainable per attention layer and per
+    head, initialised to 1 so that a fresh gated model equals the ungated one. ``i`` and ``j`` are the position ids
+    of the query and the key (cached keys keep theirs), so the gate is relative: shifting every position changes
+    nothing. Parameter: ``toeplitz_gate`` ``(heads, 2k + 1)`` (encoder) or ``(heads, k + 1)`` (decoder), index
+    ``k + d`` (encoder) or ``d`` (decoder) for the distance ``d``.
+
     Args of ``forward``:
-        scores: ``(batch, heads, q_len, kv_len)`` scores ``b_ij`` in at least float32, ``finfo.min`` on masked keys;
-            every row has at least one visible key.
-        attention_inputs: the per-forward :data:`AttentionInputs` (``"visible"`` keys, query and key positions),
-            for normalizers that need more than the scores.
+        scores: ``(batch, heads, q_len, kv_len)`` scores ``b_ij``, ``finfo.min`` on masked keys; every row has at
+            least one visible key.
+        attention_inputs: the per-forward :data:`AttentionInputs` (``"visible"`` keys, query and key positions).
 
     Class attributes:
-        backends: attention backends that can compute it without materialising the weights
-            (``supported_backends`` may narrow it by option).
+        backends: attention backends that can compute it without materialising the weights (the gate narrows it
+            to eager, see ``supported_backends``).
+        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``), which compiled
+            FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
     """
 
+    options = GATE_OPTIONS
     backends: tuple[str, ...] = ("eager",)
+    flex_needs_lse: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        """Every normalizer takes the gate options beside its own."""
+        super().__init_subclass__(**kwargs)
+        cls.options = {**cls.options, **GATE_OPTIONS}
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__()
         self.spec = spec
         self.dims = dims
+        self.max_distance = spec["toeplitz_max_distance"]
+        if spec["toeplitz_gate"]:
+            width = self.max_distance + 1 if dims.causal else 2 * self.max_distance + 1
+            self.toeplitz_gate = nn.Parameter(torch.ones(dims.num_heads, width))
+        else:
+            self.toeplitz_gate = None
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
-        """The backends that can run the normalizer with these options."""
-        return cls.backends
+        """The backends that can run the normalizer with these options: the gate needs the weights (eager)."""
+        return ("eager",) if spec["toeplitz_gate"] else cls.backends
 
     def value_init_scale(self) -> float:
-        """Factor on the initial std of W_V and W_O (1: the family's usual init)."""
+        """Factor on the initial std of W_V and W_O (1: the family's usual init); see the module docstring."""
         return 1.0
 
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
+
     def forward(self, scores: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor:
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        weights = self.normalize(scores, attention_inputs)
+        if self.toeplitz_gate is not None:
+            weights = weights * self.gate_values(
+                attention_inputs["query_positions"], attention_inputs["key_positions"]
+            )
+        return weights
+
+    def normalize(self, scores: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor:
         raise NotImplementedError
+
+    def gate_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """``c_ij`` ``(batch|1, heads, q_len, kv_len)`` from positions ``(batch|1, q_len)``, ``(batch|1, kv_len)``."""
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+        if self.dims.causal:
+            index = distance.clamp(0, self.max_distance)
+        else:
+            index = distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        heads = torch.arange(self.dims.num_heads, device=index.device)[None, :, None, None]
+        return self.toeplitz_gate[heads, index]
+
+    def flex_output(
+        self,
+        attend: Callable,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        score_mod: Callable | None,
+        block_mask: BlockMask | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """The attention output ``(batch, heads, q_len, head_dim)`` on FlexAttention (``attend``), for normalizers
+        with ``"flex_attention"`` in ``backends``: softmax as it is."""
+        return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+
+def _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale, factor: float = 1.0):
+    """FlexAttention's ``softmax(factor b) V`` and ``lse_i = log sum_j e^(factor b_ij)`` (``-inf`` on a row with no
+    visible key, whose output is 0)."""
+    if factor != 1.0:
+        inner = score_mod
+
+        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            score = score if inner is None else inner(score, batch_idx, head_idx, q_idx, kv_idx)
+            return score * factor
+
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale)
+    if AuxRequest is None:
+        return attend(query, key, value, return_lse=True, **kwargs)
+    output, aux = attend(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
+    return output, aux.lse
+
+
+def _row_factor(log_factor: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(log_factor)`` as ``(batch, heads, q_len, 1)``, 0 on rows with no visible key (``lse = -inf``); the
+    infinities are replaced before ``exp`` so that no NaN reaches the gradients."""
+    has_key = torch.isfinite(lse)
+    factor = torch.exp(torch.where(has_key, log_factor, 0.0))
+    return torch.where(has_key, factor, 0.0)[..., None]
 
 
 class Softmax(AttentionNormalizer):
     """``a_ij = e^(b_ij) / sum_j e^(b_ij)``: rows sum to 1 (the l1 normalisation behind the flaw in F)."""
 
     name = "softmax"
-    description = "e^b / sum_j e^b (rows sum to 1)"
+    description = "e^b / sum_j e^b (rows sum to 1); W_V, W_O init unchanged"
     backends = BACKENDS
 
-    def forward(self, scores, attention_inputs):
+    def normalize(self, scores, attention_inputs):
         return torch.softmax(scores, dim=-1)
 
 
 class L2(AttentionNormalizer):
-    """``a_ij = e^(b_ij) / sqrt(sum_j e^(2 b_ij))``: each row has unit l2 norm, its sum is free (F, eq. "l2").
+    """``a_ij = e^(b_ij) / sqrt(sum_j e^(2 b_ij))``: each row has unit l2 norm, its sum is free in ``[1, sqrt(n)]``
+    (F, "new normalisation").
 
-    Computed as ``e^(b - m) / ||e^(b - m)||_2`` with ``m`` the row max, which is the same ratio without overflow.
-    F reports that with the standard Attention + FFN block it needs a smaller initial variance of W_V and W_O: a
-    uniform row of ``n`` keys sums to ``sqrt(n)`` instead of 1, so the default init scales both by
-    ``max_positions^(-1/4)``, which brings the attention output at full length back to softmax's scale.
+    Computed as ``e^(b - m) / ||e^(b - m)||_2`` with ``m`` the row max, the same ratio without overflow, for any
+    finite scores. Init: a uniform row of ``n`` keys sums to ``sqrt(n)`` (softmax: 1), so W_V and W_O are scaled by
+    ``max_positions^(-1/4)``. FlexAttention (where it returns the log-sum-exp): ``O = softmax(b) V
+    exp(lse(b) - lse(2b) / 2)``, one extra FlexAttention pass for ``lse(2b)``.
     """
 
     name = "l2"
-    description = "e^b / sqrt(sum_j e^(2b)) (rows have unit l2 norm)"
+    description = "e^b / sqrt(sum_j e^(2b)) (rows have unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
 
     def value_init_scale(self) -> float:
         return self.dims.max_positions**-0.25
 
-    def forward(self, scores, attention_inputs):
-        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: exp(min - max) = 0 exactly
-        return exp / exp.square().sum(dim=-1, keepdim=True).sqrt()  # >= 1: the row max contributes e^0
+    def normalize(self, scores, attention_inputs):
+        # The row max is a constant shift the ratio does not see (its gradient is 0): detached, so that autograd does
+        # not keep the (q, k) scores for it. Masked keys: exp(min - max) = 0 exactly.
+        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
+        return exp / torch.linalg.vector_norm(exp, dim=-1, keepdim=True)  # >= 1: the row max contributes e^0
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        output, lse = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale)
+        _, lse_double = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale, factor=2.0)
+        return output * _row_factor(lse - lse_double / 2, lse).to(output.dtype)
+
+
+EXP_RANGE = "the largest visible score of a row must stay below log(finfo.max): 88.72 in float32, 709.78 in float64"
+
+
+class Exp(AttentionNormalizer):
+    """``a_ij = e^(b_ij)``, no denominator (F, "drop the denominator"): the row sum is free.
+
+    Range: ``e^b`` overflows float32 (the eager weights' dtype for float32, bfloat16 and float16 models) above
+    ``b = 88.72``; a forward whose scores reach it raises ``OverflowError`` naming the value (outside
+    ``torch.compile``, where the check would break the graph; there the overflow shows as inf). Nothing is clipped. A
+    float16 model casts the weights to float16 before the value product, whose largest finite value is e^11.09.
+    Init: near-zero scores give weights near 1, a row of ``n`` keys sums to ``n`` (softmax: 1), so W_V and W_O are
+    scaled by ``max_positions^(-1/2)``. FlexAttention (where it returns the log-sum-exp): ``O = softmax(b) V
+    exp(lse(b))``.
+    """
+
+    name = "exp"
+    description = (
+        "e^b, no denominator (raises OverflowError past b = 88.7 in float32); W_V, W_O init x max_positions^(-1/2)"
+    )
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
+
+    def value_init_scale(self) -> float:
+        return self.dims.max_positions**-0.5
+
+    def normalize(self, scores, attention_inputs):
+        if not torch.compiler.is_compiling():
+            _check_exp_range(scores, scores.dtype)
+        return torch.exp(scores)  # masked keys: exp(finfo.min) = 0 exactly
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        output, lse = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale)
+        if not torch.compiler.is_compiling():
+            _check_exp_range(lse, torch.float32)
+        return output * _row_factor(lse, lse).to(output.dtype)
+
+
+def _check_exp_range(values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise ``OverflowError`` if ``e^x`` of the largest of ``values`` (scores or row log-sum-exps) is not finite in
+    ``dtype``."""
+    largest = values.max().item()
+    if largest > math.log(torch.finfo(dtype).max):
+        raise OverflowError(
+            f"attention_normalizer 'exp': a score of {largest:.4g} gives e^b = inf in {dtype}; {EXP_RANGE}. Use a "
+            "smaller initialisation or learning rate, or the 'l2' normalizer (the same weights up to a per-row scale)."
+        )
+
+
+class ReLU2(AttentionNormalizer):
+    """``a_ij = relu(b_ij)^2 / n_i``, ``n_i`` the number of keys query ``i`` may see (Hua et al. 2022, GAU; F, "drop
+    the denominator").
+
+    ``n_i`` counts the visible keys of the row (padding and, in a decoder, causality excluded; ``kv_len`` when
+    nothing is masked). Masked keys have ``b = finfo.min``, so ``relu`` gives them exactly 0. Init: near-zero scores
+    give rows summing to ``E[relu(b)^2] <= Var(b)``, below softmax's 1, so F's smaller W_V/W_O init does not apply:
+    factor 1.
+    """
+
+    name = "relu2"
+    description = "relu(b)^2 / n, n the visible keys of the row (GAU); W_V, W_O init unchanged"
+
+    def normalize(self, scores, attention_inputs):
+        visible = attention_inputs["visible"]
+        if visible is None:
+            count = scores.shape[-1]
+        else:  # a row with no visible key attends everywhere and is zeroed by the composition: count it as 1
+            count = visible.sum(dim=-1, keepdim=True).clamp(min=1).to(scores.dtype)
+        return torch.relu(scores).square() / count
+
+
+class SwishL2(AttentionNormalizer):
+    """``a_ij = swish(b_ij) / sqrt(sum_j swish(b_ij)^2)``, ``swish(b) = b sigmoid(b)`` (F, "swish + l2"): unit l2
+    norm, signed weights.
+
+    Masked keys: ``swish(finfo.min) = 0`` exactly. Range: ``swish(b)`` underflows to 0 for ``b`` below about -100 in
+    float32 (and loses precision below about -87); a row whose swish values are all 0 gets weights 0 (never 0/0).
+    Init: like ``l2`` the row has unit l2 norm (sum up to ``sqrt(n)`` for equal scores), so W_V and W_O are scaled by
+    ``max_positions^(-1/4)``.
+    """
+
+    name = "swish_l2"
+    description = "swish(b) / sqrt(sum_j swish(b)^2) (signed, unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
+
+    def value_init_scale(self) -> float:
+        return self.dims.max_positions**-0.25
+
+    def normalize(self, scores, attention_inputs):
+        swish = nn.functional.silu(scores)
+        norm = torch.linalg.vector_norm(swish, dim=-1, keepdim=True)
+        return swish / torch.where(norm > 0, norm, 1.0)
 
 
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {
-    normalizer.name: normalizer for normalizer in (Softmax, L2)
+    normalizer.name: normalizer for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2)
 }

@@ -103,7 +103,8 @@ def convert(
     model computes. RoBERTa numbers real tokens from ``padding_idx + 1``: its table keeps the rows from there on, so
     PosEnc position ``k`` is RoBERTa's ``padding_idx + 1 + k`` (the same outputs for unpadded and right-padded inputs;
     with left padding pass ``position_ids`` counting real tokens, as RoBERTa does). With any other scheme the stock
-    table is dropped and the scheme's own parameters (if any, per-layer ones too) start from their init. The stock
+    table is dropped and the scheme's own parameters (if any, per-layer ones too) start from their init, as do the
+    normalizer's (a Toeplitz gate starts at 1, so a gated softmax computes what the stock model computes). The stock
     model is left unchanged.
     """
     if isinstance(model, (str, Path)):
@@ -140,8 +141,13 @@ def convert(
     with torch.device(model.device):
         converted = posenc_class(config).to(model.dtype)
     missing, unexpected = converted.load_state_dict(state, strict=False)
-    # The scheme's own parameters, shared (position_encoding) or per layer (position_term), start from their init.
-    missing = [name for name in missing if ".position_encoding." not in f".{name}" and ".position_term." not in name]
+    # The scheme's own parameters, shared (position_encoding) or per layer (position_term), and the normalizers' (a
+    # Toeplitz gate, at 1) start from their init.
+    missing = [
+        name
+        for name in missing
+        if ".position_encoding." not in f".{name}" and ".position_term." not in name and ".normalizer." not in name
+    ]
     if missing or unexpected:
         raise ValueError(f"convert(): weights did not line up; missing {missing}, unexpected {unexpected}.")
     return converted.train(model.training)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
@@ -178,9 +179,9 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
 
 class PosEncPreTrainedMixin:
     """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
-    (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``), full ``auto_map`` on save (the modeling
-    files are copied beside the weights by ``save_pretrained``), and switching ``attn_implementation`` at any time
-    (the backend is chosen at every forward)."""
+    (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
+    1), full ``auto_map`` on save (the modeling files are copied beside the weights by ``save_pretrained``), and
+    switching ``attn_implementation`` at any time (the backend is chosen at every forward)."""
 
     family_auto_map: dict[str, str] = {}
 
@@ -189,6 +190,8 @@ class PosEncPreTrainedMixin:
         super()._init_weights(module)
         if isinstance(module, (PositionEncoding, LayerPositionTerm)):  # after its submodules' default init
             module.init_weights(self.config.initializer_range)
+        if isinstance(module, AttentionNormalizer) and module.toeplitz_gate is not None:
+            init.ones_(module.toeplitz_gate)  # a fresh gated model equals the ungated one
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)

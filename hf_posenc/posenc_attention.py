@@ -6,8 +6,9 @@ normalizer, the values and the layer's value term. ``choose_backend`` picks what
 
 * ``eager``: every scheme and normalizer (weights are materialised);
 * ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
-* ``flex_attention``: softmax only; a position-only term goes in as a ``score_mod`` (nothing materialised). Compiled
-  FlexAttention on CPU is inference only, so a CPU forward that needs gradients runs SDPA instead.
+* ``flex_attention``: softmax, and (off CPU) l2 and exp from its log-sum-exp; a position-only term goes in as a
+  ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only and returns no log-sum-exp,
+  so a CPU forward that needs gradients runs SDPA instead, and l2 or exp on CPU run eager.
 
 A combination a backend cannot express falls back to the next one that can (flex -> sdpa -> eager); every backend
 computes the same numbers, so a fallback changes speed, never the result.
@@ -51,18 +52,21 @@ def choose_backend(
     can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no attention dropout, so
     ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding step (``query_length ==
     1``) gains nothing from it and would compile once per cache length, so it runs SDPA; FlexAttention on CPU takes
-    float32, float16 and bfloat16 only, and no gradients. A user's 4-D tensor mask (``given_mask``) runs on eager or
+    float32, float16 and bfloat16 only, and no gradients, and does not return the log-sum-exp that normalizers with
+    ``flex_needs_lse`` (l2, exp) are computed from. A user's 4-D tensor mask (``given_mask``) runs on eager or
     SDPA; a user's ``BlockMask`` needs FlexAttention."""
     requested = requested or "sdpa"
     order = ("flex_attention", "sdpa", "eager")
     if requested not in order:
         raise ValueError(f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {order}.")
     scheme_backends = POSITION_ENCODINGS[position_encoding["type"]].supported_backends(position_encoding)
-    normalizer_backends = ATTENTION_NORMALIZERS[attention_normalizer["type"]].supported_backends(attention_normalizer)
+    normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
+    normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     flex_possible = not (
         attention_dropout
         or query_length == 1
         or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
+        or (normalizer_class.flex_needs_lse and not flex_returns_lse(device))
         or isinstance(given_mask, torch.Tensor)
         and given_mask.dim() == 4
     )
@@ -84,6 +88,12 @@ def choose_backend(
                 _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
             return backend
     raise AssertionError("eager runs every scheme and normalizer")
+
+
+def flex_returns_lse(device: torch.device) -> bool:
+    """Compiled FlexAttention returns the log-sum-exp (``return_aux=AuxRequest(lse=True)``) except on CPU, where
+    torch 2.13 raises "torch.compile on CPU only supports inference and `return_lse` is not supported yet"."""
+    return device.type != "cpu"
 
 
 @cache
@@ -245,8 +255,8 @@ def positional_attention(
     backend = attention_inputs["backend"]
     if backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
-        output = _compiled_flex_attention()(
-            query, key, value, score_mod=score_mod, block_mask=attention_inputs["mask"], scale=scaling
+        output = normalizer.flex_output(
+            _compiled_flex_attention(), query, key, value, score_mod, attention_inputs["mask"], scaling
         )
     elif backend == "sdpa":
         output = _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal)

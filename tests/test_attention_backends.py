@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
@@ -25,7 +26,7 @@ def scheme(name):
     return POSITION_ENCODINGS[name](spec(name), DIMS)
 
 
-SOFTMAX, L2 = {"type": "softmax"}, {"type": "l2"}
+SOFTMAX, L2 = resolve_attention_normalizer("softmax"), resolve_attention_normalizer("l2")
 
 
 def attention_inputs(encoding, query_positions, key_positions, backend, visible, dtype):
@@ -47,9 +48,9 @@ def test_softmax_runs_where_it_is_asked(name):
 
 def test_fallbacks():
     t5, softmax, l2 = spec("t5"), SOFTMAX, L2
-    assert choose_backend("sdpa", t5, l2, CPU) == "eager"  # l2 has no fused kernel
+    assert choose_backend("sdpa", t5, l2, CPU) == "eager"  # SDPA returns no log-sum-exp for l2
     with torch.no_grad():
-        assert choose_backend("flex_attention", t5, l2, CPU) == "eager"
+        assert choose_backend("flex_attention", t5, l2, CPU) == "eager"  # nor does compiled flex on CPU
         assert choose_backend("flex_attention", t5, softmax, CPU, attention_dropout=True) == "sdpa"
         assert choose_backend("flex_attention", t5, softmax, CPU, query_length=1) == "sdpa"  # decoding step
     assert choose_backend("flex_attention", t5, softmax, CPU) == "sdpa"  # CPU flex cannot backpropagate
@@ -84,7 +85,7 @@ def test_positional_attention_matches_the_formula_with_a_cache():
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
-    encoding, normalizer = scheme("alibi").double(), ATTENTION_NORMALIZERS["l2"]({"type": "l2"}, DIMS)
+    encoding, normalizer = scheme("alibi").double(), ATTENTION_NORMALIZERS["l2"](L2, DIMS)
     cache = DynamicCache()
     outputs = []
     for chunk in (slice(0, 5), slice(5, 8)):
@@ -120,7 +121,7 @@ def test_rows_without_a_visible_key_give_zero_and_others_are_unchanged(backend, 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
     encoding = scheme(scheme_name)
-    normalizer = ATTENTION_NORMALIZERS[normalizer_name]({"type": normalizer_name}, DIMS)
+    normalizer = ATTENTION_NORMALIZERS[normalizer_name](resolve_attention_normalizer(normalizer_name), DIMS)
     positions = torch.arange(4)[None]
     visible = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     visible[..., 1, :] = False  # query 1 sees nothing

@@ -17,14 +17,14 @@ CONFIG_CLASSES = [hf_posenc.PosEncBertConfig, hf_posenc.PosEncGPT2Config]
 def test_names_expand_to_full_dicts_with_defaults(config_class):
     config = config_class(position_encoding="t5", attention_normalizer="l2")
     assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": None}
-    assert config.attention_normalizer == {"type": "l2"}
+    assert config.attention_normalizer == {"type": "l2", "toeplitz_gate": False, "toeplitz_max_distance": 128}
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
 def test_defaults_are_the_stock_model(config_class):
     config = config_class()
     assert config.position_encoding["type"] == "learned"
-    assert config.attention_normalizer == {"type": "softmax"}
+    assert config.attention_normalizer == {"type": "softmax", "toeplitz_gate": False, "toeplitz_max_distance": 128}
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
@@ -58,7 +58,9 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
     ("field", "value", "message"),
     [
         ("position_encoding", "rop", r"Unknown position_encoding 'rop'; valid choices: \['alibi', .*'rope'"),
-        ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['l2', 'softmax'\]"),
+        ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['exp', 'l2', 'relu"),
+        ("attention_normalizer", {"type": "l2", "toeplitz_gate": 1}, r"option 'toeplitz_gate' must be bool, got 1"),
+        ("attention_normalizer", {"type": "exp", "toeplitz_max_distance": 0}, r"'toeplitz_max_distance'=0 is out of"),
         ("position_encoding", {"type": "rope", "thta": 1.0}, r"Unknown option\(s\) \['thta'\].*'rotary_fraction'"),
         ("position_encoding", {"type": "alibi", "slope": 1}, r"Unknown option\(s\) \['slope'\].*none"),
         ("position_encoding", {"type": "rope", "theta": "big"}, r"option 'theta' must be float or int, got 'big'"),
@@ -107,9 +109,10 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
-    assert set(normalizers) == {"softmax", "l2"}
+    assert set(normalizers) == {"softmax", "l2", "exp", "relu2", "swish_l2"}
     assert "sqrt" in normalizers["l2"]["description"]
-    assert normalizers["l2"]["backends"] == ["eager"]
+    assert normalizers["l2"]["backends"] == ["eager", "flex_attention"]  # flex where it returns the log-sum-exp
+    assert all(entry["options"]["toeplitz_gate"]["default"] is False for entry in normalizers.values())
 
 
 def test_t5_max_distance_just_past_the_exact_buckets_is_accepted():

@@ -1,4 +1,5 @@
-"""Attention normalizers (kexue.fm/archives/9105) against their formulas on tiny tensors."""
+"""Attention normalizers and the Toeplitz gate (kexue.fm/archives/9105) against float64 references of their formulas,
+inside both model families, with padding, causal masks and rows that see no key; their numerics; their init."""
 
 from __future__ import annotations
 
@@ -6,93 +7,425 @@ import math
 
 import pytest
 import torch
-from conftest import make_model, random_ids
+import transformers
+from conftest import make_config, make_model, random_ids
+from torch.nn.attention.flex_attention import flex_attention
 
+import hf_posenc
+from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.configuration_posenc import resolve_attention_normalizer
+from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
+from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
 
-DIMS = AttentionDims(hidden_size=8, num_heads=2, head_dim=4, max_positions=16, causal=False)
+NORMALIZERS = ["softmax", "l2", "exp", "relu2", "swish_l2"]
+ATOL = 1e-5
+CPU = torch.device("cpu")
 
 
-NO_INPUTS = {"visible": None, "row_has_key": None}  # softmax and l2 read only the scores
+def normalizer(name, causal=False, num_heads=2, max_positions=16, **options):
+    dims = AttentionDims(hidden_size=8 * num_heads, num_heads=num_heads, head_dim=8, max_positions=max_positions,
+                         causal=causal)  # fmt: skip
+    return ATTENTION_NORMALIZERS[name](resolve_attention_normalizer({"type": name, **options}), dims)
 
 
-def normalizer(name):
-    return ATTENTION_NORMALIZERS[name]({"type": name}, DIMS)
-
-
-def reference(name, row):
-    """a_j by the formula, one row of python floats, in float64."""
-    exp = [math.exp(b) for b in row]
+def reference_weights(name, scores, visible, gate=None):
+    """a_ij by the formula in float64, written out independently of the library: masked keys 0, rows with no
+    visible key 0, then times the gate values ``c_ij``. ``scores``, ``visible``, ``gate`` broadcast together."""
+    visible = visible.expand(scores.shape)
+    b = scores.double().masked_fill(~visible, 0.0)  # the values at masked keys are never read
+    on = visible.double()
     if name == "softmax":
-        return [e / sum(exp) for e in exp]
-    return [e / math.sqrt(sum(x * x for x in exp)) for e in exp]
+        weights = b.exp() * on / (b.exp() * on).sum(-1, keepdim=True)
+    elif name == "l2":
+        weights = b.exp() * on / ((2 * b).exp() * on).sum(-1, keepdim=True).sqrt()
+    elif name == "exp":
+        weights = b.exp() * on
+    elif name == "relu2":
+        weights = b.clamp(min=0) ** 2 * on / on.sum(-1, keepdim=True)
+    else:
+        swish = b / (1 + (-b).exp()) * on
+        weights = swish / (swish**2).sum(-1, keepdim=True).sqrt()
+    weights = torch.where(visible.any(-1, keepdim=True), weights, 0.0)
+    return weights if gate is None else weights * gate.double()
 
 
-@pytest.mark.parametrize("name", ["softmax", "l2"])
-def test_matches_the_formula(name):
-    scores = torch.randn(2, 2, 3, 5, dtype=torch.float64)
-    weights = normalizer(name)(scores, NO_INPUTS)
-    for index in torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(3)).tolist():
-        expected = reference(name, scores[tuple(index)].tolist())
-        torch.testing.assert_close(weights[tuple(index)], torch.tensor(expected, dtype=torch.float64))
+def reference_gate(table, query_positions, key_positions, max_distance, causal):
+    """c_ij = g_h(clip(i - j)) by loops: ``table`` (heads, width), positions (batch, n); (batch, heads, q, k)."""
+    batch, heads = query_positions.shape[0], table.shape[0]
+    gate = torch.zeros(batch, heads, query_positions.shape[1], key_positions.shape[1], dtype=torch.float64)
+    for b in range(batch):
+        for i, query in enumerate(query_positions[b].tolist()):
+            for j, key in enumerate(key_positions[b].tolist()):
+                distance = (
+                    max(0, min(query - key, max_distance))
+                    if causal
+                    else max(-max_distance, min(query - key, max_distance))
+                )
+                gate[b, :, i, j] = table[:, distance if causal else distance + max_distance].double()
+    return gate
 
 
-def test_softmax_rows_sum_to_one():
-    weights = normalizer("softmax")(torch.randn(3, 2, 4, 6), NO_INPUTS)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 2, 4))
+def perturb_gates(model):
+    """Gates start at 1 (a fresh gated model is the ungated one): give them values that matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("normalizer.toeplitz_gate"):
+                param.normal_(1.0, 0.5)
 
 
-def test_l2_rows_have_unit_norm_and_free_sum():
-    weights = normalizer("l2")(torch.randn(3, 2, 4, 6), NO_INPUTS)
-    torch.testing.assert_close(weights.norm(dim=-1), torch.ones(3, 2, 4))
-    assert (weights.sum(-1) > 1.0 + 1e-3).all()  # l1 sum is in [1, sqrt(n)]
+def hf_position_ids(attention_mask):
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --- the formulas on bare tensors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_each_normalizer_matches_its_formula_with_masked_keys(name, causal):
+    torch.manual_seed(0)
+    scores = 3 * torch.randn(2, 2, 4, 5, dtype=torch.float64)
+    visible = torch.ones(2, 1, 4, 5, dtype=torch.bool)
+    visible[0, ..., 3:] = False  # padding
+    if causal:
+        visible = visible & torch.ones(4, 5, dtype=torch.bool).tril(1)
+    weights = normalizer(name)(scores.masked_fill(~visible, torch.finfo(torch.float64).min), {"visible": visible})
+    torch.testing.assert_close(weights, reference_weights(name, scores, visible))
+    assert torch.equal(
+        weights.masked_select(~visible.expand_as(weights)), torch.zeros(int((~visible).sum()) * 2).double()
+    )
+
+
+def test_softmax_rows_sum_to_one_l2_rows_have_unit_norm_and_free_sum():
+    scores = torch.randn(3, 2, 4, 6)
+    torch.testing.assert_close(normalizer("softmax")(scores, {}).sum(-1), torch.ones(3, 2, 4))
+    l2 = normalizer("l2")(scores, {})
+    torch.testing.assert_close(l2.norm(dim=-1), torch.ones(3, 2, 4))
+    assert (l2.sum(-1) > 1.0 + 1e-3).all()  # the l1 sum is in [1, sqrt(n)]
+    swish = normalizer("swish_l2")(scores, {})
+    torch.testing.assert_close(swish.norm(dim=-1), torch.ones(3, 2, 4))
+    assert (swish < 0).any()  # swish is signed
 
 
 @pytest.mark.parametrize("name", ["softmax", "l2"])
 def test_large_scores_stay_finite_and_correct(name):
     scores = torch.tensor([[[[1000.0, 999.0, -1000.0]]]])
-    weights = normalizer(name)(scores, NO_INPUTS)
-    shifted = reference(name, [0.0, -1.0, -2000.0])  # both formulas are invariant to a shift of the row
-    torch.testing.assert_close(weights[0, 0, 0], torch.tensor(shifted, dtype=torch.float32))
+    weights = normalizer(name)(scores, {})
+    shifted = reference_weights(name, torch.tensor([0.0, -1.0, -2000.0]), torch.ones(3, dtype=torch.bool))
+    torch.testing.assert_close(weights[0, 0, 0], shifted.float())  # both formulas are invariant to a shift of the row
+
+
+def test_relu2_divides_by_the_visible_keys_of_each_row():
+    scores = torch.full((1, 1, 3, 4), 2.0)
+    visible = torch.ones(1, 1, 3, 4, dtype=torch.bool).tril()
+    weights = normalizer("relu2")(scores.masked_fill(~visible, torch.finfo(torch.float32).min), {"visible": visible})
+    torch.testing.assert_close(weights.sum(-1)[0, 0], torch.tensor([4.0, 4.0, 4.0]))  # 4 * i / i
+    torch.testing.assert_close(weights[0, 0, 2, :3], torch.full((3,), 4 / 3))
+    assert torch.equal(normalizer("relu2")(scores, {"visible": None}), torch.full((1, 1, 3, 4), 1.0))  # 4 / 4 keys
+
+
+def test_exp_raises_on_overflow_and_float64_widens_the_range():
+    exp = normalizer("exp")
+    torch.testing.assert_close(exp(torch.tensor([[[[88.0, 0.0]]]]), {}), torch.tensor([[[[math.exp(88.0), 1.0]]]]))
+    with pytest.raises(OverflowError, match=r"a score of 90 gives e\^b = inf in torch.float32.*below log\(finfo"):
+        exp(torch.tensor([[[[90.0, 0.0]]]]), {})
+    with pytest.raises(OverflowError, match="inf in torch.float32"):  # bf16 scores are computed in float32
+        exp(torch.tensor([[[[90.0, 0.0]]]], dtype=torch.bfloat16), {})
+    assert math.isfinite(exp(torch.tensor([[[[700.0]]]], dtype=torch.float64), {}).item())
+
+
+def test_swish_l2_row_that_underflows_gives_zero_not_nan():
+    scores = torch.tensor([[[[-200.0, -300.0], [0.0, 0.0], [1.0, -1.0]]]])
+    weights = normalizer("swish_l2")(scores, {})
+    assert torch.equal(weights[0, 0, :2], torch.zeros(2, 2))  # swish underflows (and swish(0) = 0): weights 0
+    torch.testing.assert_close(
+        weights[0, 0, 2], reference_weights("swish_l2", scores[0, 0, 2], torch.ones(2).bool()).float()
+    )
+
+
+def test_gate_values_follow_clipped_distances_per_head():
+    for causal in (False, True):
+        gated = normalizer("softmax", causal=causal, num_heads=3, toeplitz_gate=True, toeplitz_max_distance=2)
+        assert gated.toeplitz_gate.shape == (3, 3 if causal else 5)
+        torch.nn.init.normal_(gated.toeplitz_gate)
+        queries, keys = torch.tensor([[4, 5, 9], [0, 1, 2]]), torch.tensor([[0, 3, 4, 5, 9, 12], [0, 1, 2, 3, 4, 5]])
+        expected = reference_gate(gated.toeplitz_gate.detach(), queries, keys, 2, causal)
+        torch.testing.assert_close(gated.gate_values(queries, keys).double(), expected)
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_gated_normalizer_is_the_formula_times_the_gate(name):
+    torch.manual_seed(0)
+    gated = normalizer(name, toeplitz_gate=True, toeplitz_max_distance=2).double()
+    torch.nn.init.normal_(gated.toeplitz_gate)
+    scores = torch.randn(1, 2, 3, 5, dtype=torch.float64)
+    visible = torch.tensor([True, True, True, True, False]).expand(1, 1, 3, 5)
+    inputs = {"visible": visible, "query_positions": torch.tensor([[0, 2, 4]]), "key_positions": torch.arange(5)[None]}
+    weights = gated(scores.masked_fill(~visible, torch.finfo(torch.float64).min), inputs)
+    gate = reference_gate(gated.toeplitz_gate.detach(), inputs["query_positions"], inputs["key_positions"], 2, False)
+    torch.testing.assert_close(weights, reference_weights(name, scores, visible, gate))
+
+
+def test_the_gate_runs_on_eager_only():
+    t5 = {"type": "t5", "num_buckets": 32, "max_distance": 128}
+    gated = resolve_attention_normalizer({"type": "softmax", "toeplitz_gate": True})
+    assert ATTENTION_NORMALIZERS["softmax"].supported_backends(gated) == ("eager",)
+    assert choose_backend("sdpa", t5, gated, CPU) == "eager"
+    with torch.no_grad():
+        assert choose_backend("flex_attention", t5, gated, CPU) == "eager"
+
+
+# --- inside the models: each normalizer x gate, both families, an absolute and a relative scheme ----------------
+
+
+def masked_batch(family):
+    """ids, attention mask, position ids and the visible keys ``(batch, 1, q, k)``: BERT with right padding and a row
+    that is all padding; GPT-2 causal with left padding (its pad queries see no key)."""
+    ids = random_ids(2, 7)
+    attention_mask = torch.ones_like(ids)
+    if family == "bert":
+        attention_mask[0] = 0
+        attention_mask[1, 5:] = 0
+        visible = attention_mask.bool()[:, None, None, :].expand(2, 1, 7, 7)
+    else:
+        attention_mask[0, :3] = 0
+        visible = attention_mask.bool()[:, None, None, :] & torch.ones(7, 7, dtype=torch.bool).tril()
+    return ids, attention_mask, hf_position_ids(attention_mask), visible
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("scheme", ["learned", "t5"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_model_attention_weights_match_the_float64_reference(family, scheme, name, gate):
+    spec = {"type": name, "toeplitz_gate": gate, "toeplitz_max_distance": 3}
+    model = make_model(family, scheme, spec, attn="eager").double()
+    perturb_gates(model)
+    ids, attention_mask, position_ids, visible = masked_batch(family)
+    captured = []
+    layers = [m for m in model.modules() if type(m) is ATTENTION_NORMALIZERS[name]]
+    layers[0].register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    with torch.no_grad():
+        output = model(ids, attention_mask=attention_mask, position_ids=position_ids, output_attentions=True)
+    expected_gate = None
+    if gate:
+        table = layers[0].toeplitz_gate.detach()
+        expected_gate = reference_gate(table, position_ids, position_ids, 3, causal=family == "gpt2")
+    expected = reference_weights(name, captured[0], visible, expected_gate)
+    torch.testing.assert_close(output.attentions[0], expected)
+    assert torch.isfinite(output.logits).all()
+
+
+def test_a_fresh_gated_model_equals_the_ungated_one(family):
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        plain = make_model(family, "t5", "l2", attn="eager")(ids).logits
+        gated = make_model(family, "t5", {"type": "l2", "toeplitz_gate": True}, attn="eager")
+        assert torch.equal(gated(ids).logits, plain)
+    gates = [p for name, p in gated.named_parameters() if name.endswith("toeplitz_gate")]
+    assert len(gates) == 2 and all(torch.equal(g, torch.ones_like(g)) for g in gates)  # one per layer, at 1
+    assert gates[0] is not gates[1]
+
+
+# --- the gate keeps the SPEC section 5 behaviours --------------------------------------------------------------
+
+
+def gated_model(family, scheme="t5", name="softmax", **kwargs):
+    model = make_model(family, scheme, {"type": name, "toeplitz_gate": True, "toeplitz_max_distance": 4}, **kwargs)
+    perturb_gates(model)
+    return model
 
 
 @pytest.mark.parametrize("name", ["softmax", "l2"])
-def test_masked_keys_weigh_exactly_zero(name):
-    """Masked keys reach a normalizer as finfo.min (the attention composition's contract) and get weight 0."""
-    scores = torch.randn(1, 2, 2, 4)
-    visible = torch.tensor([[True, False, True, False], [True, True, True, True]])
-    weights = normalizer(name)(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), NO_INPUTS)
-    assert torch.equal(weights[..., 0, 1], torch.zeros(1, 2))
-    assert torch.equal(weights[..., 0, 3], torch.zeros(1, 2))
-    expected = reference(name, scores[0, 0, 0, [0, 2]].tolist())
-    torch.testing.assert_close(weights[0, 0, 0, [0, 2]], torch.tensor(expected, dtype=torch.float32))
-
-
-def test_l2_model_weights_have_unit_row_norm():
-    model = make_model("bert", "t5", "l2")
+def test_gated_decoder_cached_forward_and_generate_equal_uncached(name):
+    model = gated_model("gpt2", name=name, attn="eager")
+    ids = random_ids(2, 12, seed=4)
     with torch.no_grad():
-        attentions = model(random_ids(1, 6), output_attentions=True).attentions
-    for layer in attentions:
-        torch.testing.assert_close(layer.norm(dim=-1), torch.ones_like(layer[..., 0]))
+        full = model(ids).logits
+        first = model(ids[:, :7], use_cache=True)
+        second = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached, uncached = model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), atol=ATOL, rtol=1e-4)
 
 
-def test_l2_shrinks_the_value_and_output_init(family):
-    """F: with l2 the W_V, W_O init std is scaled by max_positions^(-1/4) (max_positions = 40 here)."""
-    big = dict(hidden_size=256, num_attention_heads=4) if family == "bert" else dict(n_embd=256, n_head=4)
-    l2 = make_model(family, "learned", "l2", initializer_range=0.02, **big)
-    scale = 40**-0.25
-    if family == "bert":
-        attention = l2.bert.encoder.layer[0].attention
-        value, output = attention.self.value.weight, attention.output.dense.weight
-        expected_value_std, expected_output_std = 0.02 * scale, 0.02 * scale
-        query = attention.self.query.weight
+def test_gated_model_row_alone_equals_row_in_padded_batch_and_is_shift_invariant(family):
+    model = gated_model(family, name="exp")
+    short, full = random_ids(1, 7, seed=1), random_ids(1, 11, seed=2)
+    pad = torch.zeros(1, 4, dtype=torch.long)
+    padded = torch.cat([pad, short], 1) if family == "gpt2" else torch.cat([short, pad], 1)
+    attention_mask = torch.ones(2, 11, dtype=torch.long)
+    if family == "gpt2":
+        attention_mask[0, :4] = 0
     else:
-        attention = l2.transformer.h[0].attn
-        value, output = attention.c_attn.weight[:, 512:], attention.c_proj.weight
-        expected_value_std, expected_output_std = 0.02 * scale, 0.02 / math.sqrt(4) * scale
-        query = attention.c_attn.weight[:, :256]
-    assert value.std().item() == pytest.approx(expected_value_std, rel=0.05)
+        attention_mask[0, 7:] = 0
+    with torch.no_grad():
+        alone = model(short).logits[0]
+        batch = model(
+            torch.cat([padded, full]), attention_mask=attention_mask, position_ids=hf_position_ids(attention_mask)
+        )
+        shifted = model(short, position_ids=torch.arange(7)[None] + 13).logits[0]
+    torch.testing.assert_close(batch.logits[0][attention_mask[0].bool()], alone, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(shifted, alone, atol=ATOL, rtol=1e-4)
+
+
+def test_gated_model_save_load_is_exact_and_gradients_reach_the_gate(family, tmp_path):
+    model = gated_model(family, name="relu2")
+    model.save_pretrained(tmp_path)
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    reloaded = auto.from_pretrained(tmp_path).eval()
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for name, p in model.named_parameters() if name.endswith("toeplitz_gate")]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+# --- numerics at length, and the fused FlexAttention path ------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", NORMALIZERS + ["gated"])
+def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
+    """8 queries at the end of 4096 keys, a T5 bias, bf16 q/k/v; the weights are computed in float32."""
+    torch.manual_seed(0)
+    n, heads = 4096, 2
+    query_positions, key_positions = torch.arange(n - 8, n)[None], torch.arange(n)[None]
+    q, k, v = (torch.randn(1, heads, length, 16).bfloat16() for length in (8, n, n))
+    dims = AttentionDims(hidden_size=32, num_heads=heads, head_dim=16, max_positions=n, causal=causal)
+    spec = {"type": "softmax", "toeplitz_gate": True} if name == "gated" else {"type": name}
+    layer = ATTENTION_NORMALIZERS[spec["type"]](resolve_attention_normalizer(spec), dims)
+    if name == "gated":
+        torch.nn.init.normal_(layer.toeplitz_gate, 1.0, 0.5)
+    t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128}, dims)
+    torch.nn.init.normal_(t5.relative_attention_bias.weight)
+    visible = (query_positions[:, None, :, None] >= key_positions[:, None, None, :]) if causal else None
+    bias = t5.prepare(query_positions, key_positions, "eager")["score_bias"]
+    inputs = {"backend": "eager", "query_positions": query_positions, "key_positions": key_positions, "position": {}}
+    inputs.update(build_dense_mask(visible, bias, torch.float32, keep_boolean=False))
+    encoding = POSITION_ENCODINGS["none"]({"type": "none"}, dims)
+    with torch.no_grad():
+        out, weights = positional_attention(
+            q, k, v, inputs, encoding, layer, None, scaling=0.25, dropout=0.0, training=False, causal=causal
+        )
+        scores = q.double() @ k.double().transpose(-1, -2) * 0.25 + bias.double()
+        gate = layer.gate_values(query_positions, key_positions) if name == "gated" else None
+        full = torch.ones(1, 1, 8, n, dtype=torch.bool) if visible is None else visible
+        expected = reference_weights(spec["type"], scores, full, gate) @ v.double()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and torch.isfinite(weights).all()
+    scale = expected.abs().amax()
+    torch.testing.assert_close(out.transpose(1, 2).double() / scale, expected / scale, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(("family", "name"), [("bert", "l2"), ("gpt2", "exp")])  # uncompiled flex is slow
+def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeypatch):
+    """``O = softmax(b) V x exp(lse(b) - lse(2b)/2)`` (l2), ``x exp(lse(b))`` (exp). Compiled FlexAttention returns
+    the log-sum-exp off CPU only (torch 2.13); uncompiled FlexAttention returns it on CPU, so it stands in here. With
+    a padded row, and in BERT a row that sees no key (FlexAttention: lse = -inf, output 0)."""
+    calls = []
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(kwargs["return_aux"].lse)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda: uncompiled_flex)
+    ids = random_ids(3, 8)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 5:] = 0
+    if family == "bert":
+        attention_mask[2] = 0
+    outputs = {}
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, "t5", name, attn=attn)
+        with torch.no_grad():
+            outputs[attn] = model.base_model(ids, attention_mask=attention_mask).last_hidden_state
+    assert len(calls) == (4 if name == "l2" else 2)  # two layers; l2 also needs lse(2b)
+    assert torch.isfinite(outputs["flex_attention"]).all()
+    real = attention_mask.bool()
+    torch.testing.assert_close(outputs["flex_attention"][real], outputs["eager"][real], atol=ATOL, rtol=1e-4)
+
+
+def test_l2_and_exp_on_flex_run_eager_on_cpu_and_flex_elsewhere():
+    t5 = {"type": "t5", "num_buckets": 32, "max_distance": 128}
+    for name in ("l2", "exp"):
+        spec = resolve_attention_normalizer(name)
+        with torch.no_grad():
+            assert choose_backend("flex_attention", t5, spec, CPU) == "eager"
+            assert choose_backend("flex_attention", t5, spec, torch.device("cuda")) == "flex_attention"
+        assert choose_backend("sdpa", t5, spec, torch.device("cuda")) == "eager"
+    for name in ("relu2", "swish_l2"):
+        with torch.no_grad():
+            assert (
+                choose_backend("flex_attention", t5, resolve_attention_normalizer(name), torch.device("cuda"))
+                == "eager"
+            )
+
+
+# --- initialisation ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_value_init_scale_undoes_the_row_sum_at_init(name):
+    """At init the scores are near 0 (a small constant c for n equal tokens): a normalizer whose row sums to r(n)
+    (softmax: 1) scales W_V and W_O by r(n)^(-1/2) each, so the output starts at softmax's scale; r(n) <= 1 keeps 1."""
+    n = 64
+    layer = normalizer(name, max_positions=n)
+    row_sum = layer(torch.full((1, 1, 1, n), 0.01, dtype=torch.float64), {"visible": None}).sum().item()
+    expected = row_sum**-0.5 if row_sum > 1.0 + 1e-6 else 1.0
+    assert layer.value_init_scale() == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["l2", "exp", "relu2"])
+def test_models_shrink_the_value_and_output_init_by_the_factor(family, name):
+    big = dict(hidden_size=256, num_attention_heads=4) if family == "bert" else dict(n_embd=256, n_head=4)
+    model = make_model(family, "learned", name, initializer_range=0.02, **big)  # max_positions = 40
+    scale = {"l2": 40**-0.25, "exp": 40**-0.5, "relu2": 1.0}[name]
+    if family == "bert":
+        attention = model.bert.encoder.layer[0].attention
+        value, output, query = attention.self.value.weight, attention.output.dense.weight, attention.self.query.weight
+        expected_output_std = 0.02 * scale
+    else:
+        attention = model.transformer.h[0].attn
+        value, output, query = (
+            attention.c_attn.weight[:, 512:],
+            attention.c_proj.weight,
+            attention.c_attn.weight[:, :256],
+        )
+        expected_output_std = 0.02 / math.sqrt(4) * scale  # GPT-2's residual scaling, 2 layers
+    assert value.std().item() == pytest.approx(0.02 * scale, rel=0.05)
     assert output.std().item() == pytest.approx(expected_output_std, rel=0.05)
     assert query.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_listing_names_every_normalizer_with_the_gate_options():
+    listing = hf_posenc.list_attention_normalizers()
+    assert list(listing) == NORMALIZERS
+    for entry in listing.values():
+        assert entry["options"]["toeplitz_max_distance"]["default"] == 128
+    assert make_config("gpt2", "t5", {"type": "relu2", "toeplitz_gate": True}).attention_normalizer == {
+        "type": "relu2", "toeplitz_gate": True, "toeplitz_max_distance": 128
+    }  # fmt: skip
+
+
+def test_convert_with_a_gated_softmax_gives_the_stock_logits():
+    """convert() starts the gate from its init (1): a converted stock GPT-2 computes what the stock one does."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=40, vocab_size=61)
+    stock = transformers.GPT2LMHeadModel(config).eval()
+    converted = hf_posenc.convert(stock, attention_normalizer={"type": "softmax", "toeplitz_gate": True}).eval()
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, stock(ids).logits, atol=ATOL, rtol=1e-4)
+    assert converted.transformer.h[1].attn.normalizer.toeplitz_gate.eq(1).all()

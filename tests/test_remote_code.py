@@ -43,6 +43,7 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         ("bert", "t5", "l2", "AutoModelForMaskedLM,AutoModel"),
         ("gpt2", "rope", "softmax", "AutoModelForCausalLM,AutoModel"),
         ("gpt2", "alibi", "l2", "AutoModelForCausalLM"),
+        ("gpt2", "rope", {"type": "swish_l2", "toeplitz_gate": True}, "AutoModelForCausalLM"),
         ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
         ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
     ],

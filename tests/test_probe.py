@@ -1,0 +1,77 @@
+"""The position probe (kexue.fm/archives/9105, SPEC section 4): the library function and its recipe, reduced."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_posenc
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import probe as probe_recipe  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The probe's models are tiny: one thread is fastest, and not stalled by a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_relative_scheme_with_softmax_gives_equal_outputs(family):
+    """Rows sum to 1 and every value is the same: every output is the same, to float rounding."""
+    result = hf_posenc.probe("t5", "softmax", family=family, length=8, steps=20, learning_rate=3e-3)
+    assert result["output_spread"] < 1e-5
+    assert result["relative_mse"] > 1.0 - 1e-4  # equal outputs: at best the mean, an error of the variance
+    assert result["target_variance"] == pytest.approx((8**2 - 1) / 12)
+    assert not result["fitted"]
+
+
+def test_relative_scheme_with_l2_fits_the_positions():
+    result = hf_posenc.probe("t5", "l2", family="gpt2", length=8, steps=100, learning_rate=3e-3)
+    assert result["mse"] < 0.01 * result["target_variance"]
+    assert result["fitted"]
+    assert result["attention_normalizer"]["type"] == "l2" and result["position_encoding"]["type"] == "t5"
+    assert [round(p) for p in result["predictions"]] == list(range(1, 9))
+
+
+def test_probe_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"family 'llama' is not one of \('bert', 'gpt2'\)"):
+        hf_posenc.probe("t5", family="llama")
+    with pytest.raises(ValueError, match="length must be at least 2"):
+        hf_posenc.probe("t5", length=1)
+
+
+def test_recipe_writes_the_table_the_results_and_the_heat_map(tmp_path):
+    argv = ["--families", "gpt2", "--schemes", "learned", "none", "--variants", "softmax", "exp+gate+boundary"]
+    argv += ["--seeds", "0", "1", "--length", "4", "--steps", "2", "--output-dir", str(tmp_path)]
+    results = probe_recipe.main(argv)
+    assert [(r["scheme"], r["variant"], r["seed"]) for r in results[::2]] == [
+        ("learned", "softmax", 0), ("learned", "exp+gate+boundary", 0), ("none", "softmax", 0),
+        ("none", "exp+gate+boundary", 0),
+    ]  # fmt: skip
+    assert results[1]["seed"] == 1 and results[1]["predictions"] != results[0]["predictions"]
+    gated = results[2]
+    assert gated["attention_normalizer"]["toeplitz_gate"] and gated["boundary_tokens"]
+    assert json.loads((tmp_path / "probe_results.json").read_text()) == results
+    table = (tmp_path / "probe_table.md").read_text()
+    assert "(target variance 1.25)" in table and "exp+gate+boundary" in table
+    assert "| `none` | " in table and " ✗ 0/2 (0) |" in table  # none + softmax: outputs equal, spread 0, both seeds
+    assert (tmp_path / "probe_heatmap.png").stat().st_size > 1000
+
+
+def test_recipe_parses_schemes_with_options_and_rejects_unknown_variants(capsys):
+    assert probe_recipe.parse_scheme("shaw:use_value=false,max_distance=4") == {
+        "type": "shaw", "use_value": False, "max_distance": 4
+    }  # fmt: skip
+    with pytest.raises(SystemExit):
+        probe_recipe.parse_args(["--variants", "softmax+gated"])
+    assert "unknown flag(s) ['gated']" in capsys.readouterr().err
