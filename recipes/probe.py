@@ -73,7 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/probe"))
     args = parser.parse_args(argv)
     encodings, normalizers = hf_posenc.list_position_encodings(), hf_posenc.list_attention_normalizers()
@@ -203,7 +202,6 @@ def heat_map(results: list[dict], families: list[str], schemes: list[str], varia
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     results = run_grid(args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, args.families, args.schemes, args.variants)

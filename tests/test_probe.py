@@ -7,22 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import hf_posenc
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import probe as probe_recipe  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The probe's models are tiny: one thread is fastest, and not stalled by a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])

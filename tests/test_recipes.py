@@ -214,7 +214,7 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path):
     rows = compare.main(
         ["--schemes", "learned", "rope", "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16"]
         + ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--factors", "1", "2"]
-        + ["--max_eval_tokens", "256", "--output_dir", str(tmp_path)]
+        + ["--max_eval_tokens", "256", "--probe_steps", "5", "--output_dir", str(tmp_path)]
     )
     assert [(row["scheme"], row["normalizer"]) for row in rows] == [("learned", "softmax"), ("rope", "softmax")]
     report = (tmp_path / "compare.md").read_text()
@@ -224,8 +224,7 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path):
     assert json.loads((tmp_path / "compare.json").read_text())["rows"][1]["scheme"] == "rope"
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     assert (tmp_path / "models" / "clm-rope-softmax" / "model.safetensors").is_file()
-    if not hasattr(hf_posenc, "probe"):
-        assert "probe" not in report.splitlines()[2] and "this hf_posenc has no hf_posenc.probe" in report
+    assert "probe rel. MSE" in report.splitlines()[2] and all(row["probe"] > 0 for row in rows)
 
 
 @pytest.mark.parametrize(
