@@ -37,6 +37,7 @@ from .modeling_posenc_gpt2 import (
 from .position_encodings import POSITION_ENCODINGS
 from .position_extension import extend_positions
 from .probe import probe
+from .retrofit import retrofit
 
 
 __version__ = "0.1.0"
@@ -81,6 +82,7 @@ __all__ = [
     "PosEncGPT2PreTrainedModel",
     "convert",
     "extend_positions",
+    "retrofit",
     "list_position_encodings",
     "list_attention_normalizers",
     "probe",

@@ -5,11 +5,35 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
 
 from .options import Option
 from .position_interface import EmbeddingInputs, PositionEncoding
+
+
+def check_table_positions(position_ids: torch.Tensor, limit: int, kind: str, ways_past: str) -> None:
+    """Raise ``ValueError`` on a negative position, or one at or past the ``limit`` of a ``kind`` table, naming
+    ``ways_past`` the limit."""
+    if torch.compiler.is_compiling():
+        return
+    if int(position_ids.min()) < 0:
+        raise ValueError(f"Position ids must be >= 0 for a {kind} table; got {int(position_ids.min())}.")
+    if int(position_ids.max()) >= limit:
+        raise ValueError(
+            f"Position {int(position_ids.max())} is outside the {kind} position table of {limit} positions "
+            f"(0..{limit - 1}). {ways_past}"
+        )
+
+
+EXTEND_OR_SWITCH = (
+    "Use hf_posenc.extend_positions(model, max_positions) to lengthen the table, or a scheme without a length limit "
+    "(rope, t5, alibi, sinusoidal)."
+)
 
 
 class LearnedAbsolute(PositionEncoding):
@@ -30,16 +54,7 @@ class LearnedAbsolute(PositionEncoding):
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
         position_ids = inputs.position_ids
-        if not torch.compiler.is_compiling():
-            limit = self.table.num_embeddings
-            if int(position_ids.min()) < 0:
-                raise ValueError(f"Position ids must be >= 0 for a learned table; got {int(position_ids.min())}.")
-            if int(position_ids.max()) >= limit:
-                raise ValueError(
-                    f"Position {int(position_ids.max())} is outside the learned position table of {limit} positions "
-                    f"(0..{limit - 1}). Use hf_posenc.extend_positions(model, max_positions) to lengthen the table, "
-                    "or a scheme without a length limit (rope, t5, alibi, sinusoidal)."
-                )
+        check_table_positions(position_ids, self.table.num_embeddings, "learned", EXTEND_OR_SWITCH)
         return inputs.inputs_embeds + self.table(position_ids)
 
 
@@ -71,3 +86,471 @@ class NoPosition(PositionEncoding):
     name = "none"
     description = "no position information (NoPE)"
     relative = True
+
+
+class MultiplicativeAbsolute(PositionEncoding):
+    """Multiplicative absolute positions: ``x_k * p_k`` (elementwise) instead of ``x_k + p_k`` (kexue.fm/archives/8130
+    "乘性", after zhuanlan.zhihu.com/p/183234823).
+
+    ``table="learned"``: ``p`` is a trainable ``(max_positions, hidden)`` table initialised
+    ``N(1, initializer_range)``, so that ``x * p`` starts near ``x`` and keeps the embedding scale; positions past
+    its length raise.
+    ``table="sinusoidal"``: ``p_k = 1 + PE_k`` with ``PE`` the fixed sin/cos table (:func:`sinusoidal_table`), a gain
+    around 1 that zeroes no component (``PE`` alone would zero every sin component at position 0).
+    """
+
+    name = "multiplicative"
+    description = "x_k * p_k (elementwise) instead of x_k + p_k; p learned (init near 1) or 1 + sin/cos"
+    options = {
+        "table": Option(
+            "learned",
+            (str,),
+            "'learned' or 'sinusoidal'",
+            lambda v: v in ("learned", "sinusoidal"),
+            "learned, sinusoidal",
+        ),
+        "max_positions": Option(
+            None, (int,), "learned table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
+        ),
+        "base": Option(
+            10000.0, (float, int), "wavelength base of the sinusoidal table", lambda v: v > 1, "a number > 1"
+        ),
+    }
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        if spec["table"] == "learned":
+            self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+
+    def init_weights(self, std: float) -> None:
+        if self.spec["table"] == "learned":
+            init.normal_(self.table.weight, mean=1.0, std=std)
+
+    def position_gains(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``p_k`` for ``position_ids`` ``(batch, seq)`` -> ``(batch, seq, hidden)``."""
+        if self.spec["table"] == "sinusoidal":
+            return 1 + sinusoidal_table(position_ids, self.dims.hidden_size, self.spec["base"])
+        check_table_positions(position_ids, self.table.num_embeddings, "multiplicative", EXTEND_OR_SWITCH)
+        return self.table(position_ids)
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        return inputs.inputs_embeds * self.position_gains(inputs.position_ids).to(inputs.inputs_embeds.dtype)
+
+
+def hierarchical_positions(table: torch.Tensor, position_ids: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Hierarchical decomposition (Su, kexue.fm/archives/7947), 0-indexed: with ``n`` trained rows ``p``,
+    ``u_i = (p_i - alpha p_0) / (1 - alpha)`` and ``q_(i n + j) = alpha u_i + (1 - alpha) u_j``.
+
+    Positions below ``n`` read ``p`` itself (bit-exact; equal by the formula); positions reach up to ``n^2 - 1``.
+    ``table`` ``(n, hidden)``, ``position_ids`` any shape of ints in ``[0, n^2)`` -> ``(*position_ids.shape, hidden)``.
+    The one implementation behind the ``hierarchical`` scheme and ``extend_positions(method="hierarchical")``.
+    """
+    n = table.shape[0]
+    basis = (table - alpha * table[:1]) / (1 - alpha)
+    decomposed = alpha * basis[position_ids // n] + (1 - alpha) * basis[position_ids % n]
+    trained = table[position_ids.clamp(max=n - 1)]
+    return torch.where((position_ids < n)[..., None], trained, decomposed)
+
+
+class HierarchicalAbsolute(PositionEncoding):
+    """A learned table of ``n`` rows added to the input, read at any position below ``n^2`` by the hierarchical
+    decomposition of kexue.fm/archives/7947 (:func:`hierarchical_positions`): positions below ``n`` give exactly
+    the learned rows, so it trains as ``learned`` does and reads ``n^2`` positions. Parameters: ``table``
+    ``(max_positions, hidden)``, initialised ``N(0, initializer_range)`` like BERT's table."""
+
+    name = "hierarchical"
+    description = "learned table read past its length n (up to n^2) by hierarchical decomposition (kexue 7947)"
+    options = {
+        "max_positions": Option(
+            None, (int,), "learned rows n (default: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
+        ),
+        "alpha": Option(0.4, (float,), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
+    }
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        n = self.table.num_embeddings
+        ways_past = f"It reads n^2 positions for n = {n} learned rows: set a larger max_positions, or use a scheme "
+        check_table_positions(inputs.position_ids, n * n, "hierarchical", ways_past + "without a length limit.")
+        return inputs.inputs_embeds + hierarchical_positions(
+            self.table.weight, inputs.position_ids, self.spec["alpha"]
+        )
+
+
+def complex_order_embeddings(
+    embeddings: torch.Tensor, frequencies: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """Complex Order at position ``k``: ``r e^{i(omega k + theta)} = (r e^{i theta}) e^{i omega k}``.
+
+    ``embeddings`` ``(batch, seq, 2 D)`` hold each token's complex vector at position 0, ``r e^{i theta}``, as
+    ``[real ; imaginary]`` halves ``[a ; b]``; ``frequencies`` ``(batch, seq, D)`` its ``omega``; ``position_ids``
+    ``(batch|1, seq)``. Returns ``[a cos(omega k) - b sin(omega k) ; a sin(omega k) + b cos(omega k)]``, the real and
+    imaginary parts at position ``k``, ``(batch, seq, 2 D)``.
+    """
+    real, imaginary = embeddings.float().chunk(2, dim=-1)
+    angles = frequencies.float() * position_ids[..., None].float()
+    cos, sin = angles.cos(), angles.sin()
+    rotated = torch.cat((real * cos - imaginary * sin, real * sin + imaginary * cos), dim=-1)
+    return rotated.to(embeddings.dtype)
+
+
+class ComplexOrder(PositionEncoding):
+    """Complex Order (Wang et al. ICLR 2020, "Encoding word order in complex embeddings"): word ``j`` at position
+    ``k`` is ``r_j e^{i(omega_j k + theta_j)}`` in ``C^D``, ``D = hidden_size / 2`` (:func:`complex_order_embeddings`).
+
+    Realised in the real-valued model: the first ``D`` features are the real parts, the last ``D`` the imaginary
+    parts. The model's own token embedding is the word's complex vector at position 0, ``r_j e^{i theta_j}`` in that
+    ``[real ; imaginary]`` layout, so amplitude ``r_j`` and phase ``theta_j`` are its polar coordinates (one per
+    complex feature) and tied output embeddings keep working; the scheme adds the per-word frequencies
+    ``frequencies`` ``(vocab_size, D)``, resized with the token embedding (``resize_token_tables``) and initialised
+    to the sinusoidal frequencies ``10000^(-2d / hidden)`` for every word (so it starts as a sinusoidal rotation of
+    each word vector). In BERT the hook's input is word + token-type embedding: the token type is part of the
+    position-0 vector. Needs the token ids; the paper's complex-valued layers are not built (the layers are real).
+    """
+
+    name = "complex_order"
+    description = "Complex Order: per-word amplitude, frequency, phase; r*e^{i(omega*k+theta)} as real and imaginary"
+    base = 10000.0
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        if dims.hidden_size % 2:
+            raise ValueError(
+                f"complex_order needs an even hidden_size (real and imaginary halves); got {dims.hidden_size}."
+            )
+        self.frequencies = nn.Parameter(torch.empty(dims.vocab_size, dims.hidden_size // 2))
+
+    def initial_frequencies(self, num_tokens: int) -> torch.Tensor:
+        exponents = torch.arange(0, self.dims.hidden_size, 2, dtype=torch.float32) / self.dims.hidden_size
+        return (self.base**-exponents).expand(num_tokens, -1)
+
+    def init_weights(self, std: float) -> None:
+        init.copy_(self.frequencies, self.initial_frequencies(self.frequencies.shape[0]))
+
+    def resize_token_tables(self, num_tokens: int) -> None:
+        old = self.frequencies
+        if num_tokens == old.shape[0]:
+            return
+        new = self.initial_frequencies(num_tokens).to(device=old.device, dtype=old.dtype).clone()
+        kept = min(num_tokens, old.shape[0])
+        new[:kept] = old.detach()[:kept]
+        self.frequencies = nn.Parameter(new, requires_grad=old.requires_grad)
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        if inputs.input_ids is None:
+            raise ValueError(
+                "position_encoding 'complex_order' reads each token's frequencies by its id and needs input_ids; "
+                "the model got inputs_embeds only."
+            )
+        frequencies = self.frequencies[inputs.input_ids]
+        return complex_order_embeddings(inputs.inputs_embeds, frequencies, inputs.position_ids)
+
+
+def padding_keep(attention_mask: torch.Tensor | None, seq_len: int, past_length) -> torch.Tensor | None:
+    """``(batch, seq)`` booleans, False on the padding tokens among the current ``seq_len`` ones, or None.
+
+    A 2-D mask covers the cached and current tokens (its last ``seq_len`` columns are the current ones). A 4-D mask
+    (boolean, True = visible, or additive float) has no padding flag: a token that no query may attend counts as
+    padding; its current tokens are the key columns ``past_length .. past_length + seq_len - 1``.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -seq_len:].bool()
+    if attention_mask.dtype == torch.bool:
+        visible = attention_mask
+    else:
+        visible = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    columns = past_length + torch.arange(seq_len, device=attention_mask.device)
+    return visible.any(dim=-2)[:, 0, columns]
+
+
+class ConvAbsolute(PositionEncoding):
+    """Position from zero padding: ``x + DWConv(x)``, a depthwise convolution over the sequence with zero padding
+    (Islam et al. ICLR 2020, "How Much Position Information Do Convolutional Neural Networks Encode?"; the residual
+    form is Chu et al. 2023's conditional position encoding). The zeros beyond each end tell a token how far the
+    boundary is, up to ``kernel_size - 1`` tokens away; the position ids are not read.
+
+    Encoder: ``(kernel_size - 1) // 2`` zeros on the left, the rest on the right. Decoder: ``kernel_size - 1`` zeros
+    on the left only, so token ``t`` reads tokens ``t - kernel_size + 1 .. t``. Padding tokens (2-D mask, or tokens no
+    query attends in a 4-D mask) are zeroed before the convolution, so a padded row equals the row alone. With a KV
+    cache, every token's (zeroed) input is kept as the per-token cache state ``"conv_inputs"``; a decoding step reads
+    the ``kernel_size - 1`` rows before its tokens (by the cached length, so a static cache's unwritten rows are never
+    read) and convolves without padding. Parameters: ``conv`` (``hidden`` channels, one group each), initialised
+    as Transformers initialises a convolution (``N(0, initializer_range)``, zero bias).
+    """
+
+    name = "conv"
+    description = "x + depthwise convolution with zero padding: position leaks from the padding (causal in a decoder)"
+    options = {"kernel_size": Option(3, (int,), "convolution width", lambda v: v >= 2, "an int >= 2")}
+    cache_states = ("conv_inputs",)
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        hidden, width = dims.hidden_size, spec["kernel_size"]
+        self.conv = nn.Conv1d(hidden, hidden, width, groups=hidden)
+        left = width - 1 if dims.causal else (width - 1) // 2
+        self.padding = (left, width - 1 - left)
+
+    def convolve(self, window: torch.Tensor) -> torch.Tensor:
+        """``(batch, length + kernel_size - 1, hidden)`` -> ``(batch, length, hidden)``, no padding."""
+        return self.conv(window.transpose(1, 2)).transpose(1, 2)
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        x = inputs.inputs_embeds
+        seq_len, width = x.shape[1], self.spec["kernel_size"]
+        past_length = inputs.cache.cache.get_seq_length() if inputs.cache is not None else 0
+        keep = padding_keep(inputs.attention_mask, seq_len, past_length)
+        if keep is not None:
+            x = x * keep[..., None].to(x.dtype)
+        if inputs.cache is None:
+            return inputs.inputs_embeds + self.convolve(F.pad(x, (0, 0, *self.padding)))
+        stored = inputs.cache.append_state("conv_inputs", x, self)
+        rows = past_length + torch.arange(1 - width, seq_len, device=x.device)
+        window = stored[:, rows.clamp(min=0)] * (rows >= 0)[None, :, None].to(x.dtype)
+        return inputs.inputs_embeds + self.convolve(window)
+
+
+def fresh_float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in float32 in newly allocated memory. The sequential schemes multiply matrices by single vectors,
+    and CPU matrix-vector kernels round differently with the data's alignment: a loaded (memory-mapped) weight would
+    give other last bits than the one saved, breaking the exact save/load round trip."""
+    return weight.float().clone()
+
+
+class GeneratedTable(PositionEncoding):
+    """Base of the schemes whose table is generated in sequence (a recurrence, an ODE) rather than stored: each
+    forward generates rows ``0 .. L - 1`` once, ``L`` the largest position id + 1, and adds ``table[position]``.
+
+    In eval with gradients off (``generate``, pipelines) the table is kept and reused until a parameter changes (its
+    storage or in-place ``_version`` counter: an optimizer step, ``load_state_dict``, a cast or a move) or a longer
+    input arrives. It is never kept while gradients are recorded, so no autograd graph outlives its forward.
+    Subclasses define :meth:`generate_table`.
+    """
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.cached_table: tuple[tuple, torch.Tensor] | None = None
+
+    def generate_table(self, length: int) -> torch.Tensor:
+        """Rows ``p_0 .. p_(length - 1)`` in float32, ``(length, hidden)``."""
+        raise NotImplementedError
+
+    def position_table(self, length: int) -> torch.Tensor:
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.generate_table(length)
+        weights = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters())
+        if self.cached_table is None or self.cached_table[0] != weights or len(self.cached_table[1]) < length:
+            self.cached_table = (weights, self.generate_table(length))
+        return self.cached_table[1][:length]
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        position_ids = inputs.position_ids
+        if int(position_ids.min()) < 0:
+            raise ValueError(f"Position ids must be >= 0 for {self.name!r}; got {int(position_ids.min())}.")
+        table = self.position_table(int(position_ids.max()) + 1)
+        return inputs.inputs_embeds + table[position_ids].to(inputs.inputs_embeds.dtype)
+
+
+RECURRENT_CELLS = ("gru", "tanh")
+
+
+class UnrolledRecurrence(torch.autograd.Function):
+    """``p_0 .. p_(L-1)`` of ``p_(k+1) = f(W p_k + b)`` (:class:`RecurrentAbsolute`'s cells), ``(L, hidden)``, with
+    a hand-written backward through time. Autograd would record about ten small nodes per step and add an outer
+    product into ``W``'s gradient at every step, which on a CPU (worst with several threads) costs far more than the
+    forward; here ``dW`` is one matrix product of the per-step pre-activation gradients and the states."""
+
+    @staticmethod
+    def forward(ctx, initial, weight, bias, length: int, cell: str):
+        rows, gates = [initial], []
+        for _ in range(length - 1):
+            pre = F.linear(rows[-1], weight, bias)
+            if cell == "tanh":
+                rows.append(torch.tanh(pre))
+                continue
+            reset_pre, update_pre, candidate_pre = pre.chunk(3)
+            reset, update = reset_pre.sigmoid(), update_pre.sigmoid()
+            candidate = torch.tanh(reset * candidate_pre)
+            gates.append(torch.cat((reset, update, candidate, candidate_pre)))
+            rows.append(torch.lerp(candidate, rows[-1], update))
+        table = torch.stack(rows)
+        ctx.cell = cell
+        ctx.save_for_backward(weight, table, torch.stack(gates) if gates else table[:0])
+        return table
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_table):
+        weight, table, gates = ctx.saved_tensors
+        pre_grads = grad_table.new_zeros(table.shape[0] - 1, weight.shape[0])
+        carry = torch.zeros_like(table[0])  # dLoss/dp_k through the later steps
+        for k in range(table.shape[0] - 1, 0, -1):
+            grad = grad_table[k] + carry
+            if ctx.cell == "tanh":
+                pre_grads[k - 1] = grad * (1 - table[k].square())
+                carry = weight.T @ pre_grads[k - 1]
+                continue
+            reset, update, candidate, candidate_pre = gates[k - 1].chunk(4)
+            grad_candidate = grad * (1 - update) * (1 - candidate.square())
+            grad_reset = grad_candidate * candidate_pre * reset * (1 - reset)
+            grad_update = grad * (table[k - 1] - candidate) * update * (1 - update)
+            pre_grads[k - 1] = torch.cat((grad_reset, grad_update, grad_candidate * reset))
+            carry = grad * update + weight.T @ pre_grads[k - 1]
+        return grad_table[0] + carry, pre_grads.T @ table[:-1], pre_grads.sum(0), None, None
+
+
+class RecurrentAbsolute(GeneratedTable):
+    """Recurrent absolute positions (kexue.fm/archives/8130 "递归式"): a learned ``p_0`` and ``p_(k+1) = f(p_k)``,
+    added to the input; unrolled once per forward (:class:`GeneratedTable`, :class:`UnrolledRecurrence`).
+
+    ``cell="tanh"``: ``f(p) = tanh(W p + b)`` (an Elman cell with no input). ``cell="gru"``: a GRU cell with no
+    input, ``[a_r; a_z; a_n] = W p + b``, ``r = sigma(a_r)``, ``z = sigma(a_z)``, ``f(p) = (1 - z) tanh(r a_n) + z p``
+    (``torch.nn.GRUCell`` with a zero input and zero input bias). Parameters: ``initial`` ``p_0`` ``(hidden,)``,
+    ``transition`` (``W``, ``b``: ``(3 hidden | hidden, hidden)``). Initialised as Keras initialises recurrent
+    cells: ``W`` orthogonal (per gate), ``b = 0``; ``p_0 ~ N(0, initializer_range)`` like a learned table.
+    """
+
+    name = "recurrent"
+    description = "p_{k+1} = f(p_k) from a learned p_0, f a small recurrent cell (GRU or tanh), added to the input"
+    options = {"cell": Option("gru", (str,), "recurrent cell", lambda v: v in RECURRENT_CELLS, "gru, tanh")}
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        hidden = dims.hidden_size
+        self.initial = nn.Parameter(torch.empty(hidden))
+        self.transition = nn.Linear(hidden, 3 * hidden if spec["cell"] == "gru" else hidden)
+
+    def init_weights(self, std: float) -> None:
+        init.normal_(self.initial, std=std)
+        gates = self.transition.weight.shape[0] // self.dims.hidden_size
+        orthogonal = [
+            nn.init.orthogonal_(torch.empty(self.dims.hidden_size, self.dims.hidden_size)) for _ in range(gates)
+        ]
+        init.copy_(self.transition.weight, torch.cat(orthogonal))
+        init.zeros_(self.transition.bias)
+
+    def generate_table(self, length: int) -> torch.Tensor:
+        weight, bias = fresh_float32(self.transition.weight), self.transition.bias.float()
+        return UnrolledRecurrence.apply(self.initial.float(), weight, bias, length, self.spec["cell"])
+
+
+FLOATER_ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "adaptive_heun")
+FLOATER_FIXED_STEP_METHODS = ("rk4", "midpoint", "euler")
+
+
+def rotate_pairs(p: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """``exp(Omega t) p`` for the pairs ``(x, y) = (p_2i, p_2i+1)``, ``angles = omega_i t``:
+    ``(x cos + y sin, -x sin + y cos)``, the flow of ``dx/dt = omega_i y``, ``dy/dt = -omega_i x``, which carries
+    ``(0, 1)`` to ``(sin omega_i t, cos omega_i t)``. ``p`` ``(..., 2 n)``, ``angles`` ``(..., n)``."""
+    x, y = p[..., 0::2], p[..., 1::2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack((x * cos + y * sin, y * cos - x * sin), dim=-1).flatten(-2)
+
+
+def import_odeint():
+    """``torchdiffeq.odeint``, imported only where ``floater`` runs (it is an optional dependency)."""
+    try:
+        from torchdiffeq import odeint
+    except ImportError as error:
+        raise ImportError(
+            "position_encoding 'floater' solves its ODE with the torchdiffeq package, which is not installed: "
+            "pip install torchdiffeq (or pip install 'hf_posenc[floater]')."
+        ) from error
+    return odeint
+
+
+class Floater(GeneratedTable):
+    """FLOATER (Liu et al. ICML 2020, "Learning to Encode Position for Transformer with Continuous Dynamical Model"):
+    ``dp/dt = h(p(t), t)``, ``p(0)`` learned, the table ``p_k = p(k)`` read at the integer positions and added to
+    the input (kexue.fm/archives/8130 "递归式"). Solved with torchdiffeq's ``odeint`` over ``t = 0 .. L - 1``
+    (``L`` the largest position + 1) once per forward, gradients through the solver's steps (:class:`GeneratedTable`
+    caches it in eval). The paper also injects ``p`` in every layer; here it enters at the input only.
+
+    ``h(p, t) = Omega p + g(p, t)``: ``Omega`` rotates each feature pair ``(p_2i, p_2i+1)`` at a learned frequency
+    ``omega_i`` (:func:`rotate_pairs`), so the sin/cos table is the solution with ``g = 0`` (its special solution,
+    kexue.fm/archives/8130); ``dynamics="mlp"``: ``g = W_2 tanh(W_1 [p; t] + b_1) + b_2`` (``width`` hidden units),
+    ``dynamics="linear"``: ``g = 0``. The solver runs in the frame that rotates with ``Omega`` (an integrating
+    factor): ``q = exp(-Omega t) p`` obeys ``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)``, and ``p(k) =
+    exp(Omega k) q(k)`` exactly, so its steps follow ``g`` alone rather than the fastest rotation (about one radian
+    per position: hundreds of steps over a long input). Initialised as that special solution: ``p(0) = PE(0)``
+    (``[0, 1, 0, 1, ...]``), ``omega_i = 10000^(-2i / hidden)``, ``W_2 = 0``, ``b_2 = 0``; ``W_1``
+    ``N(0, initializer_range)``. Parameters: ``initial`` ``(hidden,)``, ``frequencies`` ``(hidden / 2,)``, and for
+    ``mlp`` ``inner`` / ``outer`` (``W_1``, ``W_2``). Needs an even ``hidden_size`` and the torchdiffeq package
+    (imported only when the table is solved).
+    """
+
+    name = "floater"
+    description = "FLOATER: dp/dt = h(p, t) solved at integer positions with torchdiffeq, added to the input"
+    options = {
+        "dynamics": Option(
+            "mlp",
+            (str,),
+            "h: 'mlp' (rotation + MLP) or 'linear' (rotation)",
+            lambda v: v in ("mlp", "linear"),
+            "mlp, linear",
+        ),
+        "width": Option(32, (int,), "hidden units of the MLP dynamics", lambda v: v >= 1, "an int >= 1"),
+        "method": Option(
+            "dopri5",
+            (str,),
+            "torchdiffeq solver",
+            lambda v: v in FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS,
+            ", ".join(FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS),
+        ),
+        "rtol": Option(1e-3, (float,), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "atol": Option(1e-4, (float,), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "step_size": Option(1.0, (float,), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    }
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        hidden = dims.hidden_size
+        if hidden % 2:
+            raise ValueError(f"floater needs an even hidden_size (sin/cos pairs); got {hidden}.")
+        self.initial = nn.Parameter(torch.empty(hidden))
+        self.frequencies = nn.Parameter(torch.empty(hidden // 2))
+        if spec["dynamics"] == "mlp":
+            self.inner = nn.Linear(hidden + 1, spec["width"])
+            self.outer = nn.Linear(spec["width"], hidden)
+
+    def init_weights(self, std: float) -> None:
+        hidden = self.dims.hidden_size
+        init.copy_(self.initial, sinusoidal_table(torch.zeros(1, 1, dtype=torch.long), hidden, 10000.0)[0, 0])
+        init.copy_(self.frequencies, 10000.0 ** (-torch.arange(0, hidden, 2, dtype=torch.float32) / hidden))
+        if self.spec["dynamics"] == "mlp":
+            init.zeros_(self.outer.weight)
+            init.zeros_(self.outer.bias)
+
+    def rotating_frame_dynamics(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)`` for torchdiffeq (``t`` a scalar tensor, ``q``
+        ``(hidden,)``), in float32, its weights prepared once per solve."""
+        frequencies = self.frequencies.float()
+        if self.spec["dynamics"] == "linear":
+            return lambda t, q: torch.zeros_like(q)
+        inner_weight, inner_bias = fresh_float32(self.inner.weight), self.inner.bias.float()
+        outer_weight, outer_bias = fresh_float32(self.outer.weight), self.outer.bias.float()
+
+        def dynamics(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            angles = frequencies * t
+            p = rotate_pairs(q, angles)
+            hidden = torch.tanh(F.linear(torch.cat((p, t.reshape(1))), inner_weight, inner_bias))
+            return rotate_pairs(F.linear(hidden, outer_weight, outer_bias), -angles)
+
+        return dynamics
+
+    def generate_table(self, length: int) -> torch.Tensor:
+        odeint = import_odeint()
+        initial = self.initial.float()
+        times = torch.arange(length, dtype=torch.float32, device=initial.device)
+        method, dynamics = self.spec["method"], self.rotating_frame_dynamics()
+        if length == 1:
+            rotating = initial[None]
+        elif method in FLOATER_FIXED_STEP_METHODS:
+            rotating = odeint(dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
+        else:
+            rotating = odeint(dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
+        return rotate_pairs(rotating, self.frequencies.float() * times[:, None])

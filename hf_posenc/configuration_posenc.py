@@ -14,11 +14,12 @@ from .position_encodings import POSITION_ENCODINGS
 
 
 def resolve_position_encoding(value: Any, max_position_embeddings: int, causal: bool) -> dict[str, Any]:
-    """Full spec of a position encoding for an encoder or a decoder (``causal``); a ``learned`` table defaults to
+    """Full spec of a position encoding for an encoder or a decoder (``causal``); a table whose
+    ``max_positions`` option is None (``learned``, ``multiplicative``, ``hierarchical``) gets
     ``max_position_embeddings`` rows. A scheme with no form for the family raises ``ValueError``."""
     spec = resolve_spec("position_encoding", value, POSITION_ENCODINGS)
     POSITION_ENCODINGS[spec["type"]].check_family(spec, causal)
-    if spec["type"] == "learned" and spec["max_positions"] is None:
+    if spec.get("max_positions", 0) is None:
         spec["max_positions"] = max_position_embeddings
     return spec
 

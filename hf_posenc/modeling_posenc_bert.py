@@ -95,6 +95,11 @@ class PosEncBertSelfAttention(nn.Module):
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx
 
+    def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's q and k projections of ``(rows, hidden)`` vectors, as ``(heads, rows, head_dim)``."""
+        shape = (*states.shape[:-1], -1, self.head_dim)
+        return self.query(states).view(shape).transpose(-3, -2), self.key(states).view(shape).transpose(-3, -2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -117,6 +122,7 @@ class PosEncBertSelfAttention(nn.Module):
             dropout=self.dropout.p,
             training=self.training,
             causal=self.is_causal,
+            project_query_key=self.project_query_key,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
 
@@ -201,6 +207,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
+        self.position_encoding.resize_token_tables(value.num_embeddings)
 
     @merge_with_config_defaults
     @capture_outputs

@@ -19,7 +19,9 @@ from .position_interface import AttentionDims, AttentionInputs, LayerPositionTer
 
 
 def attention_dims(config, causal: bool) -> AttentionDims:
-    if config.hidden_size % config.num_attention_heads != 0:
+    """Sizes from a config; ``head_dim`` is ``hidden_size / num_attention_heads`` unless the config sets it (Llama)."""
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and config.hidden_size % config.num_attention_heads != 0:
         raise ValueError(
             f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
             f"({config.num_attention_heads})."
@@ -27,10 +29,11 @@ def attention_dims(config, causal: bool) -> AttentionDims:
     return AttentionDims(
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
+        head_dim=head_dim or config.hidden_size // config.num_attention_heads,
         max_positions=config.max_position_embeddings,
         causal=causal,
         num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -112,8 +115,9 @@ def prepare_attention(
         attention_mask,
         past_key_values=past_key_values,
         position_ids=position_ids,
-        # Nothing masked and nothing added: SDPA needs no mask (is_causal covers causality), nor a bidirectional eager.
-        allow_skip=score_bias is None and not encoding.has_layer_term and (backend == "sdpa" or not causal),
+        # Nothing masked and nothing added: a bidirectional layer needs no mask, nor SDPA (is_causal covers
+        # causality) unless a layer's own term takes the place of the mask.
+        allow_skip=score_bias is None and (not causal or backend == "sdpa" and not encoding.has_layer_term),
     )
     inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
     if backend == "flex_attention":
@@ -174,15 +178,18 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
 
 
 class PosEncPreTrainedMixin:
-    """Shared by both families' ``PreTrainedModel``: the normalizers' init (Toeplitz gate at 1), full ``auto_map``
-    on save (the modeling files are copied beside the weights by ``save_pretrained``), and switching
-    ``attn_implementation`` at any time (the backend is chosen at every forward)."""
+    """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
+    (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
+    1), full ``auto_map`` on save (the modeling files are copied beside the weights by ``save_pretrained``), and
+    switching ``attn_implementation`` at any time (the backend is chosen at every forward)."""
 
     family_auto_map: dict[str, str] = {}
 
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
+        if isinstance(module, (PositionEncoding, LayerPositionTerm)):  # after its submodules' default init
+            module.init_weights(self.config.initializer_range)
         if isinstance(module, AttentionNormalizer) and module.toeplitz_gate is not None:
             init.ones_(module.toeplitz_gate)  # a fresh gated model equals the ungated one
 

@@ -62,6 +62,12 @@ class PosEncGPT2Attention(nn.Module):
         self.position_term = build_layer_position_term(config, True, layer_idx)
         self.layer_idx = layer_idx
 
+    def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's q and k projections of ``(rows, hidden)`` vectors, as ``(heads, rows, head_dim)``."""
+        shape = (*states.shape[:-1], -1, self.head_dim)
+        query, key, _ = self.c_attn(states).split(self.embed_dim, dim=-1)
+        return query.view(shape).transpose(-3, -2), key.view(shape).transpose(-3, -2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -87,6 +93,7 @@ class PosEncGPT2Attention(nn.Module):
             causal=True,
             past_key_values=past_key_values,
             layer_idx=self.layer_idx,
+            project_query_key=self.project_query_key,
         )
         output = self.c_proj(output.reshape(*hidden_states.shape[:-1], -1))
         return self.resid_dropout(output), weights
@@ -170,6 +177,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
 
     def set_input_embeddings(self, new_embeddings):
         self.wte = new_embeddings
+        self.position_encoding.resize_token_tables(new_embeddings.num_embeddings)
 
     @merge_with_config_defaults
     @capture_outputs

@@ -17,7 +17,7 @@ computes the same numbers, so a fallback changes speed, never the result.
 from __future__ import annotations
 
 import copy
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .position_encodings import POSITION_ENCODINGS
-from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding
+from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection
 
 
 logger = logging.get_logger(__name__)
@@ -171,10 +171,10 @@ def build_dense_mask(
     return {"mask": additive, "visible": visible, "row_has_key": row_has_key}
 
 
-def _eager(query, key, value, attention_inputs, normalizer, position_term, scaling, dropout, training):
+def _eager(query, key, value, attention_inputs, normalizer, score_term, value_term, scaling, dropout, training):
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
-    score_term = position_term.score_term(query, key, attention_inputs) if position_term is not None else None
+    score_term = score_term(query, key, attention_inputs) if score_term is not None else None
     if score_term is not None:
         scores = scores + score_term
     if attention_inputs["mask"] is not None:
@@ -184,15 +184,15 @@ def _eager(query, key, value, attention_inputs, normalizer, position_term, scali
         weights = weights * attention_inputs["row_has_key"]
     weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
     output = torch.matmul(weights, value)
-    value_term = position_term.value_term(weights, attention_inputs) if position_term is not None else None
+    value_term = value_term(weights, attention_inputs) if value_term is not None else None
     if value_term is not None:
         output = output + value_term
     return output, weights
 
 
-def _sdpa(query, key, value, attention_inputs, position_term, scaling, dropout, training, causal):
+def _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal):
     attn_mask = attention_inputs["mask"]
-    score_term = position_term.score_term(query, key, attention_inputs) if position_term is not None else None
+    score_term = score_term(query, key, attention_inputs) if score_term is not None else None
     if score_term is not None:
         if attn_mask is None:
             attn_mask = score_term.to(query.dtype)
@@ -229,17 +229,28 @@ def positional_attention(
     causal: bool,
     past_key_values=None,
     layer_idx: int | None = None,
+    project_query_key: QueryKeyProjection | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in.
+    """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
+    may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
 
     ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
-    :class:`LayerPositionTerm` or None. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
-    ``(batch, heads, q_len, kv_len)`` (eager only, else None).
+    :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
+    vectors; ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``. Returns the output
+    ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
+    scaling = scaling * encoding.content_scale
+    score_term = value_term = None
+    if position_term is not None:
+        score_term = partial(position_term.score_term, scaling=scaling, project_query_key=project_query_key)
+        value_term = position_term.value_term
     tables = attention_inputs["position"]
     query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, layer_idx)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: key/value head h serves query heads h*g .. h*g+g-1
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     weights = None
     backend = attention_inputs["backend"]
     if backend == "flex_attention":
@@ -248,9 +259,9 @@ def positional_attention(
             _compiled_flex_attention(), query, key, value, score_mod, attention_inputs["mask"], scaling
         )
     elif backend == "sdpa":
-        output = _sdpa(query, key, value, attention_inputs, position_term, scaling, dropout, training, causal)
+        output = _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal)
     else:
         output, weights = _eager(
-            query, key, value, attention_inputs, normalizer, position_term, scaling, dropout, training
+            query, key, value, attention_inputs, normalizer, score_term, value_term, scaling, dropout, training
         )
     return output.transpose(1, 2).contiguous(), weights

@@ -6,12 +6,26 @@ scheme uses.
 
 from __future__ import annotations
 
-from .absolute_encodings import LearnedAbsolute, NoPosition, SinusoidalAbsolute
+from .absolute_encodings import (
+    ComplexOrder,
+    ConvAbsolute,
+    Floater,
+    HierarchicalAbsolute,
+    LearnedAbsolute,
+    MultiplicativeAbsolute,
+    NoPosition,
+    RecurrentAbsolute,
+    SinusoidalAbsolute,
+)
+from .content_position_encodings import TUPE, CoPE, DeBERTa, Shaw, TransformerXL
 from .position_interface import PositionEncoding
-from .rotary_encodings import RoPE
-from .score_bias_encodings import ALiBi, T5Bias
+from .rotary_encodings import RoPE, XPos
+from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias
 
 
 POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
-    scheme.name: scheme for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi)
+    scheme.name: scheme
+    for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE, XPos)
+    + (RecurrentAbsolute, Floater, MultiplicativeAbsolute, HierarchicalAbsolute, ComplexOrder, ConvAbsolute)
+    + (Shaw, TransformerXL, DeBERTa, TUPE, CoPE)
 }

@@ -57,6 +57,7 @@ class AttentionDims:
     max_positions: int
     causal: bool
     num_layers: int = 1
+    vocab_size: int = 0
 
 
 class PositionCache:
@@ -119,22 +120,41 @@ class EmbeddingInputs:
     cache: PositionCache | None = None
 
 
+QueryKeyProjection = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""An attention layer's own query and key projections applied to other vectors: ``(rows, hidden)`` ->
+``((heads, rows, head_dim), (heads, rows, head_dim))``, biases included (DeBERTa's ``share_att_key``)."""
+
+
 class LayerPositionTerm(nn.Module):
-    """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, TUPE, CoPE), owned by
-    each attention layer. It holds that layer's parameters; parameters shared by all layers reach it through the
+    """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, CoPE), owned by each
+    attention layer. It holds that layer's parameters; parameters shared by all layers reach it through the
     per-forward ``attention_inputs["position"]`` tensors that the scheme's ``prepare`` computes once."""
 
     def score_term(
-        self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_inputs: AttentionInputs,
+        scaling: float,
+        project_query_key: QueryKeyProjection,
     ) -> torch.Tensor | None:
         """A ``(batch, heads, q_len, kv_len)`` term added to the scaled scores, from ``query`` ``(batch, heads,
-        q_len, head_dim)`` and ``key`` ``(batch, heads, kv_len, head_dim)`` (cached keys included), or None."""
+        q_len, head_dim)`` and ``key`` ``(batch, heads, kv_len, head_dim)`` (cached keys included), or None.
+
+        ``scaling`` is the factor the layer puts on ``q.k`` (``1/sqrt(head_dim)`` times the scheme's
+        ``content_scale``), for terms the paper scales alike; ``project_query_key`` the layer's own q/k projections.
+        """
         return None
 
     def value_term(self, weights: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor | None:
         """A ``(batch, heads, q_len, head_dim)`` term added to the attention output, from the normalized weights
         ``(batch, heads, q_len, kv_len)``, or None."""
         return None
+
+    def init_weights(self, initializer_range: float) -> None:
+        """Initialise the parameters Transformers' ``_init_weights`` does not know (bare ``nn.Parameter``s; linear,
+        embedding and LayerNorm submodules get the family's init). Use ``transformers.initialization``, which leaves
+        loaded weights alone."""
 
 
 class PositionEncoding(CatalogueEntry, nn.Module):
@@ -146,6 +166,9 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         backends: the attention backends that can run it (``supported_backends`` may narrow it by option).
         cache_states: names of the per-token states it keeps across decoding steps (see :class:`PositionCache`).
         has_layer_term: ``layer_term`` gives each attention layer a :class:`LayerPositionTerm`.
+
+    Instance attribute ``content_scale``: a factor on the layer's ``q.k`` scaling (TUPE's and DeBERTa's
+    ``1/sqrt(d (1 + number of position terms))``); 1 for most schemes.
     """
 
     relative: bool = False
@@ -153,11 +176,17 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     backends: tuple[str, ...] = BACKENDS
     cache_states: tuple[str, ...] = ()
     has_layer_term: bool = False
+    content_scale: float = 1.0
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__()
         self.spec = spec
         self.dims = dims
+
+    def init_weights(self, initializer_range: float) -> None:
+        """Initialise the scheme's parameters where its reference implementation does not use Transformers' defaults
+        (bare ``nn.Parameter``s; a table with its own scale). Called by the model's ``_init_weights`` after the
+        submodules got the family's init; use ``transformers.initialization``, which leaves loaded weights alone."""
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -186,6 +215,10 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 
+    def resize_token_tables(self, num_tokens: int) -> None:
+        """Called when the model's token embedding is replaced (``set_input_embeddings``, hence also
+        ``resize_token_embeddings``): a scheme with per-token tables resizes them to ``num_tokens`` rows."""
+
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
         """Input side: the ``(batch, seq, hidden)`` embeddings combined with positions."""
         return inputs.inputs_embeds
@@ -213,20 +246,24 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.
 
-    Subclasses define ``bias_table(device)`` (what the formula reads: a parameter, or fixed values computed in float32
-    each forward so that casting the model never rounds them) and ``position_bias(query_position, key_position,
-    head, table)``, elementwise and broadcasting. The same function builds the dense ``(batch, heads, q_len,
-    kv_len)`` bias once per forward (eager, SDPA) and runs inside the FlexAttention ``score_mod``, so every backend
-    evaluates one formula.
+    Subclasses define ``bias_table(device)`` (what the formula reads, computed once per forward: a parameter, fixed
+    values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and
+    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function
+    builds the dense ``(batch, heads, q_len, kv_len)`` bias once per forward (eager, SDPA) and runs inside the
+    FlexAttention ``score_mod``, so every backend evaluates one formula.
     """
 
     relative = True
 
-    def bias_table(self, device: torch.device) -> torch.Tensor:
+    def bias_table(self, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def position_bias(
-        self, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor, table: torch.Tensor
+        self,
+        query_position: torch.Tensor,
+        key_position: torch.Tensor,
+        head: torch.Tensor,
+        table: torch.Tensor | dict[str, torch.Tensor],
     ) -> torch.Tensor:
         raise NotImplementedError
 

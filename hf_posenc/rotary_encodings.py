@@ -5,6 +5,9 @@ Source: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, "�
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from .options import Option
@@ -28,12 +31,137 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)
 
 
+def _factor_option() -> Option:
+    return Option(None, (float, int), "how many times longer than the original length", lambda v: v >= 1, ">= 1")
+
+
+def _original_length_option() -> Option:
+    return Option(
+        None, (int,), "the length pretrained on (None: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
+    )
+
+
+ROPE_SCALING_OPTIONS: dict[str, dict[str, Option]] = {
+    "linear": {"factor": _factor_option()},
+    "ntk": {"factor": _factor_option()},
+    "dynamic": {"factor": _factor_option(), "original_max_positions": _original_length_option()},
+    "yarn": {
+        "factor": _factor_option(),
+        "original_max_positions": _original_length_option(),
+        "beta_fast": Option(32.0, (float, int), "rotations where extrapolation ends", lambda v: v > 0, "> 0"),
+        "beta_slow": Option(1.0, (float, int), "rotations where interpolation starts", lambda v: v > 0, "> 0"),
+        "mscale": Option(None, (float, int), "attention factor numerator scale (DeepSeek)", lambda v: v > 0, "> 0"),
+        "mscale_all_dim": Option(None, (float, int), "attention factor denominator scale", lambda v: v > 0, "> 0"),
+        "attention_factor": Option(None, (float, int), "attention factor (None: from factor)", lambda v: v > 0, "> 0"),
+        "truncate": Option(True, (bool,), "round the correction range to whole dimensions"),
+    },
+    "llama3": {
+        "factor": _factor_option(),
+        "original_max_positions": _original_length_option(),
+        "low_freq_factor": Option(
+            1.0, (float, int), "original length / longest wavelength kept", lambda v: v > 0, "> 0"
+        ),
+        "high_freq_factor": Option(
+            4.0, (float, int), "original length / shortest wavelength scaled", lambda v: v > 0, "> 0"
+        ),
+    },
+}
+
+
+def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+    """The full ``scaling`` dict of ``rope`` (defaults filled in); ``ValueError`` naming a bad key or value."""
+    kind = scaling.get("type")
+    if kind not in ROPE_SCALING_OPTIONS:
+        raise ValueError(
+            f"position_encoding 'rope': scaling type {kind!r} is unknown; valid types: {list(ROPE_SCALING_OPTIONS)}."
+        )
+    options = ROPE_SCALING_OPTIONS[kind]
+    unknown = sorted(set(scaling) - {"type"} - set(options))
+    if unknown:
+        raise ValueError(
+            f"position_encoding 'rope': unknown scaling option(s) {unknown} for {kind!r}; valid: {list(options)}."
+        )
+    if scaling.get("factor") is None:
+        raise ValueError(f"position_encoding 'rope': scaling {kind!r} needs a 'factor' (a number >= 1).")
+    owner = f"position_encoding 'rope' scaling {kind!r}"
+    resolved = {"type": kind}
+    for key, option in options.items():
+        resolved[key] = option.validate(owner, key, scaling.get(key, option.default))
+    if kind == "llama3" and resolved["high_freq_factor"] <= resolved["low_freq_factor"]:
+        raise ValueError(f"{owner}: high_freq_factor must be larger than low_freq_factor, got {resolved}.")
+    return resolved
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's logit scale: ``attention_factor`` if given, else ``mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim)`` when both are given (DeepSeek), else ``0.1 ln(factor) + 1`` (Peng et al. 2023)."""
+    if scaling["attention_factor"] is not None:
+        return scaling["attention_factor"]
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    if scaling["mscale"] and scaling["mscale_all_dim"]:
+        return mscale(scaling["factor"], scaling["mscale"]) / mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return mscale(scaling["factor"])
+
+
+def yarn_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any], original: int) -> torch.Tensor:
+    """YaRN "NTK-by-parts": dimensions that turn more than ``beta_fast`` times over the original length keep their
+    frequency, those that turn fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp in between."""
+    base = rotary_inverse_frequencies(rotary_dim, theta)
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling["beta_fast"]), dimension_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return base / scaling["factor"] * ramp + base * (1 - ramp)
+
+
+def llama3_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any], original: int) -> torch.Tensor:
+    """Llama 3.1: wavelengths above ``original / low_freq_factor`` are divided by ``factor``, those below
+    ``original / high_freq_factor`` kept, and the band between interpolated smoothly."""
+    base = rotary_inverse_frequencies(rotary_dim, theta)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / base
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - smooth) * base / factor + smooth * base
+    return torch.where(
+        wavelength > original / low, base / factor, torch.where(wavelength < original / high, base, scaled)
+    )
+
+
 class RoPE(PositionEncoding):
     """Rotary position embedding: ``q_m -> R_m q_m``, ``k_n -> R_n k_n``, so ``<R_m q, R_n k> = <q, R_(n-m) k>``.
 
     ``R_m`` rotates feature pairs by the angles ``m * theta^(-2i/d)``; ``rotary_fraction`` < 1 rotates only the first
     ``d * rotary_fraction`` features of each head. Source: Su et al. 2021 (RoFormer); kexue.fm/archives/8130 "融合式".
     Keys are rotated before they enter the KV cache, so cached keys keep their positions.
+
+    ``apply_to_value``: values are rotated by their positions too (kexue.fm/archives/8130, "融合式": "if explicit
+    absolute positions are still needed, apply it to v as well"), so ``o_i = sum_j a_ij R_j v_j`` carries absolute
+    positions and the model is no longer shift-invariant.
+
+    ``scaling`` = ``{"type": ..., "factor": ..., ...}`` runs inputs longer than the ``original_max_positions`` the
+    model was trained on (default ``max_position_embeddings``); frequencies and attention factor as
+    ``transformers.modeling_rope_utils`` computes them:
+
+    * ``linear`` (position interpolation, Chen et al. 2023): ``theta^(-2i/d) / factor``;
+    * ``ntk`` (NTK-aware, bloc97 2023): the base ``theta * factor^(d/(d-2))``;
+    * ``dynamic`` (dynamic NTK, emozilla 2023): the base ``theta * (factor L / L0 - (factor - 1))^(d/(d-2))`` with
+      ``L0 = original_max_positions`` and, for each token, ``L = max(L0, its position + 1)``: a token is rotated
+      with the base of the length it ends (Transformers' cached generation does the same for keys, one step at a
+      time). A length shared by the forward (the largest position + 1) would make cache = no cache fail: the cached
+      keys and, through them, every later layer's states of earlier tokens were computed with a shorter length.
+      Below ``L0`` it is plain RoPE; beyond, scores are no longer a function of ``i - j`` alone;
+    * ``yarn`` (Peng et al. 2023): per-dimension ramp between the original and interpolated frequencies, and q, k
+      multiplied by the attention factor (:func:`yarn_attention_factor`);
+    * ``llama3`` (Llama 3.1): wavelength-banded interpolation.
     """
 
     name = "rope"
@@ -44,7 +172,16 @@ class RoPE(PositionEncoding):
         "rotary_fraction": Option(
             1.0, (float, int), "fraction of each head's features rotated", lambda v: 0 < v <= 1, "0 < x <= 1"
         ),
+        "apply_to_value": Option(False, (bool,), "rotate v too (absolute positions in the output)"),
+        "scaling": Option(
+            None, (dict,), "longer inputs: {'type': linear|ntk|dynamic|yarn|llama3, 'factor': ..., ...}"
+        ),
     }
+
+    @classmethod
+    def check_spec(cls, spec):
+        if spec["scaling"] is not None:
+            spec["scaling"] = resolve_rope_scaling(spec["scaling"])
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
@@ -54,13 +191,101 @@ class RoPE(PositionEncoding):
                 f"rope: rotary_fraction={spec['rotary_fraction']} of head_dim={dims.head_dim} rotates "
                 f"{self.rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
             )
+        self.scaling = spec["scaling"]
+        self.attention_factor = 1.0
+        if self.scaling is not None and self.scaling["type"] == "yarn":
+            self.attention_factor = yarn_attention_factor(self.scaling)
+
+    @property
+    def original_max_positions(self) -> int:
+        return self.scaling.get("original_max_positions") or self.dims.max_positions
+
+    def inverse_frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+        """Float64 inverse frequencies, ``(1, 1, d/2)``, or ``(batch|1, seq, d/2)`` for ``dynamic``, whose base
+        depends on each token's position (``positions`` ``(batch|1, seq)``)."""
+        theta, dim = self.spec["theta"], self.rotary_dim
+        kind = None if self.scaling is None else self.scaling["type"]
+        device = positions.device
+        if kind is None:
+            return rotary_inverse_frequencies(dim, theta).to(device)[None, None]
+        factor = self.scaling["factor"]
+        if kind == "linear":
+            return (rotary_inverse_frequencies(dim, theta) / factor).to(device)[None, None]
+        if kind == "ntk":
+            return rotary_inverse_frequencies(dim, theta * factor ** (dim / (dim - 2))).to(device)[None, None]
+        if kind == "yarn":
+            frequencies = yarn_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
+            return frequencies.to(device)[None, None]
+        if kind == "llama3":
+            frequencies = llama3_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
+            return frequencies.to(device)[None, None]
+        original = self.original_max_positions
+        length = (positions[..., None] + 1).clamp(min=original).double()
+        base = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+        return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
     def prepare(self, query_positions, key_positions, backend):
         # Frequencies in float64, angles in float32, for each forward: a model cast to bf16 keeps exact rotations.
-        inv_freq = rotary_inverse_frequencies(self.rotary_dim, self.spec["theta"]).to(query_positions.device)
-        angles = query_positions[:, None, :, None].float() * inv_freq.float()
+        inv_freq = self.inverse_frequencies(query_positions).float()
+        angles = (query_positions[..., None].float() * inv_freq)[:, None]
         return {"cos": angles.cos(), "sin": angles.sin()}
 
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        rotated = apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
+        return rotated if scale == 1.0 else rotated * scale
+
     def transform_qkv(self, query, key, value, tables):
-        cos, sin = tables["cos"].to(query.dtype), tables["sin"].to(query.dtype)
-        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value
+        cos, sin = tables["cos"], tables["sin"]
+        query = self.rotate(query, cos, sin, self.attention_factor)
+        key = self.rotate(key, cos, sin, self.attention_factor)
+        if self.spec["apply_to_value"]:
+            value = self.rotate(value, cos, sin)
+        return query, key, value
+
+
+def xpos_decay_base(head_dim: int, gamma: float = 0.4) -> torch.Tensor:
+    """xPos per-pair decay base ``zeta_i = (2i/d + gamma) / (1 + gamma)``, ``i = 0 .. d/2 - 1`` (Sun et al. 2022)."""
+    return (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim + gamma) / (1 + gamma)
+
+
+class XPos(PositionEncoding):
+    """xPos: rotary with an exponential decay, ``q_n -> zeta^(n/s) R_n q_n``, ``k_m -> zeta^(-m/s) R_m k_m``, so the
+    score of feature pair ``i`` is ``zeta_i^((n - m)/s)`` times its RoPE score: it depends only on ``n - m`` and
+    decays with the distance to past keys (``zeta_i < 1``, :func:`xpos_decay_base`; ``s = scale_base``).
+
+    Decoder only: to the right of the query (``m > n``) the factor grows instead, and a symmetric decay
+    ``zeta^|n - m|`` cannot be split into a factor on q and one on k, so an encoder config raises ``ValueError``.
+    Keys are scaled by their own absolute position before the KV cache, so each cached key keeps its scale (the
+    reference implementation, torchscale, centres positions per forward, which a cache cannot follow). In float32 and
+    bfloat16 this spans any practical length; in float16, ``zeta^(-m/s)`` exceeds the range past ``m`` of about
+    ``8.8 s`` (4,500 at the default ``s = 512``). Source: Sun et al. 2022, "A Length-Extrapolatable Transformer".
+    """
+
+    name = "xpos"
+    description = "xPos: rotary with an exponential decay (scale on q, inverse on k), decoder (Sun et al. 2022)"
+    relative = True
+    families = ("decoder",)
+    options = {
+        "theta": Option(10000.0, (float, int), "rotation base", lambda v: v > 1, "a number > 1"),
+        "scale_base": Option(512.0, (float, int), "decay length s", lambda v: v > 0, "a number > 0"),
+    }
+
+    def prepare(self, query_positions, key_positions, backend):
+        dim = self.dims.head_dim
+        inv_freq = rotary_inverse_frequencies(dim, self.spec["theta"]).to(query_positions.device)
+        angles = query_positions[:, None, :, None].float() * inv_freq.float()
+        exponent = query_positions[:, None, :, None].double() / self.spec["scale_base"]
+        decay = xpos_decay_base(dim).to(query_positions.device)
+        query_scale, key_scale = (decay**exponent).float(), (decay ** (-exponent)).float()
+        cos, sin = angles.cos(), angles.sin()
+        return {
+            "query_cos": cos * query_scale,
+            "query_sin": sin * query_scale,
+            "key_cos": cos * key_scale,
+            "key_sin": sin * key_scale,
+        }
+
+    def transform_qkv(self, query, key, value, tables):
+        query = apply_rotary(query, tables["query_cos"].to(query.dtype), tables["query_sin"].to(query.dtype))
+        key = apply_rotary(key, tables["key_cos"].to(key.dtype), tables["key_sin"].to(key.dtype))
+        return query, key, value

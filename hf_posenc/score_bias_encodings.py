@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import initialization as init
 
 from .options import Option
 from .position_interface import RelativeScoreBias
@@ -41,10 +42,18 @@ def t5_relative_bucket(
 
 
 class T5Bias(RelativeScoreBias):
-    """T5 bucketed relative bias: ``b_ij += beta_h[bucket(i - j)]``, one table shared by all layers.
+    """T5 bucketed relative bias: ``b_ij += s * beta_h[bucket(i - j)]``, one table shared by all layers.
 
     Bidirectional buckets in an encoder, causal (``i - j >= 0`` only) in a decoder. Source: Raffel et al. 2020;
     kexue.fm/archives/8130 "T5式". Parameters: ``relative_attention_bias`` ``(num_buckets, heads)``.
+
+    The stored table is multiplied by ``s = table_scale`` (default ``sqrt(head_dim)``, as x-transformers does). Adam
+    moves every parameter by about the learning rate per step whatever its gradient's size, so a table read as it is
+    moves its bias by ``lr`` per step, far slower than the attention logits it competes with; read through ``s`` it
+    moves ``s`` times faster (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps). The
+    initial bias keeps T5's small values: the table starts at ``N(0, initializer_range / s)``; buckets that training
+    never reaches (distances beyond the training length) keep that near-zero bias. A T5 checkpoint's table (bias
+    values) converts as ``weight / s``; ``table_scale=1.0`` reads it unchanged (and learns at T5's own pace).
     """
 
     name = "t5"
@@ -52,6 +61,9 @@ class T5Bias(RelativeScoreBias):
     options = {
         "num_buckets": Option(32, (int,), "number of buckets", lambda v: v >= 4 and v % 2 == 0, "an even int >= 4"),
         "max_distance": Option(128, (int,), "distance of the last bucket", lambda v: v >= 2, "an int >= 2"),
+        "table_scale": Option(
+            None, (float, int), "bias = table_scale * table (None: sqrt(head_dim))", lambda v: v > 0, "a number > 0"
+        ),
     }
 
     @classmethod
@@ -66,9 +78,13 @@ class T5Bias(RelativeScoreBias):
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
+        self.table_scale = spec["table_scale"] or math.sqrt(dims.head_dim)
+
+    def init_weights(self, initializer_range):
+        init.normal_(self.relative_attention_bias.weight, std=initializer_range / self.table_scale)
 
     def bias_table(self, device):
-        return self.relative_attention_bias.weight
+        return self.relative_attention_bias.weight * self.table_scale
 
     def position_bias(self, query_position, key_position, head, table):
         bucket = t5_relative_bucket(
@@ -104,3 +120,156 @@ class ALiBi(RelativeScoreBias):
 
     def position_bias(self, query_position, key_position, head, table):
         return -table[head] * (query_position - key_position).abs()
+
+
+def positive_straight_through(value: torch.Tensor, low: float, high: float | None = None) -> torch.Tensor:
+    """``value`` clamped to ``[low, high]`` in the forward, with the gradient of the unclamped value: the projection
+    KERPLE's code applies to its parameters before each forward, without writing to the parameters."""
+    return value + (value.clamp(min=low, max=high) - value).detach()
+
+
+class KERPLE(RelativeScoreBias):
+    """KERPLE: ``b_ij += -r1_h log(1 + r2_h |i - j|)`` (``log``) or ``-r1_h |i - j|^r2_h`` (``power``).
+
+    Conditionally positive definite kernels of the distance, with ``r1, r2 > 0`` learnable per head (and
+    ``r2 <= 2`` for ``power``). As in the paper's code (chijames/KERPLE, ``ParallelKerpleLog`` /
+    ``ParallelKerplePower``), the values used are clamped to ``r >= 0.01`` (and ``r2 <= 2``); the code writes the
+    clamp into the parameters before each forward, here the clamped value is used with the gradient passed straight
+    through, so the forward is the same and no parameter is written during a forward. Initialisation as the
+    paper's code: ``log``: ``r1 ~ U(0, 2)``, ``r2 ~ U(0, 1)``; ``power``: ``r1 ~ U(0, 1)``, ``r2 ~ U(0, 2)``. These
+    per-head scalars act on the bias directly at the scale they start at, so Adam's ``lr``-sized steps are a fixed
+    fraction of them: no rescaling needed (compare ``t5``). Causal in a decoder; ``|i - j|`` (symmetric) in an
+    encoder. Source: Chi et al., NeurIPS 2022. Parameters: ``r1``, ``r2`` ``(heads,)``.
+    """
+
+    name = "kerple"
+    description = "KERPLE kernel bias: -r1*log(1+r2*|i-j|) (log) or -r1*|i-j|^r2 (power), r1, r2 learned per head"
+    options = {
+        "variant": Option("log", (str,), "kernel", lambda v: v in ("log", "power"), "'log' or 'power'"),
+    }
+    minimum = 0.01
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.r1 = nn.Parameter(torch.empty(dims.num_heads))
+        self.r2 = nn.Parameter(torch.empty(dims.num_heads))
+        self.init_weights(0.0)
+
+    def init_weights(self, initializer_range):
+        r1_high, r2_high = (2.0, 1.0) if self.spec["variant"] == "log" else (1.0, 2.0)
+        init.uniform_(self.r1, 0.0, r1_high)
+        init.uniform_(self.r2, 0.0, r2_high)
+
+    def bias_table(self, device):
+        r2_high = 2.0 if self.spec["variant"] == "power" else None
+        r1 = positive_straight_through(self.r1, self.minimum)
+        return torch.stack([r1, positive_straight_through(self.r2, self.minimum, r2_high)])
+
+    def position_bias(self, query_position, key_position, head, table):
+        distance = (query_position - key_position).abs().to(torch.promote_types(table.dtype, torch.float32))
+        r1, r2 = table[0, head], table[1, head]
+        if self.spec["variant"] == "log":
+            return -r1 * torch.log1p(r2 * distance)
+        return -r1 * distance.pow(r2)
+
+
+def relu_mlp_pieces(
+    weight_in: torch.Tensor, bias_in: torch.Tensor, weight_out: torch.Tensor, bias_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``f(x) = W_out relu(w_in x + b_in) + b_out`` of a scalar ``x`` (``w_in``, ``b_in``: ``(width,)``; ``W_out``
+    ``(heads, width)``) as the piecewise-linear function it is: ``f(x) = slope[k] x + intercept[k]`` on piece ``k``
+    = the number of breakpoints ``-b_in / w_in`` below ``x``.
+
+    Returns the sorted ``breakpoints`` ``(width,)`` (``+inf`` for a unit with ``w_in = 0``, constant everywhere), and
+    ``slope``, ``intercept`` ``(width + 1, heads)``, differentiable in the weights (the set of active units is
+    constant on a piece).
+    """
+    flat = weight_in == 0
+    breakpoints = torch.where(flat, torch.inf, -bias_in / torch.where(flat, 1.0, weight_in)).detach()
+    sorted_breakpoints, order = breakpoints.sort()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    piece = torch.arange(len(order) + 1, device=order.device)[:, None]
+    # Unit u is active on piece k when x > breakpoint (w_in > 0), x < breakpoint (w_in < 0), or always if b_in > 0.
+    active = torch.where(weight_in > 0, piece > rank, piece <= rank)
+    active = torch.where(flat, bias_in > 0, active).to(weight_out.dtype)
+    slope = (active * weight_in) @ weight_out.T
+    intercept = (active * bias_in) @ weight_out.T + bias_out
+    return sorted_breakpoints, slope, intercept
+
+
+def piece_index(x: torch.Tensor, breakpoints: torch.Tensor) -> torch.Tensor:
+    """The number of sorted ``breakpoints`` below each ``x``: a binary search on a dense tensor; inside a
+    FlexAttention ``score_mod``, which sees one element (0-d) and lowers neither ``bucketize`` nor reductions, an
+    unrolled count."""
+    if x.dim() == 0:
+        return sum((x > breakpoints[u]).to(torch.int64) for u in range(len(breakpoints)))
+    return torch.bucketize(x, breakpoints)
+
+
+class FIRE(RelativeScoreBias):
+    """FIRE: ``b_ij += f_h(psi(|i - j|) / psi(max(L, i, j)))``, ``psi(x) = log(|c| x + 1)``.
+
+    ``f`` is an MLP ``1 -> mlp_width -> heads`` with ReLU, ``c`` and the threshold ``L = |l| * threshold`` are
+    learnable. In a decoder ``max(L, i, j) = max(L, i)`` on every visible key (``j <= i``): the paper's formula. In an
+    encoder the same formula is this project's bidirectional form: symmetric in ``i - j``, and normalised by the
+    larger of the two positions, so the MLP's input stays in ``[0, 1]`` as in the decoder. Shift-invariant only while
+    every position is below ``L`` (so ``relative = False``).
+
+    The MLP of a scalar is piecewise linear (:func:`relu_mlp_pieces`): each forward turns its weights once into
+    ``mlp_width + 1`` (slope, intercept) pairs per head, and every ``(i, j)`` looks up its piece, so ``f`` is exact
+    and never evaluated per layer or per pair (nothing ``(q, k, width)``-sized, and a lookup in ``score_mod``).
+
+    Initialisation as the reference code (Li et al. 2024, appendix; PyTorch's ``nn.Linear`` default for the MLP, which
+    Transformers' ``N(0, initializer_range)`` would flatten to nearly zero): ``c = 0.1``, ``l = 1``, ``L`` starting
+    at ``threshold`` = 512, ``psi(max(L, i))`` plus ``1e-6``. Source: Li et al., ICLR 2024, "Functional Interpolation
+    for Relative Positions Improves Long Context Transformers". Parameters: ``c``, ``threshold_scale``, ``mlp_in``
+    ``(width, 2)``, ``mlp_out`` ``(heads, width + 1)`` (the last columns are biases).
+    """
+
+    name = "fire"
+    description = "FIRE: MLP of log-distance normalised by log(max(L, position)), learned c, L (Li et al. 2024)"
+    relative = False
+    options = {
+        "mlp_width": Option(32, (int,), "hidden units of the MLP", lambda v: v >= 1, "an int >= 1"),
+        "threshold": Option(512.0, (float, int), "initial threshold L", lambda v: v > 0, "a number > 0"),
+    }
+    eps = 1e-6
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        width = spec["mlp_width"]
+        self.c = nn.Parameter(torch.empty(()))
+        self.threshold_scale = nn.Parameter(torch.empty(()))
+        self.mlp_in = nn.Parameter(torch.empty(width, 2))
+        self.mlp_out = nn.Parameter(torch.empty(dims.num_heads, width + 1))
+        self.init_weights(0.0)
+
+    def init_weights(self, initializer_range):
+        init.constant_(self.c, 0.1)
+        init.constant_(self.threshold_scale, 1.0)
+        init.uniform_(self.mlp_in, -1.0, 1.0)  # nn.Linear(1, width): U(+-1/sqrt(1))
+        bound = 1 / math.sqrt(self.spec["mlp_width"])
+        init.uniform_(self.mlp_out, -bound, bound)
+
+    def bias_table(self, device):
+        breakpoints, slope, intercept = relu_mlp_pieces(
+            self.mlp_in[:, 0], self.mlp_in[:, 1], self.mlp_out[:, :-1], self.mlp_out[:, -1]
+        )
+        threshold = (self.threshold_scale * self.spec["threshold"]).abs()
+        return {
+            "c": self.c.abs(),
+            "threshold": threshold,
+            "breakpoints": breakpoints,
+            "slope": slope,
+            "intercept": intercept,
+        }
+
+    def position_bias(self, query_position, key_position, head, table):
+        c = table["c"]
+        dtype = torch.promote_types(c.dtype, torch.float32)
+        distance = (query_position - key_position).abs().to(dtype)
+        normaliser = torch.maximum(torch.maximum(query_position, key_position).to(dtype), table["threshold"])
+        x = torch.log1p(c * distance) / (torch.log1p(c * normaliser) + self.eps)
+        piece = piece_index(x, table["breakpoints"].to(x.dtype))
+        return table["slope"][piece, head] * x + table["intercept"][piece, head]

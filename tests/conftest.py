@@ -76,11 +76,28 @@ def make_model(family: str, position_encoding="learned", attention_normalizer="s
     return model
 
 
+# Matrices a recurrence or an ODE applies to the position vector again and again: N(0, 1) entries would make those
+# dynamics chaotic (no trained model is), amplifying any rounding past every tolerance; they get N(0, 1/fan_in).
+ITERATED_MATRICES = (".transition.weight", ".inner.weight", ".outer.weight")
+
+
 def perturb_position_parameters(model: torch.nn.Module) -> None:
-    """Give zero- or small-initialised position parameters (a T5 table) values large enough to matter in tests."""
+    """Give zero- or small-initialised position parameters (a T5 table, CoPE's per-layer embeddings) values large
+    enough to matter in tests. Linear layers keep their init (std ``initializer_range``, 0.2 here): N(0, 1) weights
+    would give scores in the hundreds."""
     with torch.no_grad():
+        linear = {
+            f"{name}.{p}"
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+            for p, _ in m.named_parameters(recurse=False)
+        }
         for name, param in model.named_parameters():
-            if ".position_encoding." in f".{name}":
+            if ".position_encoding." not in f".{name}" and ".position_term." not in name:
+                continue
+            if name.endswith(ITERATED_MATRICES):
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            elif name not in linear:
                 param.normal_(0.0, 1.0)
 
 

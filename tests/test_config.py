@@ -16,7 +16,7 @@ CONFIG_CLASSES = [hf_posenc.PosEncBertConfig, hf_posenc.PosEncGPT2Config]
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
 def test_names_expand_to_full_dicts_with_defaults(config_class):
     config = config_class(position_encoding="t5", attention_normalizer="l2")
-    assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128}
+    assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": None}
     assert config.attention_normalizer == {"type": "l2", "toeplitz_gate": False, "toeplitz_max_distance": 128}
 
 
@@ -32,7 +32,13 @@ def test_config_json_stores_the_full_spec(config_class, tmp_path):
     config = config_class(position_encoding={"type": "rope", "theta": 500})
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["position_encoding"] == {"type": "rope", "theta": 500.0, "rotary_fraction": 1.0}
+    assert saved["position_encoding"] == {
+        "type": "rope",
+        "theta": 500.0,
+        "rotary_fraction": 1.0,
+        "apply_to_value": False,
+        "scaling": None,
+    }
     assert saved["model_type"] == config_class.model_type
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(reloaded) is config_class
@@ -51,7 +57,7 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("position_encoding", "rop", r"Unknown position_encoding 'rop'; valid choices: \['alibi', 'learned'"),
+        ("position_encoding", "rop", r"Unknown position_encoding 'rop'; valid choices: \['alibi', .*'rope'"),
         ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['exp', 'l2', 'relu"),
         ("attention_normalizer", {"type": "l2", "toeplitz_gate": 1}, r"option 'toeplitz_gate' must be bool, got 1"),
         ("attention_normalizer", {"type": "exp", "toeplitz_max_distance": 0}, r"'toeplitz_max_distance'=0 is out of"),
@@ -90,13 +96,16 @@ def test_unsupported_attn_implementation_is_refused():
 
 def test_listings_describe_every_scheme_with_options_and_defaults():
     encodings = hf_posenc.list_position_encodings()
-    assert set(encodings) == {"learned", "sinusoidal", "none", "rope", "t5", "alibi"}
+    assert {"learned", "sinusoidal", "none", "rope", "t5", "alibi"} <= set(encodings)  # and the schemes of each family
     assert encodings["rope"]["options"]["theta"]["default"] == 10000.0
-    assert [name for name, entry in encodings.items() if entry["relative"]] == ["none", "rope", "t5", "alibi"]
+    relative = {name for name, entry in encodings.items() if entry["relative"]}
+    assert {"none", "rope", "t5", "alibi", "kerple", "xpos"} <= relative and not {"learned", "sinusoidal"} & relative
+    assert "fire" not in relative  # shift-invariant only below its threshold
     assert encodings["t5"]["backends"] == ["eager", "sdpa", "flex_attention"]
     assert encodings["t5"]["options"] == {
         "num_buckets": {"default": 32, "doc": "number of buckets"},
         "max_distance": {"default": 128, "doc": "distance of the last bucket"},
+        "table_scale": {"default": None, "doc": "bias = table_scale * table (None: sqrt(head_dim))"},
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
@@ -116,7 +125,13 @@ def test_a_field_reassigned_after_construction_is_resolved_when_the_model_is_bui
     config.position_encoding = "rope"
     config.attention_normalizer = {"type": "l2"}
     model = transformers.AutoModel.from_config(config)
-    assert model.config.position_encoding == {"type": "rope", "theta": 10000.0, "rotary_fraction": 1.0}
+    assert model.config.position_encoding == {
+        "type": "rope",
+        "theta": 10000.0,
+        "rotary_fraction": 1.0,
+        "apply_to_value": False,
+        "scaling": None,
+    }
     config.position_encoding = "rotary"
     with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'"):
         transformers.AutoModel.from_config(config)

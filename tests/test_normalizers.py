@@ -308,7 +308,7 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
     layer = ATTENTION_NORMALIZERS[spec["type"]](resolve_attention_normalizer(spec), dims)
     if name == "gated":
         torch.nn.init.normal_(layer.toeplitz_gate, 1.0, 0.5)
-    t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128}, dims)
+    t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": 1.0}, dims)
     torch.nn.init.normal_(t5.relative_attention_bias.weight)
     visible = (query_positions[:, None, :, None] >= key_positions[:, None, None, :]) if causal else None
     bias = t5.prepare(query_positions, key_positions, "eager")["score_bias"]

@@ -64,3 +64,36 @@ def test_hierarchical_extension_keeps_short_inputs_exact(family):
 def test_bad_extensions_raise(scheme, kwargs, message):
     with pytest.raises(ValueError, match=message):
         hf_posenc.extend_positions(make_model("bert", scheme), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "extra"),
+    [
+        ("bert", "BertForMaskedLM", dict(hidden_size=32, num_attention_heads=4, max_position_embeddings=40)),
+        ("roberta", "RobertaForMaskedLM", dict(hidden_size=32, num_attention_heads=4, max_position_embeddings=42)),
+        ("gpt2", "GPT2LMHeadModel", dict(n_embd=32, n_head=4, n_positions=40)),
+    ],
+)
+@pytest.mark.parametrize("method", ["hierarchical", "interpolate"])
+def test_stock_models_extend_and_round_trip(model_type, class_name, extra, method, tmp_path):
+    """A stock table grows in place (RoBERTa keeps its rows before padding_idx + 1); hierarchically, the trained
+    positions keep their outputs exactly."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=61, num_hidden_layers=2, intermediate_size=48, pad_token_id=1, **extra
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).eval()
+    short, long = random_ids(2, 30), random_ids(1, 60)
+    with torch.no_grad():
+        before = model(short).logits
+        hf_posenc.extend_positions(model, 64, method=method)
+        after = model(short).logits
+        logits = model(long).logits
+    if method == "hierarchical":
+        assert torch.equal(after, before)
+    offset = 2 if model_type == "roberta" else 0
+    assert model.config.max_position_embeddings == 64 + offset
+    model.save_pretrained(tmp_path)
+    reloaded = getattr(transformers, class_name).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(long).logits, logits)

@@ -82,7 +82,8 @@ def reference_biased_attention_logits(model, ids, bias_fn):
 def test_t5_attention_weights_match_a_hand_written_reference():
     model = make_model("bert", "t5")
     ids = random_ids(1, 6)
-    table = model.bert.position_encoding.relative_attention_bias.weight.detach()
+    encoding = model.bert.position_encoding
+    table = encoding.relative_attention_bias.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
 
     def bias(h, i, j):
         return float(table[SU_T5_TABLE[i - j] if i >= j else 16 + SU_T5_TABLE[j - i], h])

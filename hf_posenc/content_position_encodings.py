@@ -1,0 +1,482 @@
+"""Relative schemes that read the content: the position term depends on q, k (and, for Shaw, enters the values).
+
+Each scheme gives every attention layer a :class:`LayerPositionTerm` (``layer_term``) and computes what all layers
+share once per forward in ``prepare``: the relative index tables, fixed sinusoids, shared embeddings. No tensor of
+shape ``(q_len, kv_len, head_dim)`` is ever built: a position term is ``q`` times a table of at most a few hundred
+rows, ``(batch, heads, q_len, rows)``, then gathered at each pair's row, ``(batch, heads, q_len, kv_len)``.
+
+Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, sections "Classic", "XLNet style",
+"T5 style", "DeBERTa style") and the papers and reference implementations cited per class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .options import Option
+from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
+from .score_bias_encodings import t5_relative_bucket
+
+
+def relative_distances(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """``i - j`` for every query position i ``(batch|1, q_len)`` and key position j ``(batch|1, kv_len)``:
+    ``(batch|1, q_len, kv_len)``."""
+    return query_positions[:, :, None] - key_positions[:, None, :]
+
+
+def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[b, h, i, j] = row_scores[b, h, i, index[b, i, j]]``: scores against a table of rows ``(batch, heads,
+    q_len, rows)`` read at each (query, key) pair's row, ``index`` ``(batch|1, q_len, kv_len)``."""
+    batch, heads, q_len, _ = row_scores.shape
+    return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+
+
+def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
+    """NEZHA's fixed relative table (Wei et al. 2019, eq. in section 3.2): the row of distance ``d = j - i`` in
+    ``[-k, k]`` is ``R[d, 2i] = sin(d / 10000^(2i/dim))``, ``R[d, 2i+1] = cos(d / 10000^(2i/dim))``; returns the
+    ``(2k + 1, dim)`` float32 table, row ``d + k``. (NEZHA's released code evaluates the sinusoid at ``d + k``
+    instead, a fixed rotation of the same table.)"""
+    distances = torch.arange(-max_distance, max_distance + 1, dtype=torch.float32)
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = distances[:, None] * inv_freq
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :dim]
+
+
+class ShawTerm(LayerPositionTerm):
+    """One layer's Shaw tables ``R^K``, ``R^V`` ``(2k + 1, head_dim)``, shared by the heads (learned), or none
+    (sinusoidal: the fixed table comes from ``prepare``)."""
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.use_value = spec["use_value"]
+        rows = 2 * spec["max_distance"] + 1
+        self.key_table = self.value_table = None
+        if spec["table"] == "learned":
+            self.key_table = nn.Embedding(rows, dims.head_dim)
+            if self.use_value:
+                self.value_table = nn.Embedding(rows, dims.head_dim)
+
+    def tables(self, attention_inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.key_table is None:
+            fixed = attention_inputs["position"]["shaw_table"]
+            return fixed, fixed
+        return self.key_table.weight, self.value_table.weight if self.value_table is not None else None
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        key_table, _ = self.tables(attention_inputs)
+        # The scale goes on the (2k + 1)-row table, not on the (q_len, kv_len) result: one pass fewer.
+        row_scores = torch.matmul(query, key_table.to(query.dtype).T * scaling)  # (batch, heads, q_len, 2k + 1)
+        return gather_rows(row_scores, attention_inputs["position"]["shaw_index"])
+
+    def value_term(self, weights, attention_inputs):
+        if not self.use_value:
+            return None
+        _, value_table = self.tables(attention_inputs)
+        index = attention_inputs["position"]["shaw_index"]
+        # sum_j a_ij R^V[idx(i, j)] = sum_r (sum_{j: idx(i, j) = r} a_ij) R^V[r]: weights summed per row first.
+        batch, heads, q_len, kv_len = weights.shape
+        per_row = weights.new_zeros(batch, heads, q_len, value_table.shape[0])
+        per_row = per_row.scatter_add(-1, index[:, None].expand(batch, heads, q_len, kv_len), weights)
+        return torch.matmul(per_row, value_table.to(weights.dtype))
+
+
+class Shaw(PositionEncoding):
+    """Shaw et al. 2018, "Self-Attention with Relative Position Representations" (seed eqs. (4)-(6)):
+
+    ``e_ij = q_i . (k_j + R^K[clip(j - i, -k, k)]) / sqrt(d)``, ``o_i = sum_j a_ij (v_j + R^V[clip(j - i, -k, k)])``
+
+    with ``R^K``, ``R^V`` tables of ``2k + 1`` rows of ``head_dim`` shared by the heads and learned per layer (as
+    tensor2tensor's ``dot_product_attention_relative``; init N(0, initializer_range) as Transformers' former BERT
+    ``relative_key``), or NEZHA's fixed sinusoids of the clipped distance (``table="sinusoidal"``, no parameters;
+    Wei et al. 2019). The key term is ``q R^T`` ``(batch, heads, q_len, 2k + 1)`` gathered at each pair's row; the
+    value term sums the weights per row, ``(batch, heads, q_len, 2k + 1)``, times ``R^V``. The seed writes
+    ``clip(i - j)``: the same tables, rows reversed.
+    """
+
+    name = "shaw"
+    description = "Shaw et al. 2018: q.R^K and sum_j a_ij R^V of clip(j-i); NEZHA with table='sinusoidal'"
+    relative = True
+    has_layer_term = True
+    backends = ("eager", "sdpa")
+    options = {
+        "max_distance": Option(16, (int,), "clip distance k (tables of 2k+1 rows)", lambda v: v >= 1, "an int >= 1"),
+        "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V (eager only)"),
+        "table": Option(
+            "learned",
+            (str,),
+            "'learned' (per layer) or 'sinusoidal' (NEZHA, fixed)",
+            lambda v: v in ("learned", "sinusoidal"),
+            "'learned' or 'sinusoidal'",
+        ),
+    }
+
+    @classmethod
+    def supported_backends(cls, spec):
+        # The value term needs the weights, which only eager materialises.
+        return ("eager",) if spec["use_value"] else cls.backends
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return ShawTerm(spec, dims)
+
+    def prepare(self, query_positions, key_positions, backend):
+        k = self.spec["max_distance"]
+        index = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
+        tables = {"shaw_index": index}
+        if self.spec["table"] == "sinusoidal":
+            tables["shaw_table"] = shaw_sinusoidal_table(k, self.dims.head_dim).to(query_positions.device)
+        return tables
+
+
+def transformer_xl_sinusoids(distances: torch.Tensor, dim: int) -> torch.Tensor:
+    """Transformer-XL's ``R_d = [sin(d f), cos(d f)]``, ``f = 10000^(-2i/dim)`` (sines then cosines, as its
+    ``PositionalEmbedding``): ``(rows,)`` distances -> ``(rows, dim)`` float32."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=distances.device) / dim)
+    angles = distances.float()[:, None] * inv_freq
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)[:, :dim]
+
+
+class TransformerXLTerm(LayerPositionTerm):
+    """One layer's ``W_{K,R}`` (``position_key``, Transformer-XL's ``r_net``, no bias), ``u`` (``content_bias``,
+    ``r_w_bias``) and ``v`` (``position_bias``, ``r_r_bias``), each ``(heads, head_dim)``."""
+
+    def __init__(self, dims: AttentionDims):
+        super().__init__()
+        self.num_heads, self.head_dim = dims.num_heads, dims.head_dim
+        self.position_key = nn.Linear(dims.hidden_size, dims.hidden_size, bias=False)
+        self.content_bias = nn.Parameter(torch.zeros(dims.num_heads, dims.head_dim))
+        self.position_bias = nn.Parameter(torch.zeros(dims.num_heads, dims.head_dim))
+
+    def init_weights(self, initializer_range):
+        # As Transformer-XL's init_weight / Transformers' TransfoXL: N(0, init_std).
+        init.normal_(self.content_bias, mean=0.0, std=initializer_range)
+        init.normal_(self.position_bias, mean=0.0, std=initializer_range)
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        sinusoids = tables["xl_sinusoids"].to(self.position_key.weight.dtype)
+        rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
+        # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered. The scale goes on
+        # the small factors, not on the (q_len, kv_len) result.
+        rows = rows * scaling
+        row_scores = torch.matmul(query + self.position_bias[:, None].to(query.dtype), rows.transpose(-1, -2))
+        position_scores = gather_rows(row_scores, tables["xl_index"])
+        # Term 3: u W_K x_j, the same for every query.
+        content_bias = self.content_bias[..., None].to(key.dtype) * scaling
+        return position_scores + torch.matmul(key, content_bias).transpose(-1, -2)
+
+
+class TransformerXL(PositionEncoding):
+    """Transformer-XL relative attention (Dai et al. 2019, eq. of section 3.3; seed eq. (9)), as XLNet uses it:
+
+    ``A_ij = [q_i . k_j + q_i . W_{K,R} R_{i-j} + u . k_j + v . W_{K,R} R_{i-j}] / sqrt(d)``
+
+    ``R_{i-j}`` the sinusoid of the distance, not clipped (``transformer_xl_sinusoids``); ``W_{K,R}``, ``u``, ``v``
+    per layer (``untie_r``), no position term on the values. Bidirectional in the encoder, causal in the decoder.
+    ``prepare`` builds the sinusoids of every distance the forward has, ``rows = max(i - j) - min(i - j) + 1``
+    (``q_len + kv_len - 1`` for contiguous positions), and each pair's row; a layer scores ``(q + v)`` against the
+    projected rows, ``(batch, heads, q_len, rows)``, and gathers: the memory of Transformer-XL's relative shift,
+    without its assumption of contiguous positions. Reference: kimiyoung/transformer-xl
+    ``RelPartialLearnableMultiHeadAttn``.
+    """
+
+    name = "xlnet"
+    description = "Transformer-XL/XLNet: q.k + q.W_KR R_(i-j) + u.k + v.W_KR R_(i-j), sinusoidal R, u, v per layer"
+    relative = True
+    has_layer_term = True
+    backends = ("eager", "sdpa")
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return TransformerXLTerm(dims)
+
+    def prepare(self, query_positions, key_positions, backend):
+        distances = relative_distances(query_positions, key_positions)
+        lowest, highest = int(distances.min()), int(distances.max())
+        steps = torch.arange(lowest, highest + 1, device=distances.device)
+        return {
+            "xl_sinusoids": transformer_xl_sinusoids(steps, self.dims.hidden_size),
+            "xl_index": distances - lowest,
+        }
+
+
+def deberta_log_bucket(distances: torch.Tensor, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
+    """DeBERTa-v2's log-bucketed relative position (He et al. 2021; ``make_log_bucket_position`` of Transformers'
+    ``deberta_v2``): distances with ``|d| <= mid = position_buckets / 2`` are kept, larger ones become
+    ``sign(d) (mid + ceil(log(|d| / mid) / log((max_relative_positions - 1) / mid) (mid - 1)))``. Computed in float32
+    as the reference does, so the buckets agree at the boundaries."""
+    mid = position_buckets // 2
+    magnitude = distances.abs().clamp(min=mid).float()
+    scale = torch.log(torch.tensor((max_relative_positions - 1) / mid))
+    log_bucket = torch.ceil(torch.log(magnitude / mid) / scale * (mid - 1)) + mid
+    return torch.where(distances.abs() <= mid, distances, (log_bucket * distances.sign()).to(distances.dtype))
+
+
+class DeBERTaTerm(LayerPositionTerm):
+    """One layer's position projections of the shared relative embeddings: its own q/k projections
+    (``share_att_key``, DeBERTa-v3) or ``pos_key_proj`` (c2p) / ``pos_query_proj`` (p2c), named as in Transformers."""
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.att_type = spec["att_type"].split("|")
+        self.share_att_key = spec["share_att_key"]
+        self.num_heads, self.head_dim = dims.num_heads, dims.head_dim
+        if not self.share_att_key:
+            if "c2p" in self.att_type:
+                self.pos_key_proj = nn.Linear(dims.hidden_size, dims.hidden_size)
+            if "p2c" in self.att_type:
+                self.pos_query_proj = nn.Linear(dims.hidden_size, dims.hidden_size)
+
+    def heads(self, states: torch.Tensor) -> torch.Tensor:
+        return states.view(-1, self.num_heads, self.head_dim).transpose(0, 1)
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        embeddings, index = tables["deberta_embeddings"].to(query.dtype), tables["deberta_index"]
+        if self.share_att_key:
+            position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
+        score = 0.0
+        # The scale goes on the (2 span)-row projections, not on the (q_len, kv_len) result: one pass fewer.
+        if "c2p" in self.att_type:
+            if not self.share_att_key:
+                position_key = self.heads(self.pos_key_proj(embeddings))
+            # c2p_ij = q_i . K^r[idx(i, j)]
+            score = gather_rows(torch.matmul(query, position_key.transpose(-1, -2) * scaling), index)
+        if "p2c" in self.att_type:
+            if not self.share_att_key:
+                position_query = self.heads(self.pos_query_proj(embeddings))
+            # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index.
+            key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)  # (batch, heads, kv_len, 2 span)
+            score = score + gather_rows(key_rows, index.transpose(-1, -2)).transpose(-1, -2)
+        return score
+
+
+class DeBERTa(PositionEncoding):
+    """DeBERTa disentangled attention (He et al. 2021, "DeBERTa: Decoding-enhanced BERT with Disentangled
+    Attention", eq. (4); seed eq. (11)), in its v2/v3 form (Transformers' ``DisentangledSelfAttention``):
+
+    ``A_ij = [q_i . k_j + q_i . K^r[idx(i, j)] + k_j . Q^r[idx(i, j)]] / sqrt(d (1 + number of position terms))``
+
+    ``idx(i, j) = clamp(bucket(i - j) + span, 0, 2 span - 1)`` with ``bucket`` :func:`deberta_log_bucket`
+    (``span = position_buckets``, or ``max_relative_positions`` without buckets). ``K^r``, ``Q^r`` are the shared
+    relative embeddings ``(2 span, hidden)`` after their LayerNorm (one pair for all layers, computed once per
+    forward), projected per layer by that layer's own W_K, W_Q (``share_att_key``) or its ``pos_key_proj`` /
+    ``pos_query_proj``. ``att_type`` picks c2p (content -> position) and p2c (position -> content). The p2c term reads
+    the same ``idx(i, j)`` as c2p, as the reference implementations do (the paper writes ``delta(j, i)``). Not
+    included: dropout on the relative embeddings and the enhanced mask decoder (absolute positions in the last
+    layers).
+    """
+
+    name = "deberta"
+    description = "DeBERTa-v2/v3 disentangled attention: c2p + p2c over log-bucketed relative embeddings"
+    relative = True
+    has_layer_term = True
+    backends = ("eager", "sdpa")
+    options = {
+        "att_type": Option(
+            "c2p|p2c",
+            (str,),
+            "position terms, '|'-separated",
+            lambda v: v in ("c2p|p2c", "p2c|c2p", "c2p", "p2c"),
+            "'c2p|p2c', 'c2p' or 'p2c'",
+        ),
+        "position_buckets": Option(
+            256,
+            (int,),
+            "log buckets (0: none, distances clipped)",
+            lambda v: v >= 0 and v % 2 == 0,
+            "an even int >= 0",
+        ),
+        "max_relative_positions": Option(512, (int,), "distance of the last bucket", lambda v: v >= 1, "an int >= 1"),
+        "share_att_key": Option(True, (bool,), "project the relative embeddings with the layer's own W_Q, W_K"),
+    }
+
+    @classmethod
+    def check_spec(cls, spec):
+        buckets, largest = spec["position_buckets"], spec["max_relative_positions"]
+        if buckets > 0 and largest - 1 <= buckets // 2:
+            raise ValueError(
+                f"position_encoding 'deberta': max_relative_positions={largest} must exceed position_buckets / 2 + 1 "
+                f"= {buckets // 2 + 1}, where the logarithmic buckets start (or set position_buckets=0)."
+            )
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return DeBERTaTerm(spec, dims)
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.span = spec["position_buckets"] or spec["max_relative_positions"]
+        self.content_scale = (1 + len(spec["att_type"].split("|"))) ** -0.5
+        self.rel_embeddings = nn.Embedding(2 * self.span, dims.hidden_size)
+        self.LayerNorm = nn.LayerNorm(dims.hidden_size, eps=1e-7)  # DeBERTa's layer_norm_eps
+
+    def prepare(self, query_positions, key_positions, backend):
+        distances = relative_distances(query_positions, key_positions)
+        if self.spec["position_buckets"] > 0:
+            distances = deberta_log_bucket(
+                distances, self.spec["position_buckets"], self.spec["max_relative_positions"]
+            )
+        return {
+            "deberta_index": (distances + self.span).clamp(0, 2 * self.span - 1),
+            "deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight),
+        }
+
+
+class TUPE(PositionEncoding):
+    """TUPE-R (Ke et al., ICLR 2021, "Rethinking Positional Encoding in Language Pre-training", eq. (7)):
+
+    ``A_ij = (x_i W_Q)(x_j W_K)^T / sqrt(2d) + reset((p_i U_Q)(p_j U_K)^T / sqrt(2d) + b[bucket(i - j)], i, j)``
+
+    The untied positional correlation uses its own absolute table ``p`` (``max_positions`` rows, LayerNorm) and
+    projections ``U_Q``, ``U_K`` (per head), computed once per forward and shared by all layers, as is the T5-bucketed
+    relative bias ``b`` (bidirectional in the encoder, causal in the decoder); nothing is added to the input. With
+    ``cls_untying`` (the encoder's default) the [CLS] token (position 0) is untied from positions: its row (from
+    [CLS] to others) and its column (from others to [CLS]) become learned per-head values ``theta_1``, ``theta_2``.
+    The reference implementation (guolinke/TUPE ``TransformerSentenceEncoder``) does the same with spare table rows
+    and buckets; this is the paper's form. A decoder has no [CLS]: ``cls_untying=True`` there is an error.
+    """
+
+    name = "tupe"
+    description = "TUPE-R: untied (p_i U_Q)(p_j U_K) shared by all layers + T5-bucketed bias; [CLS] untying"
+    backends = ("eager", "sdpa")
+    options = {
+        "max_positions": Option(
+            None, (int,), "absolute table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
+        ),
+        "num_buckets": Option(32, (int,), "relative buckets", lambda v: v >= 4 and v % 2 == 0, "an even int >= 4"),
+        "max_distance": Option(128, (int,), "distance of the last bucket", lambda v: v >= 2, "an int >= 2"),
+        "cls_untying": Option(
+            None, (bool,), "learned [CLS] (position 0) correlations (default: on in the encoder, off in the decoder)"
+        ),
+    }
+
+    @classmethod
+    def check_spec(cls, spec):
+        if spec["max_distance"] <= spec["num_buckets"] // 2:
+            raise ValueError(
+                f"position_encoding 'tupe': max_distance={spec['max_distance']} must be larger than num_buckets / 2 "
+                f"= {spec['num_buckets'] // 2}, where the logarithmic buckets start."
+            )
+
+    @classmethod
+    def check_family(cls, spec, causal):
+        super().check_family(spec, causal)
+        if causal and spec["cls_untying"]:
+            raise ValueError(
+                "position_encoding 'tupe': cls_untying=True has no decoder form (a causal model has no [CLS] token "
+                "that sees every position); leave it unset or False in a decoder."
+            )
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.content_scale = 2**-0.5
+        self.cls_untying = spec["cls_untying"] if spec["cls_untying"] is not None else not dims.causal
+        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+        self.LayerNorm = nn.LayerNorm(dims.hidden_size)
+        self.query = nn.Linear(dims.hidden_size, dims.hidden_size)
+        self.key = nn.Linear(dims.hidden_size, dims.hidden_size)
+        self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
+        if self.cls_untying:
+            self.cls_to_others = nn.Parameter(torch.zeros(dims.num_heads))
+            self.others_to_cls = nn.Parameter(torch.zeros(dims.num_heads))
+
+    def init_weights(self, initializer_range):
+        if self.cls_untying:
+            init.normal_(self.cls_to_others, mean=0.0, std=initializer_range)
+            init.normal_(self.others_to_cls, mean=0.0, std=initializer_range)
+
+    def projected_positions(self, positions: torch.Tensor, projection: nn.Linear) -> torch.Tensor:
+        """``LayerNorm(p[positions]) U``: ``(batch|1, seq)`` -> ``(batch|1, heads, seq, head_dim)``."""
+        if not torch.compiler.is_compiling():
+            limit = self.table.num_embeddings
+            if int(positions.max()) >= limit or int(positions.min()) < 0:
+                raise ValueError(
+                    f"tupe: positions must be in 0..{limit - 1} (its absolute table has {limit} rows); got "
+                    f"{int(positions.min())}..{int(positions.max())}. Set the option max_positions (or "
+                    "max_position_embeddings) larger, or use a relative scheme."
+                )
+        states = projection(self.LayerNorm(self.table(positions)))
+        return states.view(*positions.shape, self.dims.num_heads, self.dims.head_dim).transpose(1, 2)
+
+    def prepare(self, query_positions, key_positions, backend):
+        head_dim = self.dims.head_dim
+        position_query = self.projected_positions(query_positions, self.query) * (2 * head_dim) ** -0.5
+        position_key = self.projected_positions(key_positions, self.key)
+        bias = torch.matmul(position_query, position_key.transpose(-1, -2))  # (batch|1, heads, q_len, kv_len)
+        buckets = t5_relative_bucket(
+            relative_distances(query_positions, key_positions),
+            bidirectional=not self.dims.causal,
+            num_buckets=self.spec["num_buckets"],
+            max_distance=self.spec["max_distance"],
+        )
+        bias = bias + self.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+        if self.cls_untying:
+            from_cls = (query_positions == 0)[:, None, :, None]
+            to_cls = (key_positions == 0)[:, None, None, :]
+            bias = torch.where(to_cls, self.others_to_cls[:, None, None].to(bias.dtype), bias)
+            bias = torch.where(from_cls, self.cls_to_others[:, None, None].to(bias.dtype), bias)
+        return {"score_bias": bias}
+
+
+class CoPETerm(LayerPositionTerm):
+    """One layer's CoPE position embeddings ``e`` ``(head_dim, max_positions)``, shared by the heads, initialised to
+    zero (as the reference's ``pos_emb``)."""
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.position_embeddings = nn.Parameter(torch.zeros(dims.head_dim, spec["max_positions"]))
+
+    def init_weights(self, initializer_range):
+        init.zeros_(self.position_embeddings)
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        compute_dtype = torch.promote_types(query.dtype, torch.float32)
+        query = query.to(compute_dtype)
+        gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
+        if attention_inputs["visible"] is not None:
+            gates = gates * attention_inputs["visible"]  # masked keys (the future, padding) count nothing
+        # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
+        positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.position_embeddings.shape[-1] - 1)
+        floor = positions.floor()
+        fraction, index = positions - floor, floor.long()
+        # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
+        integer_scores = torch.matmul(query, self.position_embeddings.to(compute_dtype))
+        steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
+        return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
+
+
+class CoPE(PositionEncoding):
+    """CoPE, Contextual Position Encoding (Golovneva et al. 2024, eqs. (3)-(5); reference code in the paper's
+    appendix), decoder only:
+
+    ``g_ij = sigmoid(q_i . k_j / sqrt(d))``, ``p_ij = sum_{t=j..i} g_it``, clamped to ``max_positions - 1``,
+    ``e[p_ij] = (ceil(p) - p) e[floor(p)] + (p - floor(p)) e[ceil(p)]``, and ``q_i . e[p_ij]`` (unscaled) added to the
+    scores. ``e`` ``(head_dim, max_positions)`` per layer, shared by the heads, zero at init. The gates read the
+    layer's scaled scores with masked keys (the future, padding, unwritten cache slots) at 0, so cached keys count as
+    in one forward. ``q . e`` is computed at the integer positions, ``(batch, heads, q_len, max_positions)``, then
+    gathered and interpolated. An encoder form (gates counted on both sides) is not in the paper: an encoder config
+    raises ``ValueError``.
+    """
+
+    name = "cope"
+    description = "CoPE (decoder): gates sigmoid(q_i.k_j), positions p_ij = sum_{t=j..i} g_it, interpolated q.e[p_ij]"
+    relative = True
+    families = ("decoder",)
+    has_layer_term = True
+    backends = ("eager", "sdpa")
+    options = {
+        "max_positions": Option(
+            64,
+            (int,),
+            "position embeddings; contextual positions are clamped below it",
+            lambda v: v >= 2,
+            "an int >= 2",
+        ),
+    }
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return CoPETerm(spec, dims)

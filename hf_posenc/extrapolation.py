@@ -1,0 +1,226 @@
+"""Length extrapolation: the loss of trained models at 1x, 2x, 4x, 8x the length they were trained on.
+
+Each length L is measured with sliding windows, as Press et al. (2022, "Train Short, Test Long", ALiBi) do: windows
+of L tokens moved ``stride`` tokens at a time (``stride`` = the training length by default), each scored only on its
+last ``stride`` positions, so every scored token sits at positions ``L - stride .. L - 1`` with at least
+``L - stride`` tokens of context. At 1x the windows are the training blocks themselves. A decoder is scored on
+next-token prediction; an encoder on 15 % of those last positions, masked (fixed draw). A model that cannot run at
+a length (a ``learned`` table shorter than the window) gets the reason in the table instead of a number::
+
+    python recipes/extrapolate.py --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from accelerate import Accelerator
+
+from .pretraining import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
+
+
+DEFAULT_FACTORS = (1, 2, 4, 8)
+
+
+def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
+    """Start of every full window of ``window`` tokens moved by ``stride`` over ``num_tokens`` tokens."""
+    return list(range(0, num_tokens - window + 1, stride))
+
+
+def is_decoder(config: transformers.PretrainedConfig) -> bool:
+    """Decoders are scored on the next token, encoders on masked tokens."""
+    return config.model_type in ("posenc_gpt2", "gpt2") or bool(getattr(config, "is_decoder", False))
+
+
+def training_length(model_dir: str | Path, config: transformers.PretrainedConfig) -> int:
+    """The block size a model was trained on: from the recipe's ``training_args.json``, else its position limit."""
+    arguments = Path(model_dir) / "training_args.json"
+    if arguments.is_file():
+        return int(json.loads(arguments.read_text())["block_size"])
+    for name in ("n_positions", "max_position_embeddings"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ValueError(f"{model_dir}: no training_args.json and no position limit in its config; give --train_length.")
+
+
+@torch.no_grad()
+def sliding_window_loss(
+    model: transformers.PreTrainedModel,
+    ids: torch.Tensor,
+    window: int,
+    stride: int,
+    batch_size: int = 8,
+    mask_token_id: int | None = None,
+    seed: int = 0,
+) -> float:
+    """Mean loss (nats per scored token) on the last ``stride`` positions of every window of ``window`` tokens.
+
+    ``ids``: the evaluation text, ``(num_tokens,)``. Decoders score the next token at each of those positions;
+    encoders (``mask_token_id`` given) score 15 % of them, replaced by the mask token with a fixed draw.
+    """
+    if not 1 <= stride <= window:
+        raise ValueError(f"stride must be in 1..window={window}, got {stride}")
+    starts = window_starts(len(ids), window, stride)
+    if not starts:
+        raise ValueError(f"The evaluation text has {len(ids)} tokens, fewer than one window of {window}.")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for first in range(0, len(starts), batch_size):
+        blocks = torch.stack([ids[s : s + window] for s in starts[first : first + batch_size]])
+        if mask_token_id is None:
+            labels = blocks
+            inputs = blocks
+        else:
+            chosen = torch.zeros_like(blocks, dtype=torch.bool)
+            draw = torch.rand(blocks.shape[0], stride, generator=batch_generator(seed, window, first)) < 0.15
+            chosen[:, window - stride :] = draw
+            labels = blocks.masked_fill(~chosen, IGNORE_INDEX)
+            inputs = blocks.masked_fill(chosen, mask_token_id)
+        task = "clm" if mask_token_id is None else "mlm"
+        logits = model(input_ids=inputs.to(device)).logits
+        losses, _ = token_losses(logits, labels.to(device), task)
+        last = losses[:, -min(stride, losses.shape[1]) :]
+        scored = ~last.isnan()
+        total += last[scored].double().sum().item()
+        count += int(scored.sum())
+    return total / count
+
+
+def extrapolation_row(
+    model: transformers.PreTrainedModel,
+    ids: torch.Tensor,
+    train_length: int,
+    factors: tuple[int, ...] = DEFAULT_FACTORS,
+    batch_size: int = 8,
+    mask_token_id: int | None = None,
+) -> dict[str, float | str]:
+    """``{"1x": loss, "2x": loss or the reason it cannot run, ...}`` for one model."""
+    row: dict[str, float | str] = {}
+    for factor in factors:
+        window = factor * train_length
+        try:
+            row[f"{factor}x"] = sliding_window_loss(model, ids, window, train_length, batch_size, mask_token_id)
+        except ValueError as error:  # e.g. a learned table shorter than the window: the model says why
+            row[f"{factor}x"] = str(error).split(". ")[0].rstrip(".")
+    return row
+
+
+def format_cell(value: float | str | None, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
+    """One row per model: loss at each length and the ratio of the longest to the training length."""
+    last = f"{factors[-1]}x"
+    header = ["model", *[f"{f}x" for f in factors], f"{last} / {factors[0]}x"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes = []
+    for row in rows:
+        first = row.get(f"{factors[0]}x")
+        ratio = row[last] / first if isinstance(row.get(last), float) and isinstance(first, float) else None
+        cells = [row["model"], *[format_cell(row.get(f"{f}x")) for f in factors], format_cell(ratio, 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+        notes += [f"{row['model']} at {f}x: {row[f'{f}x']}" for f in factors if isinstance(row.get(f"{f}x"), str)]
+    return "\n".join(lines + ([""] + [f"n/a: {note}." for note in notes] if notes else [])) + "\n"
+
+
+def plot_rows(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path, title: str) -> None:
+    """Loss against the length factor (log scale), one line per model; lengths a model cannot run are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        losses = [row.get(f"{f}x") for f in factors]
+        points = [(f, loss) for f, loss in zip(factors, losses, strict=True) if isinstance(loss, float)]
+        if points:
+            axes.plot(*zip(*points, strict=True), marker="o", label=row["model"])
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(list(factors), [f"{f}x" for f in factors])
+    axes.set_xlabel("evaluation length / training length")
+    axes.set_ylabel("loss (nats per token) on the last positions")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def evaluation_ids(
+    tokenizer, text_file: Path | None, held_out_percentage: int | None, max_tokens: int | None
+) -> torch.Tensor:
+    """The evaluation text as token ids: the first ``held_out_percentage`` % of the lines of ``text_file`` (the split
+    the pretraining recipe holds out for validation), or all of it when that is None; the embedded corpus when
+    ``text_file`` is None. At most ``max_tokens`` tokens."""
+    lines = Path(text_file or embedded_corpus_file()).read_text().splitlines(keepends=True)
+    text = "".join(lines if held_out_percentage is None else lines[: len(lines) * held_out_percentage // 100])
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return ids[:max_tokens] if max_tokens else ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc extrapolate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
+    parser.add_argument("--eval_file", type=Path, default=None, help="plain text, all of it (default: see below)")
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
+    )
+    parser.add_argument("--train_length", type=int, default=None, help="default: each model's training block size")
+    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument("--max_eval_tokens", type=int, default=16384)
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument("--output_dir", type=Path, default=Path("extrapolation-output"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.eval_file is not None and not args.eval_file.is_file():
+        parser.error(f"--eval_file {args.eval_file} does not exist")
+    if any(factor < 1 for factor in args.factors):
+        parser.error(f"--factors must be >= 1, got {args.factors}")
+    args.factors = tuple(sorted(set(args.factors)))
+    device = Accelerator().device
+    rows = []
+    for name in args.model_name_or_path:
+        config = transformers.AutoConfig.from_pretrained(name)
+        decoder = is_decoder(config)
+        auto_class = transformers.AutoModelForCausalLM if decoder else transformers.AutoModelForMaskedLM
+        model = auto_class.from_pretrained(name).to(device).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        train_length = args.train_length or training_length(name, config)
+        held_out = None if args.eval_file is not None else args.validation_split_percentage
+        ids = evaluation_ids(tokenizer, args.eval_file, held_out, args.max_eval_tokens)
+        mask_token_id = None if decoder else tokenizer.mask_token_id
+        row = extrapolation_row(model, ids, train_length, args.factors, args.per_device_eval_batch_size, mask_token_id)
+        rows.append({"model": str(name), "train_length": train_length, **row})
+        print(f"{name}: " + ", ".join(f"{key} {format_cell(value)}" for key, value in row.items()))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, args.factors)
+    (args.output_dir / "extrapolation.md").write_text(table)
+    (args.output_dir / "extrapolation.json").write_text(json.dumps(rows, indent=2))
+    plot_rows(rows, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,549 @@
+"""Pretrain one PosEnc model with accelerate: a causal LM (``posenc_gpt2``) or a masked LM (``posenc_bert``).
+
+The flags follow Transformers' ``run_clm_no_trainer.py`` / ``run_mlm_no_trainer.py``. Devices, mixed precision and
+processes come from accelerate (``accelerate config``; DDP, FSDP or DeepSpeed), so the same command runs on one CPU
+and on many GPUs::
+
+    python recipes/pretrain.py --position_encoding rope --output_dir out/rope          # embedded corpus, bytes
+    accelerate launch recipes/pretrain.py --task mlm --position_encoding t5 --attention_normalizer l2 \\
+        --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name bert-base-uncased \\
+        --hidden_size 512 --num_hidden_layers 8 --num_attention_heads 8 --block_size 512 --max_train_steps 20000 \\
+        --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
+
+Without ``--dataset_name`` or ``--train_file`` the text is the corpus shipped in the package (Jane Austen's *Emma*,
+public domain); without ``--tokenizer_name`` the tokens are bytes (``ByT5Tokenizer``, built without files). Text is
+tokenised and packed into blocks of ``--block_size`` tokens by ``datasets`` (cached). The final model is saved with
+``save_pretrained`` (modeling code and tokenizer included), with ``results.json`` and ``train_log.jsonl`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+
+import hf_posenc
+
+
+EMBEDDED_CORPUS = Path(__file__).parent / "data" / "emma.txt.xz"
+MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
+MODEL_TYPE_OF_TASK = {"clm": "posenc_gpt2", "mlm": "posenc_bert"}
+IGNORE_INDEX = -100
+
+
+def embedded_corpus_file() -> Path:
+    """The packaged corpus (Jane Austen, *Emma*, 1815; public domain, 0.9 MB), decompressed once into the datasets
+    cache so that ``datasets`` caches its tokenisation like any text file."""
+    target = Path(datasets.config.HF_DATASETS_CACHE) / "hf_posenc" / "emma.txt"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        partial.write_bytes(lzma.decompress(EMBEDDED_CORPUS.read_bytes()))
+        partial.replace(target)  # atomic: concurrent processes never read a half-written file
+    return target
+
+
+def scheme_spec(text: str) -> str | dict[str, Any]:
+    """A ``--position_encoding`` / ``--attention_normalizer`` value: a name, or a JSON dict ``{"type": ..., ...}``."""
+    return json.loads(text) if text.lstrip().startswith("{") else text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--task", choices=sorted(MODEL_TYPE_OF_TASK), default="clm", help="causal or masked LM")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
+    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--train_file", type=Path, default=None, help="a .txt, .csv, .json or .jsonl file")
+    data.add_argument("--validation_file", type=Path, default=None)
+    data.add_argument(
+        "--validation_split_percentage", type=int, default=5, help="%% of train held out when there is no validation"
+    )
+    data.add_argument("--text_column_name", default="text")
+    data.add_argument("--block_size", type=int, default=64, help="training length: tokens per packed block")
+    data.add_argument("--preprocessing_num_workers", type=int, default=None)
+    data.add_argument("--overwrite_cache", action="store_true")
+    model = parser.add_argument_group("model (from --config_name, or from the flags below)")
+    model.add_argument("--config_name", default=None, help="a posenc config: folder, config.json or Hub name")
+    model.add_argument("--config_overrides", default=None, help='applied to --config_name: "n_embd=256,n_layer=4"')
+    model.add_argument("--tokenizer_name", default=None, help="a tokenizer name or folder (default: bytes)")
+    model.add_argument("--position_encoding", type=scheme_spec, default=None, help="a name or JSON (default learned)")
+    model.add_argument("--attention_normalizer", type=scheme_spec, default=None, help="a name or JSON (softmax)")
+    for name, default in MODEL_SIZE_DEFAULTS.items():
+        model.add_argument(f"--{name}", type=int, default=None, help=f"default {default}")
+    model.add_argument("--intermediate_size", type=int, default=None, help="default 4 * hidden_size")
+    model.add_argument("--dropout", type=float, default=None, help="every dropout probability (default 0)")
+    model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (default 0.02)")
+    model.add_argument(
+        "--reference_init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="initialise each scheme's parameters as its reference does (see reference_init)",
+    )
+    model.add_argument("--attn_implementation", choices=["eager", "sdpa", "flex_attention"], default=None)
+    train = parser.add_argument_group("training")
+    train.add_argument("--per_device_train_batch_size", type=int, default=32)
+    train.add_argument("--per_device_eval_batch_size", type=int, default=64)
+    train.add_argument("--learning_rate", type=float, default=2e-3)
+    train.add_argument("--weight_decay", type=float, default=0.1, help="on matrices only (not embeddings, norms)")
+    train.add_argument("--adam_beta1", type=float, default=0.9)
+    train.add_argument("--adam_beta2", type=float, default=0.99)
+    train.add_argument("--max_grad_norm", type=float, default=1.0)
+    train.add_argument(
+        "--lr_scheduler_type",
+        default="cosine",
+        choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
+    )
+    train.add_argument("--num_warmup_steps", type=int, default=60)
+    train.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps (overrides epochs)")
+    train.add_argument("--num_train_epochs", type=int, default=None, help="used when --max_train_steps is 0")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="default: accelerate's config"
+    )
+    train.add_argument("--mlm_probability", type=float, default=0.15)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
+    train.add_argument("--max_eval_blocks", type=int, default=None, help="evaluate on the first N blocks only")
+    train.add_argument("--checkpointing_steps", type=int, default=None, help="accelerator.save_state every N steps")
+    train.add_argument("--resume_from_checkpoint", type=Path, default=None, help="a step_N folder of --output_dir")
+    train.add_argument("--output_dir", type=Path, default=Path("pretrain-output"))
+    train.add_argument("--push_to_hub", action="store_true", help="upload the model, its code and tokenizer")
+    train.add_argument("--hub_model_id", default=None, help="default: the name of --output_dir")
+    train.add_argument("--hub_token", default=None)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check every argument before any work starts; a bad one exits with a message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dataset_name is not None and args.train_file is not None:
+        parser.error("give --dataset_name or --train_file, not both")
+    for flag in ("train_file", "validation_file"):
+        path = getattr(args, flag)
+        if path is not None and not path.is_file():
+            parser.error(f"--{flag} {path} does not exist")
+        if path is not None and path.suffix not in (".txt", ".csv", ".json", ".jsonl"):
+            parser.error(f"--{flag} {path}: the extension must be .txt, .csv, .json or .jsonl, got {path.suffix!r}")
+    positive = ["block_size", "per_device_train_batch_size", "per_device_eval_batch_size"]
+    positive += ["gradient_accumulation_steps", "eval_steps", "checkpointing_steps", "max_eval_blocks"]
+    for flag in positive:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be >= 1, got {value}")
+    if args.max_train_steps < 0 or args.num_warmup_steps < 0:
+        parser.error("--max_train_steps and --num_warmup_steps must be >= 0")
+    if args.max_train_steps == 0 and not args.num_train_epochs:
+        parser.error("give --max_train_steps > 0 or --num_train_epochs")
+    if not 0 < args.validation_split_percentage < 100:
+        parser.error(f"--validation_split_percentage must be in 1..99, got {args.validation_split_percentage}")
+    if not 0 < args.mlm_probability < 1:
+        parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.learning_rate <= 0:
+        parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.resume_from_checkpoint is not None:
+        if not args.resume_from_checkpoint.is_dir():
+            parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a folder")
+        if checkpoint_step(args.resume_from_checkpoint) is None:
+            parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: expected a step_<N> folder")
+    flag_fields = ["position_encoding", "attention_normalizer", *MODEL_SIZE_DEFAULTS, "intermediate_size"]
+    flag_fields += ["dropout", "initializer_range"]
+    if args.config_name is not None:
+        given = [f"--{name}" for name in flag_fields if getattr(args, name) is not None]
+        if given:
+            parser.error(f"--config_name fixes the model; drop {' '.join(given)} (or use --config_overrides)")
+    else:
+        if args.config_overrides is not None:
+            parser.error("--config_overrides needs --config_name")
+        for name, default in {**MODEL_SIZE_DEFAULTS, "position_encoding": "learned"}.items():
+            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+        args.attention_normalizer = args.attention_normalizer or "softmax"
+        args.dropout = 0.0 if args.dropout is None else args.dropout
+        args.initializer_range = 0.02 if args.initializer_range is None else args.initializer_range
+        try:  # the config checks names, options, types and ranges; fail now rather than after the data
+            build_config(args, vocab_size=384, pad_token_id=0, eos_token_id=1)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """The step a ``step_<N>`` checkpoint folder was saved at."""
+    prefix, _, number = folder.name.partition("_")
+    return int(number) if prefix == "step" and number.isdigit() else None
+
+
+def load_tokenizer(name: str | None, task: str) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer by name or folder, or bytes (``ByT5Tokenizer``: 256 bytes + 3 specials + 125 sentinels)."""
+    tokenizer = transformers.ByT5Tokenizer() if name is None else transformers.AutoTokenizer.from_pretrained(name)
+    if task == "mlm" and tokenizer.mask_token is None:
+        if name is not None:
+            raise ValueError(f"--tokenizer_name {name} has no mask token, which masked LM (--task mlm) needs.")
+        tokenizer.mask_token = "<extra_id_0>"  # a ByT5 sentinel, never produced by text
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, eos_token_id: int):
+    """The model config: ``--config_name`` (+ overrides), or the flags. ``block_size`` is the position limit."""
+    if args.config_name is not None:
+        config = transformers.AutoConfig.from_pretrained(args.config_name)
+        if config.model_type != MODEL_TYPE_OF_TASK[args.task]:
+            raise ValueError(
+                f"--config_name {args.config_name} is a {config.model_type!r} config; --task {args.task} needs "
+                f"{MODEL_TYPE_OF_TASK[args.task]!r}."
+            )
+        if args.config_overrides:
+            config.update_from_string(args.config_overrides)
+        return config
+    common = dict(
+        position_encoding=args.position_encoding,
+        attention_normalizer=args.attention_normalizer,
+        vocab_size=vocab_size,
+        pad_token_id=pad_token_id,
+        initializer_range=args.initializer_range,
+    )
+    intermediate_size = args.intermediate_size or 4 * args.hidden_size
+    if args.task == "clm":
+        return hf_posenc.PosEncGPT2Config(
+            n_embd=args.hidden_size, n_layer=args.num_hidden_layers, n_head=args.num_attention_heads,
+            n_inner=intermediate_size, n_positions=args.block_size, bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id, resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+            **common,
+        )  # fmt: skip
+    return hf_posenc.PosEncBertConfig(
+        hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=args.block_size, hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout, **common,
+    )  # fmt: skip
+
+
+def reference_init(model: transformers.PreTrainedModel) -> list[str]:
+    """Initialise what a scheme's reference initialises differently from GPT-2 / BERT (``N(0, initializer_range)``
+    for every table), so that each scheme starts as its authors trained it. Returns what was changed.
+
+    * ``sinusoidal`` (Vaswani et al. 2017; tensor2tensor): token embeddings ``N(0, d^-1/2)``. GPT-2's 0.02 leaves the
+      fixed table (entries of size ~0.7) eight times louder than ``d^-1/2`` does and the tokens nearly invisible:
+      trained with GPT-2's init the model stays on the unigram plateau.
+    * ``t5`` (Raffel et al. 2020; ``T5PreTrainedModel._init_weights``): relative attention bias ``N(0, d^-1/2)``.
+
+    ``learned`` is GPT-2's / BERT's own init; ``rope``, ``alibi`` and ``none`` have no parameters.
+    """
+    scheme = model.config.position_encoding["type"]
+    std = model.config.hidden_size**-0.5
+    changed = []
+    with torch.no_grad():
+        if scheme == "sinusoidal":
+            model.get_input_embeddings().weight.normal_(0.0, std)
+            changed.append(f"token embeddings ~ N(0, {std:.4f})")
+        if scheme == "t5":
+            for name, module in model.named_modules():
+                if name.endswith("relative_attention_bias"):
+                    module.weight.normal_(0.0, std)
+                    changed.append(f"{name} ~ N(0, {std:.4f})")
+    return changed
+
+
+def load_text_datasets(args: argparse.Namespace) -> datasets.DatasetDict:
+    """Raw text with ``train`` and ``validation`` splits, as in Transformers' examples: a Hub dataset or local files
+    (the embedded corpus by default); without a validation split the first ``--validation_split_percentage`` % of
+    train is held out."""
+    if args.dataset_name is not None:
+        source, kwargs = args.dataset_name, {"name": args.dataset_config_name}
+    else:
+        data_files = {"train": str(args.train_file or embedded_corpus_file())}
+        if args.validation_file is not None:
+            data_files["validation"] = str(args.validation_file)
+        extension = Path(data_files["train"]).suffix.lstrip(".")
+        source = {"txt": "text", "jsonl": "json"}.get(extension, extension)
+        kwargs = {"data_files": data_files, **({"keep_linebreaks": True} if source == "text" else {})}
+    raw = datasets.load_dataset(source, **kwargs)
+    if "validation" not in raw:
+        held_out = args.validation_split_percentage
+        raw = datasets.DatasetDict(
+            train=datasets.load_dataset(source, split=f"train[{held_out}%:]", **kwargs),
+            validation=datasets.load_dataset(source, split=f"train[:{held_out}%]", **kwargs),
+        )
+    if args.text_column_name not in raw["train"].column_names:
+        raise ValueError(f"--text_column_name {args.text_column_name!r} is not a column: {raw['train'].column_names}")
+    return raw
+
+
+def tokenize_and_pack(raw: datasets.DatasetDict, tokenizer, args, accelerator: Accelerator) -> datasets.DatasetDict:
+    """Tokenise every split and pack the concatenated tokens into blocks of ``block_size`` (the tail is dropped)."""
+
+    def tokenize(batch):
+        return {"input_ids": tokenizer(batch[args.text_column_name], add_special_tokens=False)["input_ids"]}
+
+    def pack(batch):
+        ids = [token for row in batch["input_ids"] for token in row]
+        usable = len(ids) // args.block_size * args.block_size
+        return {"input_ids": [ids[i : i + args.block_size] for i in range(0, usable, args.block_size)]}
+
+    with accelerator.main_process_first():  # the main process fills the datasets cache, the others read it
+        tokenized = raw.map(
+            tokenize,
+            batched=True,
+            num_proc=args.preprocessing_num_workers,
+            remove_columns=raw["train"].column_names,
+            load_from_cache_file=not args.overwrite_cache,
+            desc="tokenising",
+        )
+        packed = tokenized.map(
+            pack,
+            batched=True,
+            num_proc=args.preprocessing_num_workers,
+            load_from_cache_file=not args.overwrite_cache,
+            desc=f"packing into blocks of {args.block_size}",
+        )
+    if len(packed["train"]) == 0 or len(packed["validation"]) == 0:
+        raise ValueError(f"The text is too short for one block of {args.block_size} tokens in train and validation.")
+    return packed
+
+
+def batch_generator(seed: int, *indices: int) -> torch.Generator:
+    """A generator for one batch's masking, fixed by the run's seed and the batch's place (step, process, ...), so
+    that a resumed run and an uninterrupted one draw the same masks."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, *indices]).generate_state(1)[0]))
+
+
+def model_inputs(
+    input_ids: torch.Tensor, task: str, collator, generator: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Inputs and labels of one batch: labels = inputs for CLM (the model shifts them); BERT's 80/10/10 masking,
+    drawn from ``generator`` by ``DataCollatorForLanguageModeling``, for MLM."""
+    if task == "clm":
+        return {"input_ids": input_ids.to(device), "labels": input_ids.to(device)}
+    collator.generator = generator  # the collator draws its masks from this generator when one is set
+    masked, labels = collator.torch_mask_tokens(input_ids.clone())
+    return {"input_ids": masked.to(device), "labels": labels.to(device)}
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy (nats) and correctness of the scored tokens: every next token for CLM, the masked
+    tokens for MLM. Both ``(batch, scored)`` with NaN / False where a position is not scored."""
+    if task == "clm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    scored = labels != IGNORE_INDEX
+    loss = torch.nn.functional.cross_entropy(
+        logits.float().transpose(1, 2), labels.masked_fill(~scored, 0), reduction="none"
+    )
+    return loss.masked_fill(~scored, float("nan")), (logits.argmax(-1) == labels) & scored
+
+
+@torch.no_grad()
+def evaluate_model(model, loader, accelerator: Accelerator, args, collator) -> dict[str, float]:
+    """Mean loss (nats per scored token), perplexity and accuracy on the validation blocks, with fixed masks."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for index, batch in enumerate(loader):
+        generator = batch_generator(args.seed, 2**31, index, accelerator.process_index)
+        inputs = model_inputs(batch["input_ids"], args.task, collator, generator, accelerator.device)
+        losses, correct = token_losses(model(input_ids=inputs["input_ids"]).logits, inputs["labels"], args.task)
+        per_block = torch.stack([losses.nan_to_num().sum(-1), (~losses.isnan()).sum(-1), correct.sum(-1)], -1)
+        totals += accelerator.gather_for_metrics(per_block.double()).sum(0).cpu()
+    model.train()
+    loss = (totals[0] / totals[1]).item()
+    accuracy = (totals[2] / totals[1]).item()
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_accuracy": accuracy}
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices only: embedding tables (tokens, positions, biases of schemes), norms and
+    biases are not decayed, so no scheme's position parameters are pulled towards zero."""
+    no_decay = set()
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.LayerNorm)):
+            no_decay.update(id(p) for p in module.parameters(recurse=False))
+    decay, rest = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (rest if id(param) in no_decay or param.ndim < 2 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train one model; returns the final metrics (also written to ``output_dir/results.json``)."""
+    args = parse_args(argv)
+    # torchrun on a machine without CUDA: run the processes as multi-CPU (gloo) rather than as independent copies.
+    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(
+        cpu=multi_cpu or None,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    set_seed(args.seed)
+    if accelerator.is_main_process:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(args.tokenizer_name, args.task)
+    packed = tokenize_and_pack(load_text_datasets(args), tokenizer, args, accelerator)
+    config = build_config(args, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    auto_class = transformers.AutoModelForCausalLM if args.task == "clm" else transformers.AutoModelForMaskedLM
+    kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+    model = auto_class.from_config(config, **kwargs)
+    initialised = reference_init(model) if args.reference_init else []
+    num_parameters = sum(p.numel() for p in model.parameters())
+    accelerator.print(
+        f"{args.task} {config.position_encoding} + {config.attention_normalizer}: {num_parameters:,} parameters; "
+        f"{len(packed['train'])} train / {len(packed['validation'])} validation blocks of {args.block_size} tokens"
+        + (f"; reference init: {', '.join(initialised)}" if initialised else "")
+    )
+
+    collator = (
+        transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability)
+        if args.task == "mlm"
+        else None
+    )
+    columns = packed.with_format("torch", columns=["input_ids"])
+    # A generator of its own: a DataLoader iterator draws its worker seed from it, not from the global RNG, so that
+    # restarting the iterator on resume leaves dropout's random stream where the checkpoint saved it.
+    train_loader = torch.utils.data.DataLoader(
+        columns["train"],
+        args.per_device_train_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    validation = columns["validation"]
+    if args.max_eval_blocks is not None:
+        validation = validation.select(range(min(args.max_eval_blocks, len(validation))))
+    eval_loader = torch.utils.data.DataLoader(
+        validation, args.per_device_eval_batch_size, generator=torch.Generator().manual_seed(args.seed)
+    )
+    optimizer = torch.optim.AdamW(
+        optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
+    )
+    # Batches stay on the CPU until masked (masks are drawn on the CPU); model_inputs moves them to the device.
+    train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)
+    eval_loader = accelerator.prepare_data_loader(eval_loader, device_placement=False)
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    # The prepared scheduler steps once per process per optimizer step, as in Transformers' no_trainer examples.
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps * accelerator.num_processes,
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    completed_steps = 0
+    if args.resume_from_checkpoint is not None:
+        accelerator.load_state(str(args.resume_from_checkpoint))
+        completed_steps = checkpoint_step(args.resume_from_checkpoint)
+        accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {completed_steps}")
+    tokens_per_step = args.block_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    tokens_per_step *= accelerator.num_processes
+    log_path = args.output_dir / "train_log.jsonl"
+    progress = tqdm(
+        total=max_train_steps, initial=completed_steps, desc="training", disable=not accelerator.is_local_main_process
+    )
+    train_seconds, step_loss, history = 0.0, torch.zeros((), dtype=torch.float64), []
+    eval_metrics: dict[str, float] = {}
+    model.train()
+    for epoch in range(completed_steps // steps_per_epoch, num_epochs):
+        train_loader.set_epoch(epoch)
+        skip = (completed_steps - epoch * steps_per_epoch) * args.gradient_accumulation_steps
+        active_loader = accelerator.skip_first_batches(train_loader, skip) if skip > 0 else train_loader
+        started = time.perf_counter()
+        for micro_step, batch in enumerate(active_loader, start=skip):
+            generator = batch_generator(args.seed, completed_steps, micro_step, accelerator.process_index)
+            inputs = model_inputs(batch["input_ids"], args.task, collator, generator, accelerator.device)
+            with accelerator.accumulate(model):
+                loss = model(**inputs).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            step_loss += loss.detach().double().cpu() / args.gradient_accumulation_steps
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            train_seconds += time.perf_counter() - started
+            mean_loss = accelerator.reduce(step_loss.to(accelerator.device), "mean").item()
+            step_loss.zero_()
+            record = {
+                "step": completed_steps,
+                "loss": mean_loss,
+                "learning_rate": scheduler.get_last_lr()[0],
+                "tokens_per_second": tokens_per_step * completed_steps / max(train_seconds, 1e-9),
+            }
+            history.append(record)
+            progress.update()
+            progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
+            if completed_steps % args.eval_steps == 0 or completed_steps == max_train_steps:
+                eval_metrics = evaluate_model(model, eval_loader, accelerator, args, collator)
+                record.update(eval_metrics)
+                progress.write(
+                    f"step {completed_steps}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity "
+                    f"{eval_metrics['perplexity']:.3f}, accuracy {eval_metrics['eval_accuracy']:.4f}"
+                )
+            if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                accelerator.save_state(str(args.output_dir / f"step_{completed_steps}"))
+            if accelerator.is_main_process:
+                with log_path.open("a") as log:
+                    log.write(json.dumps(record) + "\n")
+            started = time.perf_counter()
+            if completed_steps >= max_train_steps:
+                break
+        if completed_steps >= max_train_steps:
+            break
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(
+        args.output_dir,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(model),
+    )
+    results = {
+        "task": args.task,
+        "position_encoding": config.position_encoding,
+        "attention_normalizer": config.attention_normalizer,
+        "block_size": args.block_size,
+        "steps": completed_steps,
+        "num_parameters": num_parameters,
+        "train_loss": history[-1]["loss"] if history else None,
+        # measured over this run's steps only (a resumed run times the steps after the checkpoint)
+        "tokens_per_second": history[-1]["tokens_per_second"] if history else None,
+        "reference_init": initialised,
+        **eval_metrics,
+    }
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        (args.output_dir / "training_args.json").write_text(json.dumps(arguments, indent=2))
+        (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        if args.push_to_hub:
+            repo_id = args.hub_model_id or args.output_dir.resolve().name
+            unwrapped.push_to_hub(repo_id, token=args.hub_token)
+            tokenizer.push_to_hub(repo_id, token=args.hub_token)
+    accelerator.wait_for_everyone()
+    return results
+
+
+if __name__ == "__main__":
+    main()

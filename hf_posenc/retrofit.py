@@ -1,0 +1,602 @@
+"""``retrofit``: switch the position encoding and attention normalizer of a stock Transformers model, in place.
+
+Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
+CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, and the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``), all heads.
+The model keeps its class; its modules are patched:
+
+* a forward pre-hook on the base model does, once per forward, what a PosEnc model does before its layers: resolve
+  the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``),
+  keep key positions with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through
+  the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention`. The stock forward
+  then runs on these ``inputs_embeds`` (its own position table is gone: BERT's embeddings module passes them through,
+  GPT-2's ``wpe`` adds nothing), and Transformers hands two keyword arguments down to every attention layer: the
+  attention inputs and the scheme;
+* each layer becomes ``Retrofit<Layer>`` (a subclass of its stock class): it passes the attention inputs to its
+  checkpointed ``forward`` as positional tensors, so reentrant activation checkpointing recomputes through them;
+* each self-attention module becomes ``Retrofit<Attention>``: the stock projections around
+  :func:`positional_attention`, the one attention composition; it owns the normalizer and the scheme's per-layer
+  :class:`LayerPositionTerm` (``build_attention_normalizer``, ``build_layer_position_term``).
+
+``save_pretrained`` writes the stock weights with the new ones, a config whose ``model_type`` is
+``posenc_retrofit_<stock type>`` with ``position_encoding``, ``attention_normalizer`` and ``auto_map``, and
+``modeling_retrofit.py``: subclasses of the stock classes whose ``__init__`` re-applies the patch, next to this module
+and the hf_posenc modules it imports (single-dot relative imports). So ``AutoModel*.from_pretrained(folder,
+trust_remote_code=True)`` loads it back patched, with or without hf_posenc installed; without
+``trust_remote_code`` Transformers refuses the unknown model type instead of loading the stock model silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from transformers import AutoConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.models.auto import modeling_auto
+
+from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
+from .modeling_posenc_common import (
+    build_attention_normalizer,
+    build_layer_position_term,
+    build_position_encoding,
+    prepare_attention,
+    resolve_position_ids,
+)
+from .posenc_attention import positional_attention
+from .position_interface import EmbeddingInputs, LayerPositionTerm, PositionCache, PositionEncoding
+
+
+ATTENTION_INPUTS = "posenc_attention_inputs"
+POSITION_ENCODING = "posenc_position_encoding"
+MODELING_FILE = "modeling_retrofit.py"
+AUTO_CLASSES = {
+    "AutoModelForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    "AutoModelForMaskedLM": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    "AutoModelForSequenceClassification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "AutoModelForTokenClassification": modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    "AutoModelForQuestionAnswering": modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    "AutoModelForMultipleChoice": modeling_auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES,
+    "AutoModelForPreTraining": modeling_auto.MODEL_FOR_PRETRAINING_MAPPING_NAMES,
+}
+
+
+# Per-layer pieces: mixed into the stock classes (``Retrofit<Stock>``), so hooks, output capturing and
+# ``isinstance`` checks of Transformers keep working.
+
+
+class RetrofitLayer:
+    """Mixin of a stock ``GradientCheckpointingLayer``: the :data:`AttentionInputs` its attention reads reach the
+    (checkpointed) ``forward`` flattened into positional arguments, as in :class:`PositionalLayer`."""
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS))
+        return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
+
+    def forward(self, *args, posenc_layout, **kwargs):
+        num_args, spec = posenc_layout
+        kwargs[ATTENTION_INPUTS] = tree_unflatten(list(args[num_args:]), spec)
+        return super().forward(*args[:num_args], **kwargs)
+
+
+class RetrofitAttention:
+    """Mixin of a stock self-attention module: its own q/k/v projections, then :func:`positional_attention` with the
+    scheme, the layer's normalizer and position term. Subclasses say how the stock module projects."""
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(batch, seq, hidden)`` -> q, k, v as ``(batch, heads, seq, head_dim)``."""
+        raise NotImplementedError
+
+    def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's q and k projections of ``(rows, hidden)`` vectors, ``(heads, rows, head_dim)`` each (keys
+        repeated over the query heads they serve under grouped-query attention)."""
+        query, key, _ = self.project(states[None])
+        return query[0], key[0].repeat_interleave(query.shape[1] // key.shape[1], dim=0)
+
+    def attend(self, hidden_states, past_key_values, kwargs, *, scaling, dropout, causal):
+        query, key, value = self.project(hidden_states)
+        output, weights = positional_attention(
+            query,
+            key,
+            value,
+            kwargs[ATTENTION_INPUTS],
+            kwargs[POSITION_ENCODING],
+            self.normalizer,
+            self.position_term,
+            scaling=scaling,
+            dropout=dropout,
+            training=self.training,
+            causal=causal,
+            past_key_values=past_key_values,
+            layer_idx=self.layer_idx,
+            project_query_key=self.project_query_key,
+        )
+        return output.reshape(*hidden_states.shape[:-1], -1), weights
+
+
+class RetrofitBertSelfAttention(RetrofitAttention):
+    def project(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        return tuple(layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.query, self.key, self.value))
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        return self.attend(
+            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.dropout.p, causal=self.is_causal
+        )
+
+
+class RetrofitGPT2Attention(RetrofitAttention):
+    def project(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        return tuple(t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.split_size, dim=2))
+
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+        output, weights = self.attend(
+            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.attn_dropout.p, causal=True
+        )
+        return self.resid_dropout(self.c_proj(output)), weights
+
+
+class RetrofitLlamaAttention(RetrofitAttention):
+    def project(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        return tuple(
+            layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
+        )
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        output, weights = self.attend(
+            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.attention_dropout, causal=True
+        )
+        return self.o_proj(output), weights
+
+
+class RetrofitBertEmbeddings:
+    """Mixin of BERT's embeddings module: the pre-hook has already combined word, token-type and positions (through
+    the scheme) and applied this module's LayerNorm and dropout, so the stock forward's call passes them through."""
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        return inputs_embeds
+
+
+class NoStockPositions(nn.Module):
+    """Stands in for GPT-2's ``wpe`` after a retrofit: the scheme combined positions with the token embeddings in the
+    pre-hook, so the stock ``inputs_embeds + wpe(position_ids)`` adds 0."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=position_ids.device)
+
+
+@functools.cache
+def retrofit_class(stock_class: type, mixin: type) -> type:
+    """``Retrofit<Stock>``: ``mixin`` over the stock class (made once per pair)."""
+    return type(f"Retrofit{stock_class.__name__}", (mixin, stock_class), {"__module__": __name__})
+
+
+# Families: where a stock model keeps its layers, attention, embeddings and position table.
+
+
+@dataclasses.dataclass(frozen=True)
+class StockFamily:
+    name: str
+    attention_classes: tuple[str, ...]
+    attention_mixin: type
+
+    def layers(self, base: nn.Module) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def causal(self, config) -> bool:
+        return True
+
+    def attention_dropout(self, config) -> float:
+        raise NotImplementedError
+
+    def position_offset(self, base: nn.Module) -> int:
+        """Rows of the stock position table before position 0 (RoBERTa: ``padding_idx + 1``)."""
+        return 0
+
+    def stock_table(self, base: nn.Module) -> nn.Embedding | None:
+        return None
+
+    def own_scheme(self, config) -> dict[str, Any]:
+        """The spec under which the patched model computes what the stock model computes."""
+        return {"type": "learned"}
+
+    def remove_stock_positions(self, base: nn.Module) -> None:
+        """Take the input-side positions out of the stock forward (the scheme's ``embed`` replaces them)."""
+
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+        return resolve_position_ids(None, inputs_embeds, past_length)
+
+    def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
+        return encoding.embed(inputs)
+
+    def check(self, config) -> None:
+        """Raise on a configuration the patched attention cannot reproduce."""
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError(
+                f"retrofit() patches self-attention only; {self.name} models with add_cross_attention=True are not "
+                "supported."
+            )
+
+
+class BertFamily(StockFamily):
+    def layers(self, base):
+        return list(base.encoder.layer)
+
+    def attention(self, layer):
+        return layer.attention.self
+
+    def causal(self, config):
+        return config.is_decoder
+
+    def attention_dropout(self, config):
+        return config.attention_probs_dropout_prob
+
+    def position_offset(self, base):
+        # RoBERTa-style embeddings number real tokens from padding_idx + 1.
+        is_roberta = hasattr(base.embeddings, "create_position_ids_from_input_ids")
+        return base.embeddings.padding_idx + 1 if is_roberta else 0
+
+    def stock_table(self, base):
+        return base.embeddings.position_embeddings
+
+    def remove_stock_positions(self, base):
+        del base.embeddings.position_embeddings
+        base.embeddings.__class__ = retrofit_class(type(base.embeddings), RetrofitBertEmbeddings)
+
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length):
+        if input_ids is None or self.position_offset(base) == 0:
+            return resolve_position_ids(None, inputs_embeds, past_length)
+        # RoBERTa: the k-th non-padding token (k = 1, 2, ...) is at position past + k - 1; padding at 0.
+        real = (input_ids != base.embeddings.padding_idx).long()
+        return ((real.cumsum(-1) + past_length) * real - 1).clamp(min=0)
+
+    def embed(self, base, encoding, inputs, call):
+        embeddings = base.embeddings
+        token_type_ids = call.pop("token_type_ids", None)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(
+                inputs.inputs_embeds.shape[:2], dtype=torch.long, device=inputs.position_ids.device
+            )
+        combined = inputs.inputs_embeds + embeddings.token_type_embeddings(token_type_ids)
+        combined = encoding.embed(dataclasses.replace(inputs, inputs_embeds=combined))
+        return embeddings.dropout(embeddings.LayerNorm(combined))
+
+
+class GPT2Family(StockFamily):
+    def layers(self, base):
+        return list(base.h)
+
+    def attention(self, layer):
+        return layer.attn
+
+    def attention_dropout(self, config):
+        return config.attn_pdrop
+
+    def stock_table(self, base):
+        return base.wpe
+
+    def remove_stock_positions(self, base):
+        base.wpe = NoStockPositions()
+
+
+class LlamaFamily(StockFamily):
+    def layers(self, base):
+        return list(base.layers)
+
+    def attention(self, layer):
+        return layer.self_attn
+
+    def attention_dropout(self, config):
+        return config.attention_dropout
+
+    def own_scheme(self, config):
+        rope = config.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model scales its rotary frequencies "
+                f"(rope_type={rope['rope_type']!r}), which hf_posenc's 'rope' does not do yet; name the scheme to "
+                "switch to (position_encoding=...)."
+            )
+        fraction = getattr(config, "partial_rotary_factor", None) or 1.0
+        return {"type": "rope", "theta": float(rope["rope_theta"]), "rotary_fraction": float(fraction)}
+
+    def check(self, config):
+        super().check(config)
+        sliding = getattr(config, "sliding_window", None) is not None and (
+            config.model_type == "mistral" or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        )
+        if sliding:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model uses sliding-window attention, which hf_posenc does not "
+                "compose; set config.sliding_window = None (full attention) before retrofitting."
+            )
+
+
+FAMILIES = (
+    BertFamily(
+        "BERT family (Bert*, Roberta*, XLMRoberta*, Camembert*, Electra*, Data2VecText*)",
+        (
+            "BertSelfAttention",
+            "RobertaSelfAttention",
+            "XLMRobertaSelfAttention",
+            "CamembertSelfAttention",
+            "ElectraSelfAttention",
+            "Data2VecTextSelfAttention",
+        ),
+        RetrofitBertSelfAttention,
+    ),
+    GPT2Family("GPT-2 (GPT2*)", ("GPT2Attention",), RetrofitGPT2Attention),
+    LlamaFamily(
+        "Llama family (Llama*, Mistral*, Qwen2*)",
+        ("LlamaAttention", "MistralAttention", "Qwen2Attention"),
+        RetrofitLlamaAttention,
+    ),
+)
+
+
+def stock_family(model: nn.Module) -> StockFamily:
+    """The family of a stock model, found from its attention modules; a clear error for any other model."""
+    supported = "; ".join(family.name for family in FAMILIES)
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"retrofit() takes a Transformers model of: {supported}; got {type(model).__name__}.")
+    base = model.base_model
+    if hasattr(base, "position_encoding"):
+        raise ValueError(
+            f"{type(model).__name__} already has a switchable position encoding ({base.position_encoding.spec}); "
+            "retrofit() patches a stock model once (PosEnc models switch by config)."
+        )
+    names = {type(module).__name__ for module in base.modules()}
+    for family in FAMILIES:
+        if names & set(family.attention_classes):
+            return family
+    raise ValueError(f"retrofit() supports the {supported}; got {type(model).__name__} ({model.config.model_type}).")
+
+
+# The per-forward set-up, run by a forward pre-hook on the base model.
+
+
+def prepare_forward(family: StockFamily, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: resolve positions and the cache, embed, build the attention inputs once; the stock forward
+    then runs on ``inputs_embeds`` with the attention inputs and the scheme as keyword arguments."""
+    call = inspect.signature(base.forward).bind(*args, **kwargs).arguments
+    call.update(call.pop("kwargs", {}))
+    config = base.config
+    for name in ("encoder_hidden_states", "encoder_attention_mask"):
+        if call.get(name) is not None:
+            raise ValueError(f"A retrofitted {type(base).__name__} has no cross-attention; got {name}.")
+    input_ids, inputs_embeds = call.pop("input_ids", None), call.pop("inputs_embeds", None)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+    if inputs_embeds is None:
+        inputs_embeds = base.get_input_embeddings()(input_ids)
+    causal = family.causal(config)
+    cache = call.get("past_key_values")
+    if causal:
+        call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
+        if call["use_cache"] and cache is None:
+            cache = call["past_key_values"] = DynamicCache(config=config)
+    elif cache is not None:
+        raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got past_key_values.")
+    past_length = cache.get_seq_length() if cache is not None else 0
+    if call.get("position_ids") is None:
+        position_ids = family.default_position_ids(base, input_ids, inputs_embeds, past_length)
+    else:
+        position_ids = resolve_position_ids(call["position_ids"], inputs_embeds, past_length)
+    position_cache = PositionCache(cache, config.num_hidden_layers) if cache is not None else None
+    attention_mask = call.pop("attention_mask", None)
+    output_attentions = call.get("output_attentions")
+    encoding = base.position_encoding
+    embedding_inputs = EmbeddingInputs(inputs_embeds, position_ids, input_ids, attention_mask, position_cache)
+    hidden_states = family.embed(base, encoding, embedding_inputs, call)
+    attention_inputs = prepare_attention(
+        base,
+        encoding,
+        hidden_states,
+        attention_mask,
+        position_ids,
+        causal=causal,
+        attention_dropout=family.attention_dropout(config),
+        past_key_values=cache,
+        position_cache=position_cache,
+        output_attentions=config.output_attentions if output_attentions is None else output_attentions,
+    )
+    # The mask lives in the attention inputs; None spares the stock forward building its own.
+    call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=None)
+    call.update({ATTENTION_INPUTS: attention_inputs, POSITION_ENCODING: encoding})
+    return (), call
+
+
+# The patch.
+
+
+def retrofit(
+    model: PreTrainedModel,
+    position_encoding: str | dict[str, Any] | None = None,
+    attention_normalizer: str | dict[str, Any] = "softmax",
+    **options: Any,
+) -> PreTrainedModel:
+    """Switch a stock model's position encoding and attention normalizer in place; returns the model.
+
+    Args:
+        model: a stock Transformers model of a supported family (see the module docstring), any head, or a path or
+            Hub id (loaded with the class its config names).
+        position_encoding: a scheme name or ``{"type": name, **options}`` (``hf_posenc.list_position_encodings()``);
+            None keeps the model's own: ``learned`` (BERT, GPT-2: the stock table), ``rope`` with the model's
+            ``rope_theta`` (Llama). With the model's own scheme and ``softmax`` the model computes what it did.
+        attention_normalizer: a name or ``{"type": name, **options}`` (``hf_posenc.list_attention_normalizers()``).
+        **options: options of the position encoding (``retrofit(model, "t5", num_buckets=64)``).
+
+    Every pretrained weight is kept. The stock position table becomes the ``learned`` scheme's table (RoBERTa: its
+    rows after ``padding_idx``) and is dropped for any other scheme. New parameters (a T5 bias table, Shaw's relative
+    embeddings, a normalizer's gate) get the model family's own init, ``_init_weights``: normal(0,
+    ``initializer_range``) for linear and embedding weights, so a position bias starts close to zero and the patched
+    model starts from what the stock layers compute without their old positions. A normalizer's smaller W_V/W_O init
+    (``value_init_scale``) is for fresh models; pretrained projections are kept.
+    """
+    if isinstance(model, (str, Path)):
+        model = load_stock_model(model)
+    family = stock_family(model)
+    family.check(model.config)
+    base = model.base_model
+    offset = family.position_offset(base)
+    table = family.stock_table(base)
+    if position_encoding is None:
+        position_encoding = family.own_scheme(model.config)
+    if isinstance(position_encoding, str):
+        position_encoding = {"type": position_encoding}
+    position_encoding = {**position_encoding, **options}
+    max_positions = table.num_embeddings - offset if table is not None else model.config.max_position_embeddings
+    spec = resolve_position_encoding(position_encoding, max_positions, family.causal(model.config))
+    if spec["type"] == "learned" and table is not None and spec["max_positions"] > max_positions:
+        raise ValueError(
+            f"retrofit(): the stock position table has {max_positions} positions; got max_positions="
+            f"{spec['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
+        )
+    model.config.position_encoding = spec
+    model.config.attention_normalizer = resolve_attention_normalizer(attention_normalizer)
+    new_modules = patch(model, family)
+    for module in new_modules:
+        submodules = list(module.modules())
+        for submodule in submodules:
+            model._init_weights(submodule)
+        for submodule in submodules:  # the scheme's own init after its submodules' family init, as in PosEnc models
+            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):
+                submodule.init_weights(getattr(model.config, "initializer_range", 0.02))
+    if spec["type"] == "learned" and table is not None:
+        with torch.no_grad():
+            base.position_encoding.table.weight.copy_(table.weight[offset : offset + spec["max_positions"]])
+    return model
+
+
+def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
+    """Patch ``model`` per ``config.position_encoding`` and ``config.attention_normalizer`` (full specs); return the
+    modules it added. Also what the saved ``modeling_retrofit.py`` calls after building the stock model."""
+    config, base = model.config, model.base_model
+    causal = family.causal(config)
+    reference = base.get_input_embeddings().weight
+    new_modules = [build_position_encoding(config, causal).to(reference.device, reference.dtype)]
+    base.position_encoding = new_modules[0]
+    family.remove_stock_positions(base)
+    for layer_idx, layer in enumerate(family.layers(base)):
+        layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
+        attention = family.attention(layer)
+        weight = next(attention.parameters())
+        attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
+        attention.normalizer = build_attention_normalizer(config, causal).to(weight.device, weight.dtype)
+        attention.position_term = build_layer_position_term(config, causal, layer_idx)
+        new_modules.append(attention.normalizer)
+        if attention.position_term is not None:
+            attention.position_term.to(weight.device, weight.dtype)
+            new_modules.append(attention.position_term)
+    base.register_forward_pre_hook(functools.partial(prepare_forward, family), with_kwargs=True)
+    for owner in {model, base}:
+        owner.save_pretrained = functools.partial(save_retrofitted, owner)
+    return new_modules
+
+
+def patch_from_config(model: PreTrainedModel) -> None:
+    """Re-apply the patch a saved config describes (the saved ``modeling_retrofit.py`` calls it in ``__init__``; the
+    weights, new ones included, are then loaded by ``from_pretrained``)."""
+    patch(model, stock_family(model))
+
+
+def load_stock_model(name_or_path: str | Path) -> PreTrainedModel:
+    """A model from a folder or Hub id, with the class its config names (``architectures``), else the base model."""
+    config = AutoConfig.from_pretrained(name_or_path)
+    architectures = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    if model_class is None:
+        model_class = transformers.AutoModel
+    return model_class.from_pretrained(name_or_path)
+
+
+# Saving: the stock folder, plus the code that re-applies the patch.
+
+MODELING_TEMPLATE = '''"""{stock_class} retrofitted by hf_posenc.
+
+Position encoding: {position_encoding}; attention normalizer: {attention_normalizer}.
+
+Written by ``hf_posenc.retrofit`` next to the weights and the hf_posenc modules it imports. Each class builds the stock
+model, then patches it again from the config; ``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` loads
+it, with or without hf_posenc installed.
+"""
+
+from transformers import {imports}
+
+from .retrofit import patch_from_config
+
+
+class Retrofit{config_class}({config_class}):
+    model_type = "{model_type}"
+{model_classes}'''
+
+MODEL_CLASS_TEMPLATE = """
+
+class Retrofit{stock_class}({stock_class}):
+    config_class = Retrofit{config_class}
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        patch_from_config(self)
+"""
+
+
+def stock_class_of(cls: type) -> type:
+    """The Transformers class under a ``Retrofit<Stock>`` class (itself for a stock class)."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("transformers.models."))
+
+
+def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) -> None:
+    """``save_pretrained`` of a retrofitted model: the stock save, then ``modeling_retrofit.py``, the hf_posenc
+    modules it imports and the config's ``model_type`` and ``auto_map`` (see the module docstring)."""
+    stock_class_of(type(model)).save_pretrained(model, save_directory, *args, **kwargs)
+    if not kwargs.get("is_main_process", True):
+        return
+    folder = Path(save_directory)
+    stock_class = stock_class_of(type(model))
+    base_class = stock_class_of(type(model.base_model))
+    config_class = stock_class_of(type(model.config))
+    stock_type = config_class.model_type
+    model_classes = [base_class] + ([stock_class] if stock_class is not base_class else [])
+    auto_map = {"AutoConfig": f"modeling_retrofit.Retrofit{config_class.__name__}"}
+    auto_map["AutoModel"] = f"modeling_retrofit.Retrofit{base_class.__name__}"
+    for auto_name, mapping in AUTO_CLASSES.items():
+        names = mapping.get(stock_type, ())
+        if stock_class.__name__ in ((names,) if isinstance(names, str) else names):
+            auto_map[auto_name] = f"modeling_retrofit.Retrofit{stock_class.__name__}"
+    config = model.config
+    (folder / MODELING_FILE).write_text(
+        MODELING_TEMPLATE.format(
+            stock_class=stock_class.__name__,
+            position_encoding=config.position_encoding,
+            attention_normalizer=config.attention_normalizer,
+            imports=", ".join(sorted({config_class.__name__, *(c.__name__ for c in model_classes)})),
+            config_class=config_class.__name__,
+            model_type=f"posenc_retrofit_{stock_type}",
+            model_classes="".join(
+                MODEL_CLASS_TEMPLATE.format(stock_class=c.__name__, config_class=config_class.__name__)
+                for c in model_classes
+            ),
+        )
+    )
+    this_file = Path(__file__)
+    for needed in [this_file, *get_relative_import_files(this_file)]:
+        shutil.copyfile(needed, folder / Path(needed).name)
+    config_file = folder / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved.update(model_type=f"posenc_retrofit_{stock_type}", auto_map=auto_map)
+    config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")

