@@ -19,6 +19,7 @@ from transformers.models.deberta_v2 import modeling_deberta_v2
 
 import hf_posenc
 from hf_posenc.attention_normalizers import Softmax
+from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
 from hf_posenc.posenc_attention import build_dense_mask, positional_attention
@@ -71,7 +72,7 @@ def run_attention(attention_module, encoding, query, key, value, inputs):
         value,
         inputs,
         encoding,
-        Softmax({"type": "softmax"}, encoding.dims),
+        Softmax(resolve_attention_normalizer("softmax"), encoding.dims),
         attention_module.position_term,
         scaling=HEAD_DIM**-0.5,
         dropout=0.0,

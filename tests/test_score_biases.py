@@ -10,6 +10,7 @@ import torch
 import transformers
 from conftest import make_config, make_model, random_ids
 
+from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import choose_backend
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
@@ -17,7 +18,7 @@ from hf_posenc.score_bias_encodings import relu_mlp_pieces
 
 
 CPU = torch.device("cpu")
-SOFTMAX = {"type": "softmax"}
+SOFTMAX = resolve_attention_normalizer("softmax")
 
 
 def scheme(name, causal, heads=2, head_dim=4, **options):
