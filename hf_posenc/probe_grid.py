@@ -110,7 +110,8 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
             seed=seed,
             learning_rate=args.learning_rate,
         )
-        entry = {"scheme": scheme, "variant": variant, "seconds": time.perf_counter() - start, **result}
+        seconds = time.perf_counter() - start
+        entry = {"scheme": scheme, "variant": variant, "seconds": seconds, "process": process_index, **result}
         results.append((index, entry))
     return results
 

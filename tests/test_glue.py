@@ -197,7 +197,7 @@ def test_converted_stock_checkpoint_fine_tunes_and_reloads_as_posenc(tiny_bert, 
 
 
 def test_retrofitted_stock_checkpoint_fine_tunes_reloads_and_gets_a_model_card(tiny_bert, tmp_path):
-    """``--retrofit alibi --attention_normalizer l2`` patches the stock BERT in place (stock names and weights kept)."""
+    """``--retrofit alibi --attention_normalizer l2`` patches the stock BERT in place (names and weights kept)."""
     summary = glue.main(
         sst2_args(tiny_bert, tmp_path, "--max_train_steps", "2", "--retrofit", "alibi", "--attention_normalizer", "l2")
     )
