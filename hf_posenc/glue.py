@@ -505,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(summary["markdown"])
         for seed, run in zip(seeds, runs, strict=True):
             run_dir = args.output_dir if len(seeds) == 1 else args.output_dir / f"seed_{seed}"
+            if not (run_dir / "config.json").is_file():  # --num_train_epochs 0 evaluates and saves no model
+                continue
             config = SimpleNamespace(**json.loads((run_dir / "config.json").read_text()))
             results = {"seed": seed, "scheme": run["scheme"], **run["best"]}
             write_model_card(

@@ -447,7 +447,11 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
             ["frobnicate"],
             "unknown recipe 'frobnicate'; valid: pretrain, compare, extrapolate, glue",
         ),
-        (hf_posenc_cli.main, ["glue", "--task_name", "sst2", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (
+            hf_posenc_cli.main,
+            ["glue", "--model_name_or_path", "m", "--task_name", "sst2", "--output_dir", "o", "--frobnicate"],
+            "unrecognized arguments: --frobnicate",
+        ),
     ],
 )
 def test_bad_arguments_stop_with_a_message_naming_them(main, argv, message, capsys, monkeypatch):
