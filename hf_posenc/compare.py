@@ -11,57 +11,34 @@ normalizer differ between runs::
 
     hf-posenc compare                                    # decoders, 6 schemes, softmax: about 10 min on 2 CPU cores
     hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
-    accelerate launch -m hf_posenc.cli compare ...       # the same on accelerate's devices
+    accelerate launch -m hf_posenc_cli compare ...       # the same on accelerate's devices
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import transformers
+from accelerate.utils import broadcast_object_list
 
 import hf_posenc
+from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
-from .extrapolation import DEFAULT_FACTORS, evaluation_ids, extrapolation_row, format_cell
+from .extrapolation import evaluation_ids, extrapolation_row, format_cell
+from .recipe_common import recipe_accelerator
 
 
-DEFAULT_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-posenc compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--output_dir", type=Path, default=Path("compare-output"))
-    parser.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES, help="position encodings, or 'all'")
-    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers, or 'all'")
-    parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
-    parser.add_argument("--train_file", type=Path, default=None, help="plain text (default: the embedded corpus)")
-    parser.add_argument("--tokenizer_name", default=None, help="default: bytes")
-    parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_hidden_layers", type=int, default=3)
-    parser.add_argument("--num_attention_heads", type=int, default=4)
-    parser.add_argument("--max_train_steps", type=int, default=600)
-    parser.add_argument("--num_warmup_steps", type=int, default=60)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=32)
-    parser.add_argument("--eval_steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
-    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
-    parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
-    return parser
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+    parser = compare_parser()
     args = parser.parse_args(argv)
     for flag, catalogue in (
         ("schemes", hf_posenc.list_position_encodings()),
@@ -85,8 +62,11 @@ def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: st
     argv = ["--task", task, "--position_encoding", scheme, "--attention_normalizer", normalizer]
     for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "eval_steps", "seed"):
+    for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
         argv += [f"--{flag}", str(getattr(args, flag))]
+    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(args.seed)]
+    if args.with_tracking:
+        argv += ["--with_tracking", "--report_to", args.report_to]
     if args.train_file is not None:
         argv += ["--train_file", str(args.train_file)]
     if args.tokenizer_name is not None:
@@ -94,11 +74,16 @@ def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: st
     return [*argv, "--output_dir", str(output_dir)]
 
 
-def position_probe(task: str, scheme: str, normalizer: str, steps: int) -> float:
+def position_probe(task: str, scheme: str, normalizer: str, steps: int, accelerator) -> float:
     """The position probe's relative fit error (SPEC section 4, :func:`hf_posenc.probe`: final mean squared error over
-    the variance of the targets; about 1 for a model that cannot tell positions apart) in the task's family."""
+    the variance of the targets; about 1 for a model that cannot tell positions apart) in the task's family. One
+    small model on one thread: the main process runs it and the others receive the result."""
     family = "gpt2" if task == "clm" else "bert"
-    return hf_posenc.probe(scheme, attention_normalizer=normalizer, family=family, steps=steps)["relative_mse"]
+    result = [None]
+    if accelerator.is_main_process:
+        probe = hf_posenc.probe(scheme, attention_normalizer=normalizer, family=family, steps=steps, progress_bar=True)
+        result = [probe["relative_mse"]]
+    return broadcast_object_list(result)[0]
 
 
 def compare_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
@@ -125,7 +110,8 @@ def compare_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
 
 
 def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path) -> None:
-    """Per family: the training curves, and the held-out loss against the evaluation length."""
+    """Per family: the training curves (the held-out loss as markers), and the held-out loss against the evaluation
+    length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,17 +123,23 @@ def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: 
         for row in (row for row in rows if row["task"] == task):
             label = f"{row['scheme']} + {row['normalizer']}"
             steps, losses = zip(*row["loss_curve"], strict=True)
-            curves.plot(steps, losses, label=label, linewidth=1)
+            (line,) = curves.plot(steps, losses, label=label, linewidth=1, marker="." if len(steps) < 30 else None)
+            if row["eval_curve"]:
+                curves.plot(
+                    *zip(*row["eval_curve"], strict=True), linestyle="none", marker="o", color=line.get_color()
+                )
             points = [(f, row["extrapolation"].get(f"{f}x")) for f in factors]
             points = [(f, loss) for f, loss in points if isinstance(loss, float)]
-            lengths.plot(*zip(*points, strict=True), marker="o", label=label)
-        curves.set_title(f"{TASK_NAMES[task]}: training loss")
-        curves.set_xlabel("step")
+            if points:
+                lengths.plot(*zip(*points, strict=True), marker="o", label=label)
+        curves.set_title(f"{TASK_NAMES[task]}: training loss (lines), held-out loss (dots)")
+        curves.set_xlabel("optimizer step")
         curves.set_ylabel("loss (nats per token)")
         lengths.set_title(f"{TASK_NAMES[task]}: held-out loss on the last positions")
         lengths.set_xscale("log", base=2)
         lengths.set_xticks(list(factors), [f"{f}x" for f in factors])
         lengths.set_xlabel("evaluation length / training length")
+        lengths.set_ylabel("loss (nats per token)")
         for axis in (curves, lengths):
             axis.grid(alpha=0.3)
             axis.legend(fontsize=8)
@@ -156,17 +148,25 @@ def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: 
     plt.close(figure)
 
 
-def smoothed_curve(log_path: Path, every: int = 10) -> list[tuple[int, float]]:
-    """The training loss from ``train_log.jsonl``, averaged over windows of ``every`` steps."""
+def smoothed_curve(log_path: Path, points: int = 100) -> list[tuple[int, float]]:
+    """The training loss from ``train_log.jsonl``: every step of a run of up to ``points`` steps, else the mean of
+    consecutive windows (the last one may be shorter), at most ``points`` of them, so every run length shows its
+    whole curve."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    return [
-        (records[min(i + every, len(records)) - 1]["step"], sum(r["loss"] for r in records[i : i + every]) / every)
-        for i in range(0, len(records) - every + 1, every)
-    ] or [(r["step"], r["loss"]) for r in records]
+    every = max(1, math.ceil(len(records) / points))
+    windows = [records[i : i + every] for i in range(0, len(records), every)]
+    return [(window[-1]["step"], sum(r["loss"] for r in window) / len(window)) for window in windows]
+
+
+def eval_curve(log_path: Path) -> list[tuple[int, float]]:
+    """``(step, held-out loss)`` of every evaluation in ``train_log.jsonl``."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    accelerator = recipe_accelerator(args)
     started = time.perf_counter()
     rows = []
     for task in ["clm", "mlm"] if args.encoders else ["clm"]:
@@ -177,11 +177,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
                 train_seconds = time.perf_counter() - run_started
                 auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
-                model = auto_class.from_pretrained(model_dir).eval()
+                model = auto_class.from_pretrained(model_dir).to(accelerator.device).eval()
                 tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
                 ids = evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
                 mask_token_id = tokenizer.mask_token_id if task == "mlm" else None
-                extrapolation = extrapolation_row(model, ids, args.block_size, args.factors, 16, mask_token_id)
+                extrapolation = extrapolation_row(
+                    model, ids, args.block_size, args.factors, args.per_device_eval_batch_size, mask_token_id,
+                    args.seed, accelerator,
+                )  # fmt: skip
                 rows.append(
                     {
                         "task": task,
@@ -190,17 +193,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "eval_loss": results["eval_loss"],
                         "eval_accuracy": results["eval_accuracy"],
                         "extrapolation": extrapolation,
-                        "probe": position_probe(task, scheme, normalizer, args.probe_steps),
+                        "probe": position_probe(task, scheme, normalizer, args.probe_steps, accelerator),
                         "num_parameters": results["num_parameters"],
                         "tokens_per_second": results["tokens_per_second"],
                         "train_seconds": train_seconds,
                         "reference_init": results["reference_init"],
                         "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
+                        "eval_curve": eval_curve(model_dir / "train_log.jsonl"),
                     }
                 )
                 losses = ", ".join(f"{factor} {format_cell(loss)}" for factor, loss in extrapolation.items())
-                print(f"{task} {scheme} + {normalizer}: {losses}")
+                accelerator.print(f"{task} {scheme} + {normalizer}: {losses}")
     wall_seconds = time.perf_counter() - started
+    if accelerator.is_main_process:
+        write_report(args, rows, wall_seconds)
+    accelerator.wait_for_everyone()
+    return rows
+
+
+def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seconds: float) -> None:
+    """``compare.md``, ``compare.json`` and ``compare.png`` in ``--output_dir``; the table printed."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
     sections = []
     for task in dict.fromkeys(row["task"] for row in rows):
@@ -220,4 +232,3 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (args.output_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     plot_comparison(rows, args.factors, args.output_dir / "compare.png")
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")
-    return rows

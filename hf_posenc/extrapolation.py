@@ -12,7 +12,6 @@ a length (a ``learned`` table shorter than the window) gets the reason in the ta
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,13 @@ from typing import Any
 import torch
 import transformers
 from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from hf_posenc_cli.arguments import DEFAULT_FACTORS, extrapolate_parser
 
 from .pretraining import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
-
-
-DEFAULT_FACTORS = (1, 2, 4, 8)
+from .recipe_common import recipe_accelerator
 
 
 def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
@@ -57,11 +58,13 @@ def sliding_window_loss(
     batch_size: int = 8,
     mask_token_id: int | None = None,
     seed: int = 0,
+    accelerator: Accelerator | None = None,
 ) -> float:
     """Mean loss (nats per scored token) on the last ``stride`` positions of every window of ``window`` tokens.
 
     ``ids``: the evaluation text, ``(num_tokens,)``. Decoders score the next token at each of those positions;
-    encoders (``mask_token_id`` given) score 15 % of them, replaced by the mask token with a fixed draw.
+    encoders (``mask_token_id`` given) score 15 % of them, replaced by the mask token with a fixed draw. With an
+    ``accelerator`` of several processes each scores its share of the windows and all return the same mean.
     """
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in 1..window={window}, got {stride}")
@@ -69,25 +72,40 @@ def sliding_window_loss(
     if not starts:
         raise ValueError(f"The evaluation text has {len(ids)} tokens, fewer than one window of {window}.")
     device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for first in range(0, len(starts), batch_size):
-        blocks = torch.stack([ids[s : s + window] for s in starts[first : first + batch_size]])
-        if mask_token_id is None:
-            labels = blocks
-            inputs = blocks
-        else:
-            chosen = torch.zeros_like(blocks, dtype=torch.bool)
-            draw = torch.rand(blocks.shape[0], stride, generator=batch_generator(seed, window, first)) < 0.15
-            chosen[:, window - stride :] = draw
-            labels = blocks.masked_fill(~chosen, IGNORE_INDEX)
-            inputs = blocks.masked_fill(chosen, mask_token_id)
-        task = "clm" if mask_token_id is None else "mlm"
-        logits = model(input_ids=inputs.to(device)).logits
-        losses, _ = token_losses(logits, labels.to(device), task)
-        last = losses[:, -min(stride, losses.shape[1]) :]
-        scored = ~last.isnan()
-        total += last[scored].double().sum().item()
-        count += int(scored.sum())
+    batches = range(0, len(starts), batch_size)
+    if accelerator is not None:  # each process scores its share of the windows; the sums are added up below
+        batches = batches[accelerator.process_index :: accelerator.num_processes]
+    main_process = accelerator is None or accelerator.is_local_main_process
+    total, count, error = 0.0, 0, None
+    try:
+        for first in tqdm(batches, desc=f"windows of {window}", disable=not main_process, leave=False):
+            blocks = torch.stack([ids[s : s + window] for s in starts[first : first + batch_size]])
+            if mask_token_id is None:
+                labels = blocks
+                inputs = blocks
+            else:
+                chosen = torch.zeros_like(blocks, dtype=torch.bool)
+                draw = torch.rand(blocks.shape[0], stride, generator=batch_generator(seed, window, first)) < 0.15
+                chosen[:, window - stride :] = draw
+                labels = blocks.masked_fill(~chosen, IGNORE_INDEX)
+                inputs = blocks.masked_fill(chosen, mask_token_id)
+            task = "clm" if mask_token_id is None else "mlm"
+            logits = model(input_ids=inputs.to(device)).logits
+            losses, _ = token_losses(logits, labels.to(device), task)
+            last = losses[:, -min(stride, losses.shape[1]) :]
+            scored = ~last.isnan()
+            total += last[scored].double().sum().item()
+            count += int(scored.sum())
+    except ValueError as raised:  # e.g. a learned table shorter than the window; every process must hear of it
+        error = raised
+    if accelerator is not None and accelerator.num_processes > 1:
+        messages = [message for message in gather_object([None if error is None else str(error)]) if message]
+        if messages:
+            raise ValueError(messages[0])
+        sums = torch.tensor([total, count], dtype=torch.float64, device=accelerator.device)
+        total, count = accelerator.reduce(sums, "sum").tolist()
+    elif error is not None:
+        raise error
     return total / count
 
 
@@ -98,13 +116,18 @@ def extrapolation_row(
     factors: tuple[int, ...] = DEFAULT_FACTORS,
     batch_size: int = 8,
     mask_token_id: int | None = None,
+    seed: int = 0,
+    accelerator: Accelerator | None = None,
 ) -> dict[str, float | str]:
-    """``{"1x": loss, "2x": loss or the reason it cannot run, ...}`` for one model."""
+    """``{"1x": loss, "2x": loss or the reason it cannot run, ...}`` for one model (the windows split over the
+    ``accelerator``'s processes)."""
     row: dict[str, float | str] = {}
     for factor in factors:
         window = factor * train_length
         try:
-            row[f"{factor}x"] = sliding_window_loss(model, ids, window, train_length, batch_size, mask_token_id)
+            row[f"{factor}x"] = sliding_window_loss(
+                model, ids, window, train_length, batch_size, mask_token_id, seed, accelerator
+            )
         except ValueError as error:  # e.g. a learned table shorter than the window: the model says why
             row[f"{factor}x"] = str(error).split(". ")[0].rstrip(".")
     return row
@@ -121,20 +144,22 @@ def format_cell(value: float | str | None, digits: int = 3) -> str:
 def markdown_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
     """One row per model: loss at each length and the ratio of the longest to the training length."""
     last = f"{factors[-1]}x"
-    header = ["model", *[f"{f}x" for f in factors], f"{last} / {factors[0]}x"]
+    header = ["model", "scheme", *[f"{f}x" for f in factors], f"{last} / {factors[0]}x"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for row in rows:
         first = row.get(f"{factors[0]}x")
         ratio = row[last] / first if isinstance(row.get(last), float) and isinstance(first, float) else None
-        cells = [row["model"], *[format_cell(row.get(f"{f}x")) for f in factors], format_cell(ratio, 2)]
+        cells = [row["model"], row.get("label", ""), *[format_cell(row.get(f"{f}x")) for f in factors]]
+        cells.append(format_cell(ratio, 2))
         lines.append("| " + " | ".join(cells) + " |")
         notes += [f"{row['model']} at {f}x: {row[f'{f}x']}" for f in factors if isinstance(row.get(f"{f}x"), str)]
     return "\n".join(lines + ([""] + [f"n/a: {note}." for note in notes] if notes else [])) + "\n"
 
 
 def plot_rows(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path, title: str) -> None:
-    """Loss against the length factor (log scale), one line per model; lengths a model cannot run are left out."""
+    """Loss against the length factor (log scale), one line per model, labelled ``row["label"]`` (its scheme and
+    normalizer); lengths a model cannot run are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +170,7 @@ def plot_rows(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path, 
         losses = [row.get(f"{f}x") for f in factors]
         points = [(f, loss) for f, loss in zip(factors, losses, strict=True) if isinstance(loss, float)]
         if points:
-            axes.plot(*zip(*points, strict=True), marker="o", label=row["model"])
+            axes.plot(*zip(*points, strict=True), marker="o", label=row["label"])
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(factors), [f"{f}x" for f in factors])
     axes.set_xlabel("evaluation length / training length")
@@ -170,55 +195,60 @@ def evaluation_ids(
     return ids[:max_tokens] if max_tokens else ids
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-posenc extrapolate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
-    parser.add_argument("--eval_file", type=Path, default=None, help="plain text, all of it (default: see below)")
-    parser.add_argument(
-        "--validation_split_percentage",
-        type=int,
-        default=5,
-        help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
-    )
-    parser.add_argument("--train_length", type=int, default=None, help="default: each model's training block size")
-    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
-    parser.add_argument("--max_eval_tokens", type=int, default=16384)
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    parser.add_argument("--output_dir", type=Path, default=Path("extrapolation-output"))
-    return parser
+def model_label(name: str, config: transformers.PretrainedConfig) -> str:
+    """``rope + softmax`` for a PosEnc or retrofitted model, ``stock gpt2`` for another: what a plot's legend shows."""
+    encoding = getattr(config, "position_encoding", None)
+    if encoding is None:
+        return f"stock {config.model_type}"
+    return f"{encoding['type']} + {config.attention_normalizer['type']}"
+
+
+def unique_labels(labels: list[str], names: list[str]) -> list[str]:
+    """Labels that repeat (two rope models) get the model's folder name added."""
+    return [
+        f"{label} ({Path(name).name})" if labels.count(label) > 1 else label
+        for label, name in zip(labels, names, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = build_parser()
+    parser = extrapolate_parser()
     args = parser.parse_args(argv)
     if args.eval_file is not None and not args.eval_file.is_file():
         parser.error(f"--eval_file {args.eval_file} does not exist")
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
     args.factors = tuple(sorted(set(args.factors)))
-    device = Accelerator().device
+    accelerator = recipe_accelerator(args)
     rows = []
     for name in args.model_name_or_path:
-        config = transformers.AutoConfig.from_pretrained(name)
+        remote = {"trust_remote_code": args.trust_remote_code}
+        config = transformers.AutoConfig.from_pretrained(name, **remote)
         decoder = is_decoder(config)
         auto_class = transformers.AutoModelForCausalLM if decoder else transformers.AutoModelForMaskedLM
-        model = auto_class.from_pretrained(name).to(device).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = auto_class.from_pretrained(name, **remote).to(accelerator.device).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_name or name, **remote)
         train_length = args.train_length or training_length(name, config)
         held_out = None if args.eval_file is not None else args.validation_split_percentage
         ids = evaluation_ids(tokenizer, args.eval_file, held_out, args.max_eval_tokens)
         mask_token_id = None if decoder else tokenizer.mask_token_id
-        row = extrapolation_row(model, ids, train_length, args.factors, args.per_device_eval_batch_size, mask_token_id)
-        rows.append({"model": str(name), "train_length": train_length, **row})
-        print(f"{name}: " + ", ".join(f"{key} {format_cell(value)}" for key, value in row.items()))
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows, args.factors)
-    (args.output_dir / "extrapolation.md").write_text(table)
-    (args.output_dir / "extrapolation.json").write_text(json.dumps(rows, indent=2))
-    plot_rows(rows, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
-    print(table)
+        row = extrapolation_row(
+            model, ids, train_length, args.factors, args.per_device_eval_batch_size, mask_token_id, args.seed,
+            accelerator,
+        )  # fmt: skip
+        label = model_label(name, config)
+        rows.append({"model": str(name), "label": label, "train_length": train_length, **row})
+        accelerator.print(f"{name} ({label}): " + ", ".join(f"{k} {format_cell(v)}" for k, v in row.items()))
+    for row, label in zip(rows, unique_labels([r["label"] for r in rows], [r["model"] for r in rows]), strict=True):
+        row["label"] = label
+    if accelerator.is_main_process:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        table = markdown_table(rows, args.factors)
+        (args.output_dir / "extrapolation.md").write_text(table)
+        (args.output_dir / "extrapolation.json").write_text(json.dumps(rows, indent=2))
+        plot_rows(rows, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
+        print(table)
+    accelerator.wait_for_everyone()
     return rows
 
 

@@ -36,10 +36,12 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 import hf_posenc
+from hf_posenc_cli.arguments import MODEL_SIZE_DEFAULTS, pretrain_parser
+
+from .recipe_common import hub_repository, recipe_accelerator, tracker_config, upload_folder, write_model_card
 
 
 EMBEDDED_CORPUS = Path(__file__).parent / "data" / "emma.txt.xz"
-MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
 MODEL_TYPE_OF_TASK = {"clm": "posenc_gpt2", "mlm": "posenc_bert"}
 IGNORE_INDEX = -100
 
@@ -56,82 +58,9 @@ def embedded_corpus_file() -> Path:
     return target
 
 
-def scheme_spec(text: str) -> str | dict[str, Any]:
-    """A ``--position_encoding`` / ``--attention_normalizer`` value: a name, or a JSON dict ``{"type": ..., ...}``."""
-    return json.loads(text) if text.lstrip().startswith("{") else text
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-posenc pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--task", choices=sorted(MODEL_TYPE_OF_TASK), default="clm", help="causal or masked LM")
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
-    data.add_argument("--dataset_config_name", default=None)
-    data.add_argument("--train_file", type=Path, default=None, help="a .txt, .csv, .json or .jsonl file")
-    data.add_argument("--validation_file", type=Path, default=None)
-    data.add_argument(
-        "--validation_split_percentage", type=int, default=5, help="%% of train held out when there is no validation"
-    )
-    data.add_argument("--text_column_name", default="text")
-    data.add_argument("--block_size", type=int, default=64, help="training length: tokens per packed block")
-    data.add_argument("--preprocessing_num_workers", type=int, default=None)
-    data.add_argument("--overwrite_cache", action="store_true")
-    model = parser.add_argument_group("model (from --config_name, or from the flags below)")
-    model.add_argument("--config_name", default=None, help="a posenc config: folder, config.json or Hub name")
-    model.add_argument("--config_overrides", default=None, help='applied to --config_name: "n_embd=256,n_layer=4"')
-    model.add_argument("--tokenizer_name", default=None, help="a tokenizer name or folder (default: bytes)")
-    model.add_argument("--position_encoding", type=scheme_spec, default=None, help="a name or JSON (default learned)")
-    model.add_argument("--attention_normalizer", type=scheme_spec, default=None, help="a name or JSON (softmax)")
-    for name, default in MODEL_SIZE_DEFAULTS.items():
-        model.add_argument(f"--{name}", type=int, default=None, help=f"default {default}")
-    model.add_argument("--intermediate_size", type=int, default=None, help="default 4 * hidden_size")
-    model.add_argument("--dropout", type=float, default=None, help="every dropout probability (default 0)")
-    model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (default 0.02)")
-    model.add_argument(
-        "--reference_init",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="initialise each scheme's parameters as its reference does (see reference_init)",
-    )
-    model.add_argument("--attn_implementation", choices=["eager", "sdpa", "flex_attention"], default=None)
-    train = parser.add_argument_group("training")
-    train.add_argument("--per_device_train_batch_size", type=int, default=32)
-    train.add_argument("--per_device_eval_batch_size", type=int, default=64)
-    train.add_argument("--learning_rate", type=float, default=2e-3)
-    train.add_argument("--weight_decay", type=float, default=0.1, help="on matrices only (not embeddings, norms)")
-    train.add_argument("--adam_beta1", type=float, default=0.9)
-    train.add_argument("--adam_beta2", type=float, default=0.99)
-    train.add_argument("--max_grad_norm", type=float, default=1.0)
-    train.add_argument(
-        "--lr_scheduler_type",
-        default="cosine",
-        choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
-    )
-    train.add_argument("--num_warmup_steps", type=int, default=60)
-    train.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps (overrides epochs)")
-    train.add_argument("--num_train_epochs", type=int, default=None, help="used when --max_train_steps is 0")
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="default: accelerate's config"
-    )
-    train.add_argument("--mlm_probability", type=float, default=0.15)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
-    train.add_argument("--max_eval_blocks", type=int, default=None, help="evaluate on the first N blocks only")
-    train.add_argument("--checkpointing_steps", type=int, default=None, help="accelerator.save_state every N steps")
-    train.add_argument("--resume_from_checkpoint", type=Path, default=None, help="a step_N folder of --output_dir")
-    train.add_argument("--output_dir", type=Path, default=Path("pretrain-output"))
-    train.add_argument("--push_to_hub", action="store_true", help="upload the model, its code and tokenizer")
-    train.add_argument("--hub_model_id", default=None, help="default: the name of --output_dir")
-    train.add_argument("--hub_token", default=None)
-    return parser
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check every argument before any work starts; a bad one exits with a message naming it."""
-    parser = build_parser()
+    parser = pretrain_parser()
     args = parser.parse_args(argv)
     if args.dataset_name is not None and args.train_file is not None:
         parser.error("give --dataset_name or --train_file, not both")
@@ -164,13 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: expected a step_<N> folder")
     flag_fields = ["position_encoding", "attention_normalizer", *MODEL_SIZE_DEFAULTS, "intermediate_size"]
     flag_fields += ["dropout", "initializer_range"]
-    if args.config_name is not None:
+    if args.config_name is not None and args.model_name_or_path is not None:
+        parser.error("give --model_name_or_path (continue a checkpoint) or --config_name (a new model), not both")
+    if args.config_name is not None or args.model_name_or_path is not None:
+        source = "--config_name" if args.config_name is not None else "--model_name_or_path"
         given = [f"--{name}" for name in flag_fields if getattr(args, name) is not None]
         if given:
-            parser.error(f"--config_name fixes the model; drop {' '.join(given)} (or use --config_overrides)")
+            parser.error(f"{source} fixes the model; drop {' '.join(given)} (or use --config_overrides)")
     else:
         if args.config_overrides is not None:
-            parser.error("--config_overrides needs --config_name")
+            parser.error("--config_overrides needs --config_name or --model_name_or_path")
         for name, default in {**MODEL_SIZE_DEFAULTS, "position_encoding": "learned"}.items():
             setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
         args.attention_normalizer = args.attention_normalizer or "softmax"
@@ -202,12 +134,15 @@ def load_tokenizer(name: str | None, task: str) -> transformers.PreTrainedTokeni
 
 
 def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, eos_token_id: int):
-    """The model config: ``--config_name`` (+ overrides), or the flags. ``block_size`` is the position limit."""
-    if args.config_name is not None:
-        config = transformers.AutoConfig.from_pretrained(args.config_name)
+    """The model config: the checkpoint's (``--model_name_or_path``) or ``--config_name``'s (+ overrides), or the
+    flags. ``block_size`` is the position limit."""
+    source = args.model_name_or_path or args.config_name
+    if source is not None:
+        config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
         if config.model_type != MODEL_TYPE_OF_TASK[args.task]:
+            flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
             raise ValueError(
-                f"--config_name {args.config_name} is a {config.model_type!r} config; --task {args.task} needs "
+                f"{flag} {source} is a {config.model_type!r} config; --task {args.task} needs "
                 f"{MODEL_TYPE_OF_TASK[args.task]!r}."
             )
         if args.config_overrides:
@@ -383,10 +318,9 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train one model; returns the final metrics (also written to ``output_dir/results.json``)."""
     args = parse_args(argv)
-    # torchrun on a machine without CUDA: run the processes as multi-CPU (gloo) rather than as independent copies.
-    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    accelerator = Accelerator(
-        cpu=multi_cpu or None,
+    repo_id = hub_repository(args)  # before any work: a Hub target that cannot be reached stops the run here
+    accelerator = recipe_accelerator(
+        args,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
@@ -394,13 +328,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     set_seed(args.seed)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(args.tokenizer_name, args.task)
+    tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path, args.task)
     packed = tokenize_and_pack(load_text_datasets(args), tokenizer, args, accelerator)
     config = build_config(args, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     auto_class = transformers.AutoModelForCausalLM if args.task == "clm" else transformers.AutoModelForMaskedLM
     kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
-    model = auto_class.from_config(config, **kwargs)
-    initialised = reference_init(model) if args.reference_init else []
+    if args.model_name_or_path is not None:
+        model = auto_class.from_pretrained(
+            args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code, **kwargs
+        )
+    else:
+        model = auto_class.from_config(config, **kwargs)
+    initialised = reference_init(model) if args.reference_init and args.model_name_or_path is None else []
     num_parameters = sum(p.numel() for p in model.parameters())
     accelerator.print(
         f"{args.task} {config.position_encoding} + {config.attention_normalizer}: {num_parameters:,} parameters; "
@@ -457,7 +396,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = tqdm(
         total=max_train_steps, initial=completed_steps, desc="training", disable=not accelerator.is_local_main_process
     )
-    train_seconds, step_loss, history = 0.0, torch.zeros((), dtype=torch.float64), []
+    train_seconds, step_loss, history, uploads = 0.0, torch.zeros((), dtype=torch.float64), [], []
+    if args.with_tracking:
+        accelerator.init_trackers("hf_posenc_pretrain", tracker_config(args))
     eval_metrics: dict[str, float] = {}
     model.train()
     for epoch in range(completed_steps // steps_per_epoch, num_epochs):
@@ -499,11 +440,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"step {completed_steps}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity "
                     f"{eval_metrics['perplexity']:.3f}, accuracy {eval_metrics['eval_accuracy']:.4f}"
                 )
-            if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                accelerator.save_state(str(args.output_dir / f"step_{completed_steps}"))
             if accelerator.is_main_process:
                 with log_path.open("a") as log:
                     log.write(json.dumps(record) + "\n")
+            if args.with_tracking:
+                accelerator.log(record, step=completed_steps)
+            if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                accelerator.save_state(str(args.output_dir / f"step_{completed_steps}"))
+                if repo_id is not None and completed_steps < max_train_steps:  # the final upload follows the loop
+                    results = run_results(
+                        args, config, completed_steps, num_parameters, history, initialised, eval_metrics
+                    )
+                    save_outputs(args, accelerator, model, tokenizer, results, repo_id)
+                    if accelerator.is_main_process:
+                        message = f"Training in progress, step {completed_steps}"
+                        uploads.append(upload_folder(repo_id, args.output_dir, message, args.hub_token, False))
             started = time.perf_counter()
             if completed_steps >= max_train_steps:
                 break
@@ -511,6 +462,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
     progress.close()
 
+    results = run_results(args, config, completed_steps, num_parameters, history, initialised, eval_metrics)
+    save_outputs(args, accelerator, model, tokenizer, results, repo_id)
+    if accelerator.is_main_process and repo_id is not None:
+        for pending in uploads:
+            pending.result()  # a failed checkpoint upload is reported here, before the final one
+        upload_folder(repo_id, args.output_dir, f"{completed_steps} steps (final)", args.hub_token, blocking=True)
+        accelerator.print(f"uploaded to the Hub: {repo_id}")
+    if args.with_tracking:
+        accelerator.end_training()
+    accelerator.wait_for_everyone()
+    return results
+
+
+def run_results(args, config, steps: int, num_parameters: int, history, initialised, eval_metrics) -> dict[str, Any]:
+    """What ``results.json`` and the model card report."""
+    return {
+        "task": args.task,
+        "position_encoding": config.position_encoding,
+        "attention_normalizer": config.attention_normalizer,
+        "block_size": args.block_size,
+        "steps": steps,
+        "num_parameters": num_parameters,
+        "train_loss": history[-1]["loss"] if history else None,
+        # measured over this run's steps only (a resumed run times the steps after the checkpoint)
+        "tokens_per_second": history[-1]["tokens_per_second"] if history else None,
+        "reference_init": initialised,
+        **eval_metrics,
+    }
+
+
+def training_data(args: argparse.Namespace) -> str:
+    """The data of a run, in words, for the model card."""
+    if args.dataset_name is not None:
+        text = f"`{args.dataset_name}`" + (f" (`{args.dataset_config_name}`)" if args.dataset_config_name else "")
+    elif args.train_file is not None:
+        text = f"The text file `{args.train_file.name}`"
+    else:
+        text = "The corpus embedded in hf_posenc (Jane Austen, *Emma*, 1815; public domain)"
+    tokens = f"tokenizer `{args.tokenizer_name}`" if args.tokenizer_name else "bytes (`ByT5Tokenizer`)"
+    held_out = (
+        "its validation split"
+        if args.validation_file is not None or args.dataset_name is not None
+        else (f"the first {args.validation_split_percentage} % held out")
+    )
+    return f"{text}, {tokens}, packed into blocks of {args.block_size} tokens; {held_out} for evaluation."
+
+
+def save_outputs(args, accelerator: Accelerator, model, tokenizer, results: dict[str, Any], repo_id) -> None:
+    """The model (``save_pretrained``), its tokenizer, ``training_args.json`` (no Hub token), ``results.json`` and
+    the model card, in ``--output_dir``."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(
@@ -519,30 +520,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model),
     )
-    results = {
-        "task": args.task,
-        "position_encoding": config.position_encoding,
-        "attention_normalizer": config.attention_normalizer,
-        "block_size": args.block_size,
-        "steps": completed_steps,
-        "num_parameters": num_parameters,
-        "train_loss": history[-1]["loss"] if history else None,
-        # measured over this run's steps only (a resumed run times the steps after the checkpoint)
-        "tokens_per_second": history[-1]["tokens_per_second"] if history else None,
-        "reference_init": initialised,
-        **eval_metrics,
-    }
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        arguments.pop("hub_token")
         (args.output_dir / "training_args.json").write_text(json.dumps(arguments, indent=2))
         (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
-        if args.push_to_hub:
-            repo_id = args.hub_model_id or args.output_dir.resolve().name
-            unwrapped.push_to_hub(repo_id, token=args.hub_token)
-            tokenizer.push_to_hub(repo_id, token=args.hub_token)
+        auto_class = "AutoModelForCausalLM" if args.task == "clm" else "AutoModelForMaskedLM"
+        write_model_card(
+            args.output_dir, unwrapped.config, "pretrain", args, training_data(args), results, repo_id, auto_class
+        )
     accelerator.wait_for_everyone()
-    return results
 
 
 if __name__ == "__main__":

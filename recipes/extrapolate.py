@@ -1,5 +1,6 @@
 """Loss of saved models at 1x, 2x, 4x, 8x their training length (sliding windows scored on the last positions):
-``hf_posenc.extrapolation`` as a script; a markdown table, a JSON file and a plot in ``--output_dir``.
+``hf-posenc extrapolate`` (``hf_posenc.extrapolation``) as a script; a markdown table, a JSON file and a plot in
+``--output_dir``.
 
     python recipes/extrapolate.py --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
 """

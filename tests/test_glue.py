@@ -1,4 +1,5 @@
-"""The GLUE recipe (recipes/glue.py) and its metric module (recipes/metrics/glue), on tiny models and fixtures."""
+"""The GLUE recipe (``hf-posenc glue``, hf_posenc/glue.py) and its metric module (hf_posenc/metrics/glue), on tiny
+models and fixtures."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import evaluate
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -19,13 +21,12 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 import hf_posenc
+from hf_posenc import glue
 
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "glue"
 SST2 = FIXTURES / "sst2"
-sys.path.insert(0, str(ROOT / "recipes"))
-import glue  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -195,6 +196,26 @@ def test_converted_stock_checkpoint_fine_tunes_and_reloads_as_posenc(tiny_bert, 
     assert model.config.position_encoding["type"] == "rope" and model.config.num_labels == 2
 
 
+def test_retrofitted_stock_checkpoint_fine_tunes_reloads_and_gets_a_model_card(tiny_bert, tmp_path):
+    """``--retrofit alibi --attention_normalizer l2`` patches the stock BERT in place (names and weights kept)."""
+    summary = glue.main(
+        sst2_args(tiny_bert, tmp_path, "--max_train_steps", "2", "--retrofit", "alibi", "--attention_normalizer", "l2")
+    )
+    assert summary["scheme"] == "alibi + l2" and summary["runs"][0]["best"]["step"] == 2
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True)
+    assert model.config.model_type == "posenc_retrofit_bert" and model.config.position_encoding["type"] == "alibi"
+    card = (tmp_path / "README.md").read_text()
+    assert "position encoding **alibi** and attention normalizer **l2**" in card
+    assert "| `--retrofit` | `alibi` |" in card and "| validation_accuracy |" in card and "sst2" in card
+
+
+def test_push_to_hub_fails_before_training_when_the_hub_is_unreachable(tiny_bert, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
+    with pytest.raises(SystemExit, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/sst2'"):
+        glue.main(sst2_args(tiny_bert, tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/sst2"))
+    assert not (tmp_path / "out").exists()  # nothing was trained or written
+
+
 def test_posenc_checkpoint_fine_tunes_with_its_own_scheme(tiny_bert, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_bert)
     config = hf_posenc.PosEncBertConfig(position_encoding="t5", **tiny_bert_config(len(tokenizer)))
@@ -333,16 +354,18 @@ def test_two_cpu_processes_give_the_metrics_of_one(tiny_bert, tmp_path):
     ]
     one = glue.main([*sst2_args(tiny_bert, tmp_path / "one", *common), "--per_device_train_batch_size", "16"])
     accumulated = glue.main([*sst2_args(tiny_bert, tmp_path / "acc", *common), "--gradient_accumulation_steps", "2"])
-    # torchrun starts the processes (--standalone: on a free port); ACCELERATE_USE_CPU makes accelerate join them as
-    # MULTI_CPU over gloo
+    # torchrun starts the processes (--standalone: on a free port); the recipe joins them as MULTI_CPU over gloo
+    # (no ACCELERATE_USE_CPU needed: without it they once ran as two independent copies)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    launch.append(str(ROOT / "recipes" / "glue.py"))
+    launch += ["-m", "hf_posenc_cli", "glue"]
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": pythonpath, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
     completed = subprocess.run(
         [*launch, *sst2_args(tiny_bert, tmp_path / "two", *common)], env=env, capture_output=True, text=True
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.count("| sst2 |") == 1  # the summary line, printed once
     two = json.loads((tmp_path / "two" / "results.json").read_text())
 
     for other in (accumulated, two):

@@ -1,18 +1,14 @@
-"""The position probe (kexue.fm/archives/9105, SPEC section 4): the library function and its recipe, reduced."""
+"""The position probe (kexue.fm/archives/9105, SPEC section 4): the library function and its recipe
+(``hf-posenc probe``), reduced."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 import hf_posenc
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import probe as probe_recipe  # noqa: E402
+from hf_posenc import probe_grid as probe_recipe
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
@@ -42,7 +38,7 @@ def test_probe_rejects_bad_arguments():
 
 def test_recipe_writes_the_table_the_results_and_the_heat_map(tmp_path):
     argv = ["--families", "gpt2", "--schemes", "learned", "none", "--variants", "softmax", "exp+gate+boundary"]
-    argv += ["--seeds", "0", "1", "--length", "4", "--steps", "2", "--output-dir", str(tmp_path)]
+    argv += ["--seeds", "0", "1", "--length", "4", "--max_train_steps", "2", "--output_dir", str(tmp_path)]
     results = probe_recipe.main(argv)
     assert [(r["scheme"], r["variant"], r["seed"]) for r in results[::2]] == [
         ("learned", "softmax", 0), ("learned", "exp+gate+boundary", 0), ("none", "softmax", 0),

