@@ -673,7 +673,14 @@ class PosEncBertForMultipleChoice(PosEncBertPreTrainedModel):
         labels: torch.Tensor | None = None,
         **kwargs,
     ) -> MultipleChoiceModelOutput:
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        choices = input_ids if input_ids is not None else inputs_embeds
+        if choices is None or choices.dim() != (3 if input_ids is not None else 4):
+            shape = None if choices is None else tuple(choices.shape)
+            raise ValueError(
+                "PosEncBertForMultipleChoice takes input_ids (batch, num_choices, seq) or inputs_embeds (batch, "
+                f"num_choices, seq, hidden); got shape {shape}."
+            )
+        num_choices = choices.shape[1]
 
         def flatten_choices(tensor: torch.Tensor | None, trailing: int = 1) -> torch.Tensor | None:
             return None if tensor is None else tensor.reshape(-1, *tensor.shape[-trailing:])
