@@ -22,7 +22,9 @@ The model keeps its class; its modules are patched:
 ``modeling_retrofit.py``: subclasses of the stock classes whose ``__init__`` re-applies the patch, next to this module
 and the hf_posenc modules it imports (single-dot relative imports). So ``AutoModel*.from_pretrained(folder,
 trust_remote_code=True)`` loads it back patched, with or without hf_posenc installed; without
-``trust_remote_code`` Transformers refuses the unknown model type instead of loading the stock model silently.
+``trust_remote_code`` Transformers refuses the unknown model type instead of loading the stock model silently. The
+patch also gives the saved type PEFT's default target modules of the stock type (of BERT, GPT-2 or Llama where PEFT
+has none for it, e.g. CamemBERT), so LoRA needs no ``target_modules`` (``register_peft_default_targets``).
 """
 
 from __future__ import annotations

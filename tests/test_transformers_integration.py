@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, make_config, make_model, perturb_position_parameters, random_ids
+from conftest import DECODER_SCHEMES, VOCAB, make_config, make_model, perturb_position_parameters, random_ids
 
 import hf_posenc
 
@@ -161,25 +161,37 @@ def test_bert_lm_head_needs_is_decoder():
         hf_posenc.PosEncBertLMHeadModel(make_config("bert", "t5"))
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("scheme", ["t5", "rope"])
-def test_bert_decoder_decodes_with_the_cache_as_without(scheme, attn):
+def causal_bert(scheme: str, attn: str) -> hf_posenc.PosEncBertLMHeadModel:
     torch.manual_seed(0)
     config = make_config("bert", scheme, is_decoder=True)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     assert type(model) is hf_posenc.PosEncBertLMHeadModel
     perturb_position_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("scheme", DECODER_SCHEMES)
+def test_bert_decoder_decodes_with_the_cache_as_without(scheme, attn):
+    model = causal_bert(scheme, attn)
     ids = random_ids(2, 9)
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :6], use_cache=True)
         step = model(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, step.logits], 1), full, atol=1e-5, rtol=1e-4)
+
+
+def test_bert_decoder_generates_and_trains_on_the_next_token():
+    model = causal_bert("t5", "sdpa")
+    ids = random_ids(2, 9)
     kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
-    labels_loss = model(ids, labels=ids).loss  # next-token loss: the labels are shifted inside
+    with torch.no_grad():
+        full = model(ids).logits
+        loss = model(ids, labels=ids).loss  # next-token loss: the labels are shifted inside
     expected = torch.nn.functional.cross_entropy(full[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-    torch.testing.assert_close(labels_loss, expected)
+    torch.testing.assert_close(loss, expected)
 
 
 def test_float_input_ids_are_refused_naming_the_dtype(family):
