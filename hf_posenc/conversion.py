@@ -8,9 +8,13 @@ from typing import Any
 import torch
 from transformers import (
     BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
+    BertLMHeadModel,
     BertModel,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
@@ -26,9 +30,13 @@ from transformers import (
 from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
 from .modeling_posenc_bert import (
     PosEncBertForMaskedLM,
+    PosEncBertForMultipleChoice,
+    PosEncBertForNextSentencePrediction,
+    PosEncBertForPreTraining,
     PosEncBertForQuestionAnswering,
     PosEncBertForSequenceClassification,
     PosEncBertForTokenClassification,
+    PosEncBertLMHeadModel,
     PosEncBertModel,
 )
 from .modeling_posenc_gpt2 import PosEncGPT2ForSequenceClassification, PosEncGPT2LMHeadModel, PosEncGPT2Model
@@ -54,6 +62,14 @@ STOCK_TO_POSENC: dict[type, tuple[type, type, str]] = {
         PosEncBertConfig,
         "embeddings.position_embeddings.weight",
     ),
+    BertForPreTraining: (PosEncBertForPreTraining, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    BertLMHeadModel: (PosEncBertLMHeadModel, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    BertForNextSentencePrediction: (
+        PosEncBertForNextSentencePrediction,
+        PosEncBertConfig,
+        "embeddings.position_embeddings.weight",
+    ),
+    BertForMultipleChoice: (PosEncBertForMultipleChoice, PosEncBertConfig, "embeddings.position_embeddings.weight"),
     GPT2Model: (PosEncGPT2Model, PosEncGPT2Config, "wpe.weight"),
     GPT2LMHeadModel: (PosEncGPT2LMHeadModel, PosEncGPT2Config, "wpe.weight"),
     GPT2ForSequenceClassification: (PosEncGPT2ForSequenceClassification, PosEncGPT2Config, "wpe.weight"),

@@ -1,8 +1,10 @@
 """PosEnc BERT: BERT with a pluggable position encoding and attention normalizer.
 
 Laid out like ``transformers.models.bert.modeling_bert`` and with the same parameter names, except that the position
-table lives in the scheme (``bert.position_encoding``). With ``learned`` + ``softmax`` it is the stock BERT. The
-feed-forward blocks, pooler and heads are Transformers' own BERT modules.
+table lives in the scheme (``bert.position_encoding``). With ``learned`` + ``softmax`` it is the stock BERT, every
+head of it: the encoder heads, pre-training (MLM + next sentence), and with ``is_decoder=True`` a causal BERT with a
+KV cache (``PosEncBertLMHeadModel``, as ``BertLMHeadModel``). The feed-forward blocks, pooler and heads are
+Transformers' own BERT modules.
 """
 
 from __future__ import annotations
@@ -11,21 +13,29 @@ import torch
 from torch import nn
 from torch.nn import CrossEntropyLoss
 from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import (
     BaseModelOutput,
-    BaseModelOutputWithPooling,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithPast,
     MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    NextSentencePredictorOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.bert.modeling_bert import (
+    BertForPreTrainingOutput,
     BertIntermediate,
     BertLMPredictionHead,
     BertOnlyMLMHead,
+    BertOnlyNSPHead,
     BertOutput,
     BertPooler,
+    BertPreTrainingHeads,
     BertSelfOutput,
 )
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
@@ -39,13 +49,15 @@ from .modeling_posenc_common import (
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
+    check_input_ids,
     prepare_attention,
+    register_peft_default_targets,
     reject_unsupported_inputs,
     resolve_position_ids,
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
-from .position_interface import AttentionInputs, EmbeddingInputs, PositionEncoding
+from .position_interface import AttentionInputs, EmbeddingInputs, PositionCache, PositionEncoding
 
 
 class PosEncBertEmbeddings(nn.Module):
@@ -66,6 +78,7 @@ class PosEncBertEmbeddings(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_cache: PositionCache | None = None,
     ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
@@ -73,7 +86,7 @@ class PosEncBertEmbeddings(nn.Module):
             token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
         embeddings = position_encoding.embed(
-            EmbeddingInputs(embeddings, position_ids, input_ids=input_ids, attention_mask=attention_mask)
+            EmbeddingInputs(embeddings, position_ids, input_ids, attention_mask, position_cache)
         )
         return self.dropout(self.LayerNorm(embeddings))
 
@@ -105,6 +118,7 @@ class PosEncBertSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_inputs: AttentionInputs,
         position_encoding: PositionEncoding,
+        past_key_values: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -122,6 +136,8 @@ class PosEncBertSelfAttention(nn.Module):
             dropout=self.dropout.p,
             training=self.training,
             causal=self.is_causal,
+            past_key_values=past_key_values,
+            layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
@@ -133,8 +149,8 @@ class PosEncBertAttention(nn.Module):
         self.self = PosEncBertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
-    def forward(self, hidden_states, attention_inputs, position_encoding):
-        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding)
+    def forward(self, hidden_states, attention_inputs, position_encoding, past_key_values=None):
+        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding, past_key_values)
         return self.output(attention_output, hidden_states), weights
 
 
@@ -146,10 +162,15 @@ class PosEncBertLayer(PositionalLayer):
         self.output = BertOutput(config)
 
     def forward(
-        self, hidden_states: torch.Tensor, *attention_leaves, attention_spec, position_encoding: PositionEncoding
+        self,
+        hidden_states: torch.Tensor,
+        *attention_leaves,
+        attention_spec,
+        position_encoding: PositionEncoding,
+        past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
-        attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding)
+        attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding, past_key_values)
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -158,9 +179,13 @@ class PosEncBertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([PosEncBertLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_inputs: AttentionInputs, position_encoding) -> BaseModelOutput:
+    def forward(
+        self, hidden_states, attention_inputs: AttentionInputs, position_encoding, past_key_values=None
+    ) -> BaseModelOutput:
         for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_inputs, position_encoding=position_encoding)
+            hidden_states = layer(
+                hidden_states, attention_inputs, position_encoding=position_encoding, past_key_values=past_key_values
+            )
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
@@ -173,6 +198,7 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _no_split_modules = ["PosEncBertEmbeddings", "PosEncBertLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
     @torch.no_grad()
@@ -188,7 +214,8 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
 
 
 class PosEncBertModel(PosEncBertPreTrainedModel):
-    """The bare PosEnc BERT encoder (or, with ``is_decoder=True``, a causal BERT without a KV cache)."""
+    """The bare PosEnc BERT encoder, or with ``is_decoder=True`` a causal BERT that keeps a KV cache (``use_cache``),
+    as ``BertModel``."""
 
     _auto_class = "AutoModel"
 
@@ -218,15 +245,30 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPooling:
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
-        reject_unsupported_inputs(self, kwargs, ("encoder_hidden_states", "encoder_attention_mask", "past_key_values"))
+        check_input_ids(input_ids)
+        reject_unsupported_inputs(self, kwargs, ("encoder_hidden_states", "encoder_attention_mask"))
+        if past_key_values is not None and not self.config.is_decoder:
+            raise ValueError(
+                f"{type(self).__name__} is an encoder and keeps no KV cache; got past_key_values (a causal BERT with "
+                "a cache: PosEncBertConfig(is_decoder=True))."
+            )
+        use_cache = bool(use_cache) and self.config.is_decoder
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.embeddings.word_embeddings(input_ids)
-        position_ids = resolve_position_ids(position_ids, inputs_embeds, 0)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
+        position_cache = None
+        if past_key_values is not None:
+            position_cache = PositionCache(past_key_values, self.config.num_hidden_layers)
         embedding_output = self.embeddings(
             self.position_encoding,
             position_ids,
@@ -234,6 +276,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             token_type_ids=token_type_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
+            position_cache=position_cache,
         )
         attention_inputs = prepare_attention(
             self,
@@ -243,11 +286,19 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             position_ids,
             causal=self.config.is_decoder,
             attention_dropout=self.config.attention_probs_dropout_prob,
+            past_key_values=past_key_values,
+            position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
         )
-        sequence_output = self.encoder(embedding_output, attention_inputs, self.position_encoding).last_hidden_state
+        sequence_output = self.encoder(
+            embedding_output, attention_inputs, self.position_encoding, past_key_values
+        ).last_hidden_state
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
-        return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=sequence_output,
+            pooler_output=pooled_output,
+            past_key_values=past_key_values if use_cache else None,
+        )
 
 
 class PosEncBertForMaskedLM(PosEncBertPreTrainedModel):
@@ -428,14 +479,241 @@ class PosEncBertForQuestionAnswering(PosEncBertPreTrainedModel):
         )
 
 
+class PosEncBertForPreTraining(PosEncBertPreTrainedModel):
+    """BERT's pre-training heads: masked LM on every token and next-sentence prediction on the pooled ``[CLS]``;
+    the loss, when both ``labels`` and ``next_sentence_label`` are given, is the sum of the two, as
+    ``BertForPreTraining``."""
+
+    _auto_class = "AutoModelForPreTraining"
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.bert = PosEncBertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BertForPreTrainingOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        prediction_logits, seq_relationship_logits = self.cls(outputs.last_hidden_state, outputs.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:
+            loss_fct = CrossEntropyLoss()
+            masked_lm_loss = loss_fct(prediction_logits.view(-1, self.config.vocab_size), labels.view(-1))
+            next_sentence_loss = loss_fct(seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1))
+            loss = masked_lm_loss + next_sentence_loss
+        return BertForPreTrainingOutput(
+            loss=loss,
+            prediction_logits=prediction_logits,
+            seq_relationship_logits=seq_relationship_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class PosEncBertLMHeadModel(PosEncBertPreTrainedModel, GenerationMixin):
+    """A causal BERT with the MLM prediction head as its LM head, as ``BertLMHeadModel``: next-token loss (labels
+    shifted inside), ``generate`` with the KV cache. Needs ``PosEncBertConfig(is_decoder=True)``, so that attention
+    and a relative scheme take their causal form."""
+
+    _auto_class = "AutoModelForCausalLM"
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+
+    def __init__(self, config: PosEncBertConfig):
+        if not config.is_decoder:
+            raise ValueError(
+                "PosEncBertLMHeadModel is a causal LM and needs PosEncBertConfig(is_decoder=True); got "
+                "is_decoder=False (a bidirectional encoder would see the tokens it predicts)."
+            )
+        super().__init__(config)
+        self.bert = PosEncBertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        if labels is not None:
+            use_cache = False
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.cls(outputs.last_hidden_state[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class PosEncBertForNextSentencePrediction(PosEncBertPreTrainedModel):
+    """Next-sentence prediction on the pooled ``[CLS]`` (label 0: B continues A, 1: B is random)."""
+
+    _auto_class = "AutoModelForNextSentencePrediction"
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.bert = PosEncBertModel(config)
+        self.cls = BertOnlyNSPHead(config)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> NextSentencePredictorOutput:
+        outputs = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.cls(outputs.pooler_output)
+        loss = CrossEntropyLoss()(logits.view(-1, 2), labels.view(-1)) if labels is not None else None
+        return NextSentencePredictorOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class PosEncBertForMultipleChoice(PosEncBertPreTrainedModel):
+    """Scores each of ``num_choices`` sequences from its pooled ``[CLS]``; inputs are ``(batch, num_choices, seq)``
+    (``inputs_embeds``: ``(batch, num_choices, seq, hidden)``), logits ``(batch, num_choices)``."""
+
+    _auto_class = "AutoModelForMultipleChoice"
+
+    def __init__(self, config: PosEncBertConfig):
+        super().__init__(config)
+        self.bert = PosEncBertModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput:
+        choices = input_ids if input_ids is not None else inputs_embeds
+        if choices is None or choices.dim() != (3 if input_ids is not None else 4):
+            shape = None if choices is None else tuple(choices.shape)
+            raise ValueError(
+                "PosEncBertForMultipleChoice takes input_ids (batch, num_choices, seq) or inputs_embeds (batch, "
+                f"num_choices, seq, hidden); got shape {shape}."
+            )
+        num_choices = choices.shape[1]
+
+        def flatten_choices(tensor: torch.Tensor | None, trailing: int = 1) -> torch.Tensor | None:
+            return None if tensor is None else tensor.reshape(-1, *tensor.shape[-trailing:])
+
+        outputs = self.bert(
+            flatten_choices(input_ids),
+            attention_mask=flatten_choices(attention_mask),
+            token_type_ids=flatten_choices(token_type_ids),
+            position_ids=flatten_choices(position_ids),
+            inputs_embeds=flatten_choices(inputs_embeds, trailing=2),
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
+        return MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
 POSENC_BERT_MODELS = (
     PosEncBertModel,
     PosEncBertForMaskedLM,
     PosEncBertForSequenceClassification,
     PosEncBertForTokenClassification,
     PosEncBertForQuestionAnswering,
+    PosEncBertForPreTraining,
+    PosEncBertLMHeadModel,
+    PosEncBertForNextSentencePrediction,
+    PosEncBertForMultipleChoice,
 )
 PosEncBertPreTrainedModel.family_auto_map = auto_map_for(PosEncBertConfig, POSENC_BERT_MODELS)
+register_peft_default_targets(PosEncBertConfig.model_type, ("bert",))  # the stock module names: query, value, ...
 
 __all__ = [
     "PosEncBertModel",
@@ -443,5 +721,9 @@ __all__ = [
     "PosEncBertForSequenceClassification",
     "PosEncBertForTokenClassification",
     "PosEncBertForQuestionAnswering",
+    "PosEncBertForPreTraining",
+    "PosEncBertLMHeadModel",
+    "PosEncBertForNextSentencePrediction",
+    "PosEncBertForMultipleChoice",
     "PosEncBertPreTrainedModel",
 ]

@@ -3,6 +3,8 @@ per-forward attention set-up (backend, mask, position context), and saving as se
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 from typing import Any
 
 import torch
@@ -169,6 +171,37 @@ def reject_unsupported_inputs(model, kwargs: dict[str, Any], names: tuple[str, .
         raise ValueError(f"{type(model).__name__} does not support {given} (no cross-attention in hf_posenc models).")
 
 
+def check_input_ids(input_ids: torch.Tensor | None) -> None:
+    """Raise early on ``input_ids`` that are not token ids (a float tensor would fail deep in ``nn.Embedding``)."""
+    if input_ids is not None and input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError(
+            f"input_ids must hold integer token ids (torch.long or torch.int); got dtype {input_ids.dtype}. "
+            "Pass vectors as inputs_embeds instead."
+        )
+
+
+def register_peft_default_targets(model_type: str, stock_types: tuple[str, ...]) -> None:
+    """Give ``model_type`` PEFT's default target modules of the first of ``stock_types`` PEFT has them for, in every
+    tuner's table (LoRA's ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``, IA3's, ...), so that
+    ``LoraConfig(task_type=...)`` with no ``target_modules`` works as on the stock model.
+
+    PEFT (0.21) finds default targets only in those module-level dicts of ``peft.utils.constants``, keyed by
+    ``config.model_type``, with no hook on the model or config; this adds entries to them (it never replaces one) with
+    the stock family's module names, which PosEnc and retrofitted models keep (``query``/``value``, ``c_attn``,
+    ``q_proj``/``v_proj``). Does nothing where peft is not installed. Runs when a modeling module is imported, also
+    as remote code, so a folder loaded with ``trust_remote_code=True`` gets the defaults without hf_posenc."""
+    if importlib.util.find_spec("peft") is None:
+        return
+    from peft.utils import constants
+
+    for name, mapping in vars(constants).items():
+        if not (name.startswith("TRANSFORMERS_MODELS_TO_") and name.endswith("_MODULES_MAPPING")):
+            continue
+        source = next((stock for stock in stock_types if stock in mapping), None)
+        if source is not None and model_type not in mapping:
+            mapping[model_type] = copy.copy(mapping[source])
+
+
 def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[str, str]:
     """``auto_map`` naming every class of a family by its module file, so a saved folder loads as remote code."""
     entries = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}"}
@@ -180,8 +213,9 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
 class PosEncPreTrainedMixin:
     """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
     (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
-    1), full ``auto_map`` on save (the modeling files are copied beside the weights by ``save_pretrained``), and
-    switching ``attn_implementation`` at any time (the backend is chosen at every forward)."""
+    1), full ``auto_map`` on save (the modeling files are copied beside the weights by ``save_pretrained``), the 2-D
+    mask kept for ``generate``, and switching ``attn_implementation`` at any time (the backend is chosen at every
+    forward)."""
 
     family_auto_map: dict[str, str] = {}
 
@@ -196,6 +230,12 @@ class PosEncPreTrainedMixin:
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        """With a static cache, ``generate`` would build a 4-D mask in the format of the requested backend; hf_posenc
+        picks the backend per forward (a decoding step may run another one), so it keeps the 2-D mask and builds the
+        4-D one itself, in the format of the backend that runs."""
+        return attention_mask
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:

@@ -33,7 +33,9 @@ from .modeling_posenc_common import (
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
+    check_input_ids,
     prepare_attention,
+    register_peft_default_targets,
     reject_unsupported_inputs,
     resolve_position_ids,
     sequence_classification_loss,
@@ -194,6 +196,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
+        check_input_ids(input_ids)
         reject_unsupported_inputs(self, kwargs, ("encoder_hidden_states", "encoder_attention_mask"))
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
@@ -246,12 +249,6 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         self.transformer = PosEncGPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
-
-    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-        """With a static cache, ``generate`` would build a 4-D mask in the format of the requested backend; hf_posenc
-        picks the backend per forward (a decoding step may run another one), so it keeps the 2-D mask and builds the
-        4-D one itself, in the format of the backend that runs."""
-        return attention_mask
 
     @can_return_tuple
     def forward(
@@ -356,6 +353,7 @@ class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
 
 POSENC_GPT2_MODELS = (PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification)
 PosEncGPT2PreTrainedModel.family_auto_map = auto_map_for(PosEncGPT2Config, POSENC_GPT2_MODELS)
+register_peft_default_targets(PosEncGPT2Config.model_type, ("gpt2",))  # the stock module names: c_attn, mlp.c_proj
 
 __all__ = [
     "PosEncGPT2Model",

@@ -22,7 +22,9 @@ The model keeps its class; its modules are patched:
 ``modeling_retrofit.py``: subclasses of the stock classes whose ``__init__`` re-applies the patch, next to this module
 and the hf_posenc modules it imports (single-dot relative imports). So ``AutoModel*.from_pretrained(folder,
 trust_remote_code=True)`` loads it back patched, with or without hf_posenc installed; without
-``trust_remote_code`` Transformers refuses the unknown model type instead of loading the stock model silently.
+``trust_remote_code`` Transformers refuses the unknown model type instead of loading the stock model silently. The
+patch also gives the saved type PEFT's default target modules of the stock type (of BERT, GPT-2 or Llama where PEFT
+has none for it, e.g. CamemBERT), so LoRA needs no ``target_modules`` (``register_peft_default_targets``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .modeling_posenc_common import (
     build_layer_position_term,
     build_position_encoding,
     prepare_attention,
+    register_peft_default_targets,
     resolve_position_ids,
 )
 from .posenc_attention import positional_attention
@@ -190,6 +193,7 @@ class StockFamily:
     name: str
     attention_classes: tuple[str, ...]
     attention_mixin: type
+    peft_model_type: str  # whose PEFT default targets a saved model type of the family gets if its own has none
 
     def layers(self, base: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
@@ -338,12 +342,14 @@ FAMILIES = (
             "Data2VecTextSelfAttention",
         ),
         RetrofitBertSelfAttention,
+        "bert",
     ),
-    GPT2Family("GPT-2 (GPT2*)", ("GPT2Attention",), RetrofitGPT2Attention),
+    GPT2Family("GPT-2 (GPT2*)", ("GPT2Attention",), RetrofitGPT2Attention, "gpt2"),
     LlamaFamily(
         "Llama family (Llama*, Mistral*, Qwen2*)",
         ("LlamaAttention", "MistralAttention", "Qwen2Attention"),
         RetrofitLlamaAttention,
+        "llama",
     ),
 )
 
@@ -505,6 +511,9 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.register_forward_pre_hook(functools.partial(prepare_forward, family), with_kwargs=True)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
+    # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
+    stock_type = stock_class_of(type(config)).model_type
+    register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
     return new_modules
 
 
@@ -555,6 +564,11 @@ class Retrofit{stock_class}({stock_class}):
 """
 
 
+def retrofit_model_type(stock_type: str) -> str:
+    """The ``model_type`` a retrofitted model of ``stock_type`` is saved under."""
+    return f"posenc_retrofit_{stock_type}"
+
+
 def stock_class_of(cls: type) -> type:
     """The Transformers class under a ``Retrofit<Stock>`` class (itself for a stock class)."""
     return next(c for c in cls.__mro__ if c.__module__.startswith("transformers.models."))
@@ -586,7 +600,7 @@ def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) ->
             attention_normalizer=config.attention_normalizer,
             imports=", ".join(sorted({config_class.__name__, *(c.__name__ for c in model_classes)})),
             config_class=config_class.__name__,
-            model_type=f"posenc_retrofit_{stock_type}",
+            model_type=retrofit_model_type(stock_type),
             model_classes="".join(
                 MODEL_CLASS_TEMPLATE.format(stock_class=c.__name__, config_class=config_class.__name__)
                 for c in model_classes
@@ -598,5 +612,5 @@ def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) ->
         shutil.copyfile(needed, folder / Path(needed).name)
     config_file = folder / "config.json"
     saved = json.loads(config_file.read_text())
-    saved.update(model_type=f"posenc_retrofit_{stock_type}", auto_map=auto_map)
+    saved.update(model_type=retrofit_model_type(stock_type), auto_map=auto_map)
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, random_ids
+import transformers
+from conftest import make_config, make_model, random_ids
 
 
 LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
@@ -86,7 +87,49 @@ def test_saved_folder_lists_every_auto_class_of_the_family(tmp_path):
         "AutoModelForSequenceClassification": "modeling_posenc_bert.PosEncBertForSequenceClassification",
         "AutoModelForTokenClassification": "modeling_posenc_bert.PosEncBertForTokenClassification",
         "AutoModelForQuestionAnswering": "modeling_posenc_bert.PosEncBertForQuestionAnswering",
+        "AutoModelForPreTraining": "modeling_posenc_bert.PosEncBertForPreTraining",
+        "AutoModelForCausalLM": "modeling_posenc_bert.PosEncBertLMHeadModel",
+        "AutoModelForNextSentencePrediction": "modeling_posenc_bert.PosEncBertForNextSentencePrediction",
+        "AutoModelForMultipleChoice": "modeling_posenc_bert.PosEncBertForMultipleChoice",
     }
+
+
+LOAD_CAUSAL_BERT_AND_LORA_WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    from peft import LoraConfig, get_peft_model
+    folder = sys.argv[1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__name__ == "PosEncBertLMHeadModel", type(model)
+    assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+    ids = torch.load(folder + "/ids.pt")
+    torch.save(model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False), folder + "/tokens.pt")
+    lora = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))  # the default targets come with the code
+    print(sorted(lora.peft_config["default"].target_modules))
+    """
+)
+
+
+def test_causal_bert_loads_as_remote_code_and_takes_lora_without_hf_posenc(tmp_path):
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("bert", "alibi", is_decoder=True)).eval()
+    model.save_pretrained(tmp_path)
+    ids = random_ids(2, 5)
+    torch.save(ids, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_CAUSAL_BERT_AND_LORA_WITHOUT_HF_POSENC, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['query', 'value']"
+    expected = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(torch.load(tmp_path / "tokens.pt"), expected)
 
 
 def test_push_to_hub_uploads_the_modeling_code(monkeypatch):

@@ -83,6 +83,55 @@ def test_converted_minilm_with_another_scheme_keeps_every_other_weight():
     assert "embeddings.position_embeddings.weight" in stock_state  # dropped: t5 has no absolute table
 
 
+def test_converted_minilm_pretraining_next_sentence_and_multiple_choice_give_the_stock_outputs(minilm_inputs):
+    """MiniLM's encoder with random heads (it ships none of these), the same weights in both models."""
+    ids = minilm_inputs["input_ids"]
+    labels = {
+        "BertForPreTraining": dict(labels=ids, next_sentence_label=torch.tensor([0, 1, 0])),
+        "BertForNextSentencePrediction": dict(labels=torch.tensor([1, 0, 1])),
+        "BertForMultipleChoice": dict(labels=torch.tensor([2])),
+    }
+    for class_name, posenc_class in (
+        ("BertForPreTraining", hf_posenc.PosEncBertForPreTraining),
+        ("BertForNextSentencePrediction", hf_posenc.PosEncBertForNextSentencePrediction),
+        ("BertForMultipleChoice", hf_posenc.PosEncBertForMultipleChoice),
+    ):
+        torch.manual_seed(0)
+        stock = getattr(transformers, class_name).from_pretrained(MINILM).eval()
+        converted = hf_posenc.convert(stock)
+        assert type(converted) is posenc_class
+        inputs = dict(minilm_inputs)
+        if class_name == "BertForMultipleChoice":  # the three sentences as the choices of one question
+            inputs = {name: tensor[None] for name, tensor in inputs.items()}
+        with torch.no_grad():
+            expected = stock(**inputs, **labels[class_name])
+            actual = converted(**inputs, **labels[class_name])
+        assert list(actual.keys()) == list(expected.keys())
+        for name in expected.keys():
+            torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=0, msg=f"{class_name}.{name}")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_converted_minilm_causal_lm_gives_the_stock_logits_and_tokens(minilm_inputs, attn):
+    """MiniLM as a causal BERT (is_decoder=True, random LM head): logits, next-token loss and greedy decoding with
+    the KV cache, as BertLMHeadModel's."""
+    torch.manual_seed(0)
+    stock = transformers.BertLMHeadModel.from_pretrained(MINILM, is_decoder=True, attn_implementation=attn).eval()
+    converted = hf_posenc.convert(stock)
+    assert type(converted) is hf_posenc.PosEncBertLMHeadModel and converted.config.is_decoder
+    ids, mask = minilm_inputs["input_ids"], minilm_inputs["attention_mask"]
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        expected = stock(**minilm_inputs, labels=labels)
+        actual = converted(**minilm_inputs, labels=labels)
+    visible = mask.bool()
+    torch.testing.assert_close(actual.logits[visible], expected.logits[visible], atol=1e-5, rtol=0)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=0)
+    prompt = ids[1:2, : int(mask[1].sum())]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(converted.generate(prompt, **kwargs), stock.generate(prompt, **kwargs))
+
+
 @pytest.fixture(scope="module")
 def stock_gpt2(tmp_path_factory):
     """A small randomly initialised stock GPT-2, saved and reloaded (no GPT-2 weights can be had offline)."""

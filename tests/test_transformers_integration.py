@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, make_config, make_model, random_ids
+from conftest import DECODER_SCHEMES, VOCAB, make_config, make_model, perturb_position_parameters, random_ids
 
 import hf_posenc
 
@@ -90,6 +90,10 @@ BERT_HEADS = [
     (transformers.AutoModelForSequenceClassification, hf_posenc.PosEncBertForSequenceClassification),
     (transformers.AutoModelForTokenClassification, hf_posenc.PosEncBertForTokenClassification),
     (transformers.AutoModelForQuestionAnswering, hf_posenc.PosEncBertForQuestionAnswering),
+    (transformers.AutoModelForPreTraining, hf_posenc.PosEncBertForPreTraining),
+    (transformers.AutoModelForNextSentencePrediction, hf_posenc.PosEncBertForNextSentencePrediction),
+    (transformers.AutoModelForMultipleChoice, hf_posenc.PosEncBertForMultipleChoice),
+    (transformers.AutoModelForCausalLM, hf_posenc.PosEncBertLMHeadModel),
 ]
 GPT2_HEADS = [
     (transformers.AutoModel, hf_posenc.PosEncGPT2Model),
@@ -100,7 +104,8 @@ GPT2_HEADS = [
 
 @pytest.mark.parametrize(("auto", "expected"), BERT_HEADS)
 def test_bert_auto_classes_build_the_posenc_heads(auto, expected):
-    model = auto.from_config(make_config("bert", "rope", num_labels=3))
+    is_decoder = expected is hf_posenc.PosEncBertLMHeadModel
+    model = auto.from_config(make_config("bert", "rope", num_labels=3, is_decoder=is_decoder))
     assert type(model) is expected
 
 
@@ -124,6 +129,77 @@ def test_bert_heads_train_with_their_losses():
     assert out.start_logits.shape == (2, 6) and out.loss > 0
     out.loss.backward()
     assert qa.bert.position_encoding.relative_attention_bias.weight.grad.abs().sum() > 0
+
+
+def test_bert_pretraining_next_sentence_and_multiple_choice_heads_train_with_their_losses():
+    ids = random_ids(2, 6)
+    config = make_config("bert", "t5")
+    pretraining = hf_posenc.PosEncBertForPreTraining(config)
+    out = pretraining(ids, labels=ids, next_sentence_label=torch.tensor([0, 1]))
+    assert out.prediction_logits.shape == (2, 6, VOCAB) and out.seq_relationship_logits.shape == (2, 2)
+    mlm_only = torch.nn.functional.cross_entropy(out.prediction_logits.view(-1, VOCAB), ids.view(-1))
+    assert out.loss > mlm_only > 0  # MLM + NSP
+    assert pretraining(ids, labels=ids).loss is None  # as BertForPreTraining: both labels or no loss
+    next_sentence = hf_posenc.PosEncBertForNextSentencePrediction(config)
+    out = next_sentence(ids, labels=torch.tensor([1, 0]))
+    assert out.logits.shape == (2, 2) and out.loss > 0
+    choice = hf_posenc.PosEncBertForMultipleChoice(config)
+    choices = random_ids(6, 6).view(2, 3, 6)
+    out = choice(choices, attention_mask=torch.ones_like(choices), labels=torch.tensor([2, 0]))
+    assert out.logits.shape == (2, 3) and out.loss > 0
+    with torch.no_grad():  # each choice is scored alone
+        alone = choice(choices[:, 1:2]).logits
+    torch.testing.assert_close(out.logits[:, 1:2], alone)
+    with pytest.raises(ValueError, match=r"input_ids \(batch, num_choices, seq\).*got shape \(2, 6\)"):
+        choice(ids)
+    out.loss.backward()
+    assert choice.bert.position_encoding.relative_attention_bias.weight.grad.abs().sum() > 0
+
+
+def test_bert_lm_head_needs_is_decoder():
+    with pytest.raises(ValueError, match=r"needs PosEncBertConfig\(is_decoder=True\)"):
+        hf_posenc.PosEncBertLMHeadModel(make_config("bert", "t5"))
+
+
+def causal_bert(scheme: str, attn: str) -> hf_posenc.PosEncBertLMHeadModel:
+    torch.manual_seed(0)
+    config = make_config("bert", scheme, is_decoder=True)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    assert type(model) is hf_posenc.PosEncBertLMHeadModel
+    perturb_position_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("scheme", DECODER_SCHEMES)
+def test_bert_decoder_decodes_with_the_cache_as_without(scheme, attn):
+    model = causal_bert(scheme, attn)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :6], use_cache=True)
+        step = model(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, step.logits], 1), full, atol=1e-5, rtol=1e-4)
+
+
+def test_bert_decoder_generates_and_trains_on_the_next_token():
+    model = causal_bert("t5", "sdpa")
+    ids = random_ids(2, 9)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+    with torch.no_grad():
+        full = model(ids).logits
+        loss = model(ids, labels=ids).loss  # next-token loss: the labels are shifted inside
+    expected = torch.nn.functional.cross_entropy(full[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_float_input_ids_are_refused_naming_the_dtype(family):
+    model = make_model(family)
+    with pytest.raises(ValueError, match=r"integer token ids \(torch.long or torch.int\); got dtype torch.float32"):
+        model(random_ids(1, 4).float())
+    with torch.no_grad():  # torch.int is accepted, as by nn.Embedding
+        torch.testing.assert_close(model(random_ids(1, 4).int()).logits, model(random_ids(1, 4)).logits)
 
 
 def test_gpt2_sequence_classifier_reads_the_last_real_token():
@@ -218,5 +294,95 @@ def test_cross_attention_and_bert_cache_inputs_are_refused(family):
     with pytest.raises(ValueError, match=r"does not support \['encoder_hidden_states'\]"):
         model(ids, encoder_hidden_states=torch.zeros(1, 4, 32))
     if family == "bert":
-        with pytest.raises(ValueError, match=r"does not support \['past_key_values'\]"):
+        with pytest.raises(ValueError, match="is an encoder and keeps no KV cache; got past_key_values"):
             model(ids, past_key_values=transformers.DynamicCache())
+
+
+def lora_round_trip(build, task_type: str, inputs: dict, labels: dict, expected_targets: set[str], folder) -> None:
+    """LoRA from ``LoraConfig(task_type=...)`` alone on ``build()``: it targets the family's default modules, trains a
+    step, reloads from its saved adapter exactly, and merged into the weights gives the unmerged outputs."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    lora = get_peft_model(build(), LoraConfig(task_type=task_type, r=4, lora_alpha=8, lora_dropout=0.0))
+    assert lora.peft_config["default"].target_modules == expected_targets
+    adapted = {name.rsplit(".", 1)[-1] for name, module in lora.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == expected_targets
+    lora.train()
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    lora(**inputs, **labels).loss.backward()
+    optimizer.step()
+    lora.eval()
+    with torch.no_grad():
+        adapted_output = lora(**inputs).logits
+        base_output = build().eval()(**inputs).logits
+    assert not torch.allclose(adapted_output, base_output, atol=1e-4)  # the step moved the adapter
+    lora.save_pretrained(folder)
+    reloaded = PeftModel.from_pretrained(build(), folder).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(**inputs).logits, adapted_output)
+        merged = lora.merge_and_unload()
+        assert not any(hasattr(module, "lora_A") for module in merged.modules())
+        torch.testing.assert_close(merged(**inputs).logits, adapted_output, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_with_task_type_only_on_posenc_bert(tmp_path):
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    ids = random_ids(2, 7)
+
+    def build():
+        torch.manual_seed(0)
+        return hf_posenc.PosEncBertForSequenceClassification(make_config("bert", "t5", "l2", num_labels=3))
+
+    labels = {"labels": torch.tensor([0, 2])}
+    lora_round_trip(build, "SEQ_CLS", {"input_ids": ids}, labels, {"query", "value"}, tmp_path)
+
+
+def test_lora_with_task_type_only_on_posenc_gpt2(tmp_path):
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    ids = random_ids(2, 7)
+
+    def build():
+        torch.manual_seed(0)
+        return hf_posenc.PosEncGPT2LMHeadModel(make_config("gpt2", "rope"))
+
+    lora_round_trip(build, "CAUSAL_LM", {"input_ids": ids}, {"labels": ids}, {"c_attn"}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("stock_class", "config", "task_type", "targets"),
+    [
+        (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(
+                vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=48, max_position_embeddings=64,
+            ),
+            "CAUSAL_LM",
+            {"q_proj", "v_proj"},
+        ),
+        (  # PEFT has no defaults for CamemBERT: its saved retrofit type gets BERT's (the same module names)
+            transformers.CamembertForSequenceClassification,
+            transformers.CamembertConfig(
+                vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                max_position_embeddings=42, pad_token_id=1, num_labels=2,
+            ),
+            "SEQ_CLS",
+            {"query", "value"},
+        ),
+    ],
+)  # fmt: skip
+def test_lora_with_task_type_only_on_a_reloaded_retrofitted_model(stock_class, config, task_type, targets, tmp_path):
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    torch.manual_seed(0)
+    hf_posenc.retrofit(stock_class(config), "alibi").save_pretrained(tmp_path / "model")
+    ids = random_ids(2, 7)
+
+    auto = {"CAUSAL_LM": transformers.AutoModelForCausalLM, "SEQ_CLS": transformers.AutoModelForSequenceClassification}
+
+    def build():
+        return auto[task_type].from_pretrained(tmp_path / "model", trust_remote_code=True)
+
+    assert build().config.model_type == f"posenc_retrofit_{config.model_type}"
+    labels = {"labels": ids} if task_type == "CAUSAL_LM" else {"labels": torch.tensor([0, 1])}
+    lora_round_trip(build, task_type, {"input_ids": ids}, labels, targets, tmp_path / "adapter")
