@@ -325,26 +325,39 @@ class GeneratedTable(PositionEncoding):
     """Base of the schemes whose table is generated in sequence (a recurrence, an ODE) rather than stored: each
     forward generates rows ``0 .. L - 1`` once, ``L`` the largest position id + 1, and adds ``table[position]``.
 
-    In eval with gradients off (``generate``, pipelines) the table is kept and reused until a parameter changes (its
-    storage or in-place ``_version`` counter: an optimizer step, ``load_state_dict``, a cast or a move) or a longer
-    input arrives. It is never kept while gradients are recorded, so no autograd graph outlives its forward.
+    In eval with gradients off (``generate``, pipelines) the table is kept with a copy of the parameters it was
+    generated from, and reused while every parameter still equals its copy (same dtype, device and values) and no
+    longer input arrives. The values are compared, not a version counter: fused optimizers
+    (``torch.optim.AdamW(fused=True)``, Transformers' ``Trainer`` default) and ``p.data`` writes change a parameter
+    without bumping ``p._version``. The comparison reads each weight once, about ``1 / L`` of generating the table.
+    It is never kept while gradients are recorded, so no autograd graph outlives its forward.
     Subclasses define :meth:`generate_table`.
     """
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.cached_table: tuple[tuple, torch.Tensor] | None = None
+        self.cached_table: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
 
     def generate_table(self, length: int) -> torch.Tensor:
         """Rows ``p_0 .. p_(length - 1)`` in float32, ``(length, hidden)``."""
         raise NotImplementedError
 
+    def cache_is_current(self, length: int) -> bool:
+        """The kept table has ``length`` rows or more and was generated from the parameters' current values."""
+        if self.cached_table is None or len(self.cached_table[1]) < length:
+            return False
+        generated_from, parameters = self.cached_table[0], tuple(self.parameters())
+        return len(generated_from) == len(parameters) and all(
+            kept.dtype == p.dtype and kept.device == p.device and kept.shape == p.shape and torch.equal(kept, p)
+            for kept, p in zip(generated_from, parameters)
+        )
+
     def position_table(self, length: int) -> torch.Tensor:
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.generate_table(length)
-        weights = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters())
-        if self.cached_table is None or self.cached_table[0] != weights or len(self.cached_table[1]) < length:
-            self.cached_table = (weights, self.generate_table(length))
+        if not self.cache_is_current(length):
+            parameters = tuple(p.detach().clone() for p in self.parameters())
+            self.cached_table = (parameters, self.generate_table(length))
         return self.cached_table[1][:length]
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:

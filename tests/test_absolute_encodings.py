@@ -221,6 +221,36 @@ def test_generated_table_is_cached_in_eval_until_weights_change_or_a_longer_inpu
     assert lengths == [6, 8, 6, 6, 6]
 
 
+@pytest.mark.parametrize("update", ["fused_adamw", "data_add"])
+@pytest.mark.parametrize("scheme", ["recurrent", "floater"])
+def test_generated_table_follows_updates_that_skip_the_version_counter(scheme, update):
+    """Fused AdamW (Trainer's default) and ``p.data`` writes leave ``p._version`` alone: evaluate, update, evaluate
+    must equal a fresh model with the updated weights (issue 16, item 1)."""
+    model, ids = make_model("gpt2", scheme), random_ids(2, 12)
+    parameters = list(model.base_model.position_encoding.parameters())
+    versions = [p._version for p in parameters]
+    with torch.no_grad():
+        before = model(ids).logits
+    if update == "fused_adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model.train()
+        for _ in range(5):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+    else:
+        for p in parameters:
+            p.data.add_(0.1)
+    assert [p._version for p in parameters] == versions  # the counter did not move: the case to catch
+    fresh = make_model("gpt2", scheme, seed=1)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after, expected = model(ids).logits, fresh(ids).logits
+    assert (after - before).abs().max() > 1e-2
+    torch.testing.assert_close(after, expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("table", ["learned", "sinusoidal"])
 def test_multiplicative_is_x_times_p(family, table):
     encoding = scheme_module(family, {"type": "multiplicative", "table": table})
