@@ -30,6 +30,12 @@ def check_table_positions(position_ids: torch.Tensor, limit: int, kind: str, way
         )
 
 
+def check_even_hidden_size(scheme: str, hidden_size: int, why: str) -> None:
+    """Raise ``ValueError`` for an odd ``hidden_size`` of a scheme that pairs features (``why``)."""
+    if hidden_size % 2:
+        raise ValueError(f"{scheme} needs an even hidden_size ({why}); got {hidden_size}.")
+
+
 EXTEND_OR_SWITCH = (
     "Use hf_posenc.extend_positions(model, max_positions) to lengthen the table, or a scheme without a length limit "
     "(rope, t5, alibi, sinusoidal)."
@@ -117,6 +123,12 @@ class MultiplicativeAbsolute(PositionEncoding):
         ),
     }
 
+    @classmethod
+    def unused_options(cls, spec):
+        if spec["table"] == "sinusoidal":
+            return {"max_positions": "table='sinusoidal' has no length limit (max_positions sizes the learned table)"}
+        return {}
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         if spec["table"] == "learned":
@@ -164,7 +176,7 @@ class HierarchicalAbsolute(PositionEncoding):
         "max_positions": Option(
             None, (int,), "learned rows n (default: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
         ),
-        "alpha": Option(0.4, (float,), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
+        "alpha": Option(0.4, (float, int), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
     }
 
     def __init__(self, spec, dims):
@@ -215,12 +227,13 @@ class ComplexOrder(PositionEncoding):
     description = "Complex Order: per-word amplitude, frequency, phase; r*e^{i(omega*k+theta)} as real and imaginary"
     base = 10000.0
 
+    @classmethod
+    def check_sizes(cls, spec, hidden_size, max_position_embeddings):
+        check_even_hidden_size("complex_order", hidden_size, "real and imaginary halves")
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        if dims.hidden_size % 2:
-            raise ValueError(
-                f"complex_order needs an even hidden_size (real and imaginary halves); got {dims.hidden_size}."
-            )
+        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
         self.frequencies = nn.Parameter(torch.empty(dims.vocab_size, dims.hidden_size // 2))
 
     def initial_frequencies(self, num_tokens: int) -> torch.Tensor:
@@ -349,7 +362,7 @@ class GeneratedTable(PositionEncoding):
         generated_from, parameters = self.cached_table[0], tuple(self.parameters())
         return len(generated_from) == len(parameters) and all(
             kept.dtype == p.dtype and kept.device == p.device and kept.shape == p.shape and torch.equal(kept, p)
-            for kept, p in zip(generated_from, parameters)
+            for kept, p in zip(generated_from, parameters, strict=True)
         )
 
     def position_table(self, length: int) -> torch.Tensor:
@@ -514,16 +527,21 @@ class Floater(GeneratedTable):
             lambda v: v in FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS,
             ", ".join(FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS),
         ),
-        "rtol": Option(1e-3, (float,), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
-        "atol": Option(1e-4, (float,), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
-        "step_size": Option(1.0, (float,), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "rtol": Option(1e-3, (float, int), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "atol": Option(1e-4, (float, int), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "step_size": Option(
+            1.0, (float, int), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"
+        ),
     }
+
+    @classmethod
+    def check_sizes(cls, spec, hidden_size, max_position_embeddings):
+        check_even_hidden_size("floater", hidden_size, "sin/cos pairs")
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
+        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
         hidden = dims.hidden_size
-        if hidden % 2:
-            raise ValueError(f"floater needs an even hidden_size (sin/cos pairs); got {hidden}.")
         self.initial = nn.Parameter(torch.empty(hidden))
         self.frequencies = nn.Parameter(torch.empty(hidden // 2))
         if spec["dynamics"] == "mlp":

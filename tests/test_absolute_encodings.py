@@ -14,6 +14,8 @@ from conftest import make_config, make_model, random_ids
 
 import hf_posenc
 from hf_posenc.absolute_encodings import sinusoidal_table
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import EmbeddingInputs
 
 
@@ -340,9 +342,54 @@ def test_complex_order_needs_token_ids(family):
 
 
 @pytest.mark.parametrize("scheme", ["complex_order", "floater"])
-def test_odd_hidden_size_is_refused(scheme):
+def test_odd_hidden_size_is_refused_when_the_config_is_built(scheme):
     with pytest.raises(ValueError, match=rf"{scheme} needs an even hidden_size.*got 33"):
-        make_model("gpt2", scheme, n_embd=33, n_head=3)
+        make_config("gpt2", scheme, n_embd=33, n_head=3)
+    with pytest.raises(ValueError, match=rf"{scheme} needs an even hidden_size.*got 33"):
+        make_config("bert", scheme, hidden_size=33, num_attention_heads=3)
+
+
+def test_multiplicative_refuses_max_positions_with_the_sinusoidal_table():
+    with pytest.raises(ValueError, match=r"option 'max_positions'=64 has no effect here: table='sinusoidal' has no"):
+        make_config("gpt2", {"type": "multiplicative", "table": "sinusoidal", "max_positions": 64})
+    config = make_config("gpt2", {"type": "multiplicative", "table": "sinusoidal"})
+    assert config.position_encoding["max_positions"] is None
+    assert make_config("gpt2", config.position_encoding).position_encoding == config.position_encoding  # reloads
+    assert make_config("gpt2", "multiplicative").position_encoding["max_positions"] == 40
+
+
+FLOAT_OPTIONS = [
+    (catalogue, name, key)
+    for catalogue, listing in (
+        ("position_encoding", hf_posenc.list_position_encodings()),
+        ("attention_normalizer", hf_posenc.list_attention_normalizers()),
+    )
+    for name in listing
+    for key, option in (POSITION_ENCODINGS if catalogue == "position_encoding" else ATTENTION_NORMALIZERS)[
+        name
+    ].options.items()
+    if float in option.types
+]
+
+
+@pytest.mark.parametrize(("catalogue", "name", "key"), FLOAT_OPTIONS)
+def test_every_float_option_takes_an_int(catalogue, name, key):
+    """Ints such as ``atol=0`` are numbers like any other: a float option checks an int's range, never its type,
+    and stores it as a float."""
+    option = (POSITION_ENCODINGS if catalogue == "position_encoding" else ATTENTION_NORMALIZERS)[name].options[key]
+    for value in [0, 1, 2, 100] + ([round(option.default)] if option.default is not None else []):
+        if option.check is None or option.check(value):
+            stored = option.validate(name, key, value)
+            assert stored == value and isinstance(stored, float)
+        else:
+            with pytest.raises(ValueError, match=rf"option '{key}'={value} is out of range"):
+                option.validate(name, key, value)
+
+
+@pytest.mark.parametrize("key", ["rtol", "atol", "step_size"])
+def test_floater_tolerances_take_ints(key):
+    config = make_config("gpt2", {"type": "floater", key: 1})
+    assert config.position_encoding[key] == 1.0
 
 
 def test_resize_token_embeddings_resizes_complex_order_frequencies(family, tmp_path):
