@@ -365,12 +365,18 @@ class GeneratedTable(PositionEncoding):
             for kept, p in zip(generated_from, parameters, strict=True)
         )
 
+    def generate_float32_table(self, length: int) -> torch.Tensor:
+        """:meth:`generate_table` with autocast off: the recurrence or solver runs in float32 under bf16 autocast
+        too (autocast would run its matrix products in bf16 against float32 states)."""
+        with torch.autocast(next(self.parameters()).device.type, enabled=False):
+            return self.generate_table(length)
+
     def position_table(self, length: int) -> torch.Tensor:
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.generate_table(length)
+            return self.generate_float32_table(length)
         if not self.cache_is_current(length):
             parameters = tuple(p.detach().clone() for p in self.parameters())
-            self.cached_table = (parameters, self.generate_table(length))
+            self.cached_table = (parameters, self.generate_float32_table(length))
         return self.cached_table[1][:length]
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
