@@ -379,12 +379,18 @@ class GeneratedTable(PositionEncoding):
             self.cached_table = (parameters, self.generate_float32_table(length))
         return self.cached_table[1][:length]
 
-    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
-        position_ids = inputs.position_ids
+    def table_length(self, position_ids: torch.Tensor) -> int:
+        """The largest position + 1; under ``torch.compile``, where the data cannot size a tensor,
+        ``max_position_embeddings`` (the index of a position past it fails its bounds check)."""
+        if torch.compiler.is_compiling():
+            return self.dims.max_positions
         if int(position_ids.min()) < 0:
             raise ValueError(f"Position ids must be >= 0 for {self.name!r}; got {int(position_ids.min())}.")
-        table = self.position_table(int(position_ids.max()) + 1)
-        return inputs.inputs_embeds + table[position_ids].to(inputs.inputs_embeds.dtype)
+        return int(position_ids.max()) + 1
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        table = self.position_table(self.table_length(inputs.position_ids))
+        return inputs.inputs_embeds + table[inputs.position_ids].to(inputs.inputs_embeds.dtype)
 
 
 RECURRENT_CELLS = ("gru", "tanh")
@@ -580,6 +586,12 @@ class Floater(GeneratedTable):
         return dynamics
 
     def generate_table(self, length: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "position_encoding 'floater' cannot be traced by torch.compile(fullgraph=True): torchdiffeq's "
+                "solvers choose their steps from tensor values on the host (adaptive step control, the fixed-step "
+                "time grid). Compile with fullgraph=False (the solve then runs uncompiled between graphs)."
+            )
         odeint = import_odeint()
         initial = self.initial.float()
         times = torch.arange(length, dtype=torch.float32, device=initial.device)

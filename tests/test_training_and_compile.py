@@ -50,3 +50,51 @@ def test_bf16_autocast_forward_and_backward(family, scheme, normalizer):
     assert torch.isfinite(loss)
     gradients = [p.grad for p in model.parameters() if p.grad is not None]
     assert gradients and all(torch.isfinite(g).all() for g in gradients)
+
+
+# floater's torchdiffeq solve cannot be traced (its step control reads tensor values): it raises, tested below.
+COMPILE_COMBOS = [combo for combo in FAMILY_COMBOS if combo[1] != "floater"]
+# Under compile recurrent unrolls max_position_embeddings steps: a short table keeps the trace short.
+SHORT_TABLE = {"bert": {"max_position_embeddings": 16}, "gpt2": {"n_positions": 16}}
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), COMPILE_COMBOS)
+def test_fullgraph_compile_traces_every_scheme_and_normalizer(family, scheme, normalizer):
+    """``torch.compile(model, fullgraph=True)`` on the default backend request (sdpa, with the library's fallbacks),
+    forward and backward of the loss; dynamo only (``backend="eager"``), which is where a graph break shows."""
+    model, ids = make_model(family, scheme, normalizer, attn="sdpa", **SHORT_TABLE[family]), random_ids(2, 10)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        expected = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_fullgraph_compile_of_floater_names_the_reason():
+    model, ids = make_model("gpt2", "floater", attn="sdpa"), random_ids(2, 10)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"'floater' cannot be traced by torch.compile\(fullgraph=True\)"):
+        torch.compile(model, fullgraph=True, backend="eager")(ids)
+
+
+def test_compiled_recurrent_table_is_sized_by_max_position_embeddings():
+    """Under compile the data cannot size the table: it has max_position_embeddings rows, and a position past them
+    fails the index bounds check rather than reading another row."""
+    model, ids = make_model("gpt2", "recurrent", attn="sdpa", n_positions=16), random_ids(1, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        with pytest.raises(IndexError, match="out of bounds"):
+            compiled(ids, position_ids=torch.arange(12, 18)[None])
+
+
+def test_inductor_compile_of_a_representative_combination_equals_eager():
+    model, ids = make_model("bert", "t5", "l2", attn="sdpa", max_position_embeddings=16), random_ids(2, 10)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
