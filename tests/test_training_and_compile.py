@@ -52,6 +52,20 @@ def test_bf16_autocast_forward_and_backward(family, scheme, normalizer):
     assert gradients and all(torch.isfinite(g).all() for g in gradients)
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a CUDA device; the CPU test above runs")
+@pytest.mark.parametrize("scheme", ["recurrent", "floater", "t5", "fire"])
+def test_bf16_autocast_forward_and_backward_on_cuda(scheme):
+    """The failure seen on an H100 (issue 17): recurrent under CUDA bf16 autocast."""
+    model, ids = make_model("gpt2", scheme, attn="sdpa"), random_ids(2, 10)
+    model.cuda().train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids.cuda(), labels=ids.cuda()).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 # floater's torchdiffeq solve cannot be traced (its step control reads tensor values): it raises, tested below.
 COMPILE_COMBOS = [combo for combo in FAMILY_COMBOS if combo[1] != "floater"]
 # Under compile recurrent unrolls max_position_embeddings steps: a short table keeps the trace short.
