@@ -52,7 +52,6 @@ def test_bf16_autocast_forward_and_backward(family, scheme, normalizer):
     assert gradients and all(torch.isfinite(g).all() for g in gradients)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a CUDA device; the CPU test above runs")
 @pytest.mark.parametrize("scheme", ["recurrent", "floater", "t5", "fire"])
 def test_bf16_autocast_forward_and_backward_on_cuda(scheme):
