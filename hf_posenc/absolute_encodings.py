@@ -30,6 +30,12 @@ def check_table_positions(position_ids: torch.Tensor, limit: int, kind: str, way
         )
 
 
+def check_even_hidden_size(scheme: str, hidden_size: int, why: str) -> None:
+    """Raise ``ValueError`` for an odd ``hidden_size`` of a scheme that pairs features (``why``)."""
+    if hidden_size % 2:
+        raise ValueError(f"{scheme} needs an even hidden_size ({why}); got {hidden_size}.")
+
+
 EXTEND_OR_SWITCH = (
     "Use hf_posenc.extend_positions(model, max_positions) to lengthen the table, or a scheme without a length limit "
     "(rope, t5, alibi, sinusoidal)."
@@ -117,6 +123,12 @@ class MultiplicativeAbsolute(PositionEncoding):
         ),
     }
 
+    @classmethod
+    def unused_options(cls, spec):
+        if spec["table"] == "sinusoidal":
+            return {"max_positions": "table='sinusoidal' has no length limit (max_positions sizes the learned table)"}
+        return {}
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         if spec["table"] == "learned":
@@ -164,7 +176,7 @@ class HierarchicalAbsolute(PositionEncoding):
         "max_positions": Option(
             None, (int,), "learned rows n (default: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
         ),
-        "alpha": Option(0.4, (float,), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
+        "alpha": Option(0.4, (float, int), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
     }
 
     def __init__(self, spec, dims):
@@ -215,12 +227,13 @@ class ComplexOrder(PositionEncoding):
     description = "Complex Order: per-word amplitude, frequency, phase; r*e^{i(omega*k+theta)} as real and imaginary"
     base = 10000.0
 
+    @classmethod
+    def check_sizes(cls, spec, hidden_size, max_position_embeddings):
+        check_even_hidden_size("complex_order", hidden_size, "real and imaginary halves")
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        if dims.hidden_size % 2:
-            raise ValueError(
-                f"complex_order needs an even hidden_size (real and imaginary halves); got {dims.hidden_size}."
-            )
+        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
         self.frequencies = nn.Parameter(torch.empty(dims.vocab_size, dims.hidden_size // 2))
 
     def initial_frequencies(self, num_tokens: int) -> torch.Tensor:
@@ -325,34 +338,59 @@ class GeneratedTable(PositionEncoding):
     """Base of the schemes whose table is generated in sequence (a recurrence, an ODE) rather than stored: each
     forward generates rows ``0 .. L - 1`` once, ``L`` the largest position id + 1, and adds ``table[position]``.
 
-    In eval with gradients off (``generate``, pipelines) the table is kept and reused until a parameter changes (its
-    storage or in-place ``_version`` counter: an optimizer step, ``load_state_dict``, a cast or a move) or a longer
-    input arrives. It is never kept while gradients are recorded, so no autograd graph outlives its forward.
+    In eval with gradients off (``generate``, pipelines) the table is kept with a copy of the parameters it was
+    generated from, and reused while every parameter still equals its copy (same dtype, device and values) and no
+    longer input arrives. The values are compared, not a version counter: fused optimizers
+    (``torch.optim.AdamW(fused=True)``, Transformers' ``Trainer`` default) and ``p.data`` writes change a parameter
+    without bumping ``p._version``. The comparison reads each weight once, about ``1 / L`` of generating the table.
+    It is never kept while gradients are recorded, so no autograd graph outlives its forward.
     Subclasses define :meth:`generate_table`.
     """
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.cached_table: tuple[tuple, torch.Tensor] | None = None
+        self.cached_table: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
 
     def generate_table(self, length: int) -> torch.Tensor:
         """Rows ``p_0 .. p_(length - 1)`` in float32, ``(length, hidden)``."""
         raise NotImplementedError
 
+    def cache_is_current(self, length: int) -> bool:
+        """The kept table has ``length`` rows or more and was generated from the parameters' current values."""
+        if self.cached_table is None or len(self.cached_table[1]) < length:
+            return False
+        generated_from, parameters = self.cached_table[0], tuple(self.parameters())
+        return len(generated_from) == len(parameters) and all(
+            kept.dtype == p.dtype and kept.device == p.device and kept.shape == p.shape and torch.equal(kept, p)
+            for kept, p in zip(generated_from, parameters, strict=True)
+        )
+
+    def generate_float32_table(self, length: int) -> torch.Tensor:
+        """:meth:`generate_table` with autocast off: the recurrence or solver runs in float32 under bf16 autocast
+        too (autocast would run its matrix products in bf16 against float32 states)."""
+        with torch.autocast(next(self.parameters()).device.type, enabled=False):
+            return self.generate_table(length)
+
     def position_table(self, length: int) -> torch.Tensor:
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.generate_table(length)
-        weights = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters())
-        if self.cached_table is None or self.cached_table[0] != weights or len(self.cached_table[1]) < length:
-            self.cached_table = (weights, self.generate_table(length))
+            return self.generate_float32_table(length)
+        if not self.cache_is_current(length):
+            parameters = tuple(p.detach().clone() for p in self.parameters())
+            self.cached_table = (parameters, self.generate_float32_table(length))
         return self.cached_table[1][:length]
 
-    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
-        position_ids = inputs.position_ids
+    def table_length(self, position_ids: torch.Tensor) -> int:
+        """The largest position + 1; under ``torch.compile``, where the data cannot size a tensor,
+        ``max_position_embeddings`` (the index of a position past it fails its bounds check)."""
+        if torch.compiler.is_compiling():
+            return self.dims.max_positions
         if int(position_ids.min()) < 0:
             raise ValueError(f"Position ids must be >= 0 for {self.name!r}; got {int(position_ids.min())}.")
-        table = self.position_table(int(position_ids.max()) + 1)
-        return inputs.inputs_embeds + table[position_ids].to(inputs.inputs_embeds.dtype)
+        return int(position_ids.max()) + 1
+
+    def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
+        table = self.position_table(self.table_length(inputs.position_ids))
+        return inputs.inputs_embeds + table[inputs.position_ids].to(inputs.inputs_embeds.dtype)
 
 
 RECURRENT_CELLS = ("gru", "tanh")
@@ -501,16 +539,21 @@ class Floater(GeneratedTable):
             lambda v: v in FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS,
             ", ".join(FLOATER_ADAPTIVE_METHODS + FLOATER_FIXED_STEP_METHODS),
         ),
-        "rtol": Option(1e-3, (float,), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
-        "atol": Option(1e-4, (float,), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
-        "step_size": Option(1.0, (float,), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "rtol": Option(1e-3, (float, int), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "atol": Option(1e-4, (float, int), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
+        "step_size": Option(
+            1.0, (float, int), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"
+        ),
     }
+
+    @classmethod
+    def check_sizes(cls, spec, hidden_size, max_position_embeddings):
+        check_even_hidden_size("floater", hidden_size, "sin/cos pairs")
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
+        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
         hidden = dims.hidden_size
-        if hidden % 2:
-            raise ValueError(f"floater needs an even hidden_size (sin/cos pairs); got {hidden}.")
         self.initial = nn.Parameter(torch.empty(hidden))
         self.frequencies = nn.Parameter(torch.empty(hidden // 2))
         if spec["dynamics"] == "mlp":
@@ -543,6 +586,12 @@ class Floater(GeneratedTable):
         return dynamics
 
     def generate_table(self, length: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "position_encoding 'floater' cannot be traced by torch.compile(fullgraph=True): torchdiffeq's "
+                "solvers choose their steps from tensor values on the host (adaptive step control, the fixed-step "
+                "time grid). Compile with fullgraph=False (the solve then runs uncompiled between graphs)."
+            )
         odeint = import_odeint()
         initial = self.initial.float()
         times = torch.arange(length, dtype=torch.float32, device=initial.device)

@@ -13,13 +13,18 @@ from .options import resolve_spec
 from .position_encodings import POSITION_ENCODINGS
 
 
-def resolve_position_encoding(value: Any, max_position_embeddings: int, causal: bool) -> dict[str, Any]:
+def resolve_position_encoding(
+    value: Any, max_position_embeddings: int, causal: bool, hidden_size: int
+) -> dict[str, Any]:
     """Full spec of a position encoding for an encoder or a decoder (``causal``); a table whose
     ``max_positions`` option is None (``learned``, ``multiplicative``, ``hierarchical``) gets
-    ``max_position_embeddings`` rows. A scheme with no form for the family raises ``ValueError``."""
+    ``max_position_embeddings`` rows, unless the other options leave it unused. A scheme with no form for the
+    family, or options that do not fit the sizes, raise ``ValueError``."""
     spec = resolve_spec("position_encoding", value, POSITION_ENCODINGS)
-    POSITION_ENCODINGS[spec["type"]].check_family(spec, causal)
-    if spec.get("max_positions", 0) is None:
+    scheme = POSITION_ENCODINGS[spec["type"]]
+    scheme.check_family(spec, causal)
+    scheme.check_sizes(spec, hidden_size, max_position_embeddings)
+    if spec.get("max_positions", 0) is None and "max_positions" not in scheme.unused_options(spec):
         spec["max_positions"] = max_position_embeddings
     return spec
 
@@ -52,7 +57,7 @@ class PosEncBertConfig(BertConfig):
 
     def __post_init__(self, **kwargs):
         self.position_encoding = resolve_position_encoding(
-            self.position_encoding, self.max_position_embeddings, causal=self.is_decoder
+            self.position_encoding, self.max_position_embeddings, causal=self.is_decoder, hidden_size=self.hidden_size
         )
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
         super().__post_init__(**kwargs)
@@ -76,6 +81,8 @@ class PosEncGPT2Config(GPT2Config):
     attention_normalizer: str | dict = "softmax"
 
     def __post_init__(self, **kwargs):
-        self.position_encoding = resolve_position_encoding(self.position_encoding, self.n_positions, causal=True)
+        self.position_encoding = resolve_position_encoding(
+            self.position_encoding, self.n_positions, causal=True, hidden_size=self.n_embd
+        )
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
         super().__post_init__(**kwargs)

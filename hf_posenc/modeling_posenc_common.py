@@ -42,7 +42,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
 def build_position_encoding(config, causal: bool) -> PositionEncoding:
     # Resolved again: a user may have assigned a name or a partial dict (or is_decoder) after the config was built.
     config.position_encoding = resolve_position_encoding(
-        config.position_encoding, config.max_position_embeddings, causal
+        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
     )
     spec = config.position_encoding
     return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
@@ -50,7 +50,9 @@ def build_position_encoding(config, causal: bool) -> PositionEncoding:
 
 def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPositionTerm | None:
     """The scheme's per-layer module for attention layer ``layer_idx`` (schemes that read the content), or None."""
-    spec = resolve_position_encoding(config.position_encoding, config.max_position_embeddings, causal)
+    spec = resolve_position_encoding(
+        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
+    )
     return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
 
 

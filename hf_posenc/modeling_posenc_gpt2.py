@@ -248,6 +248,7 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.transformer = PosEncGPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.loss_type = "ForCausalLM"  # the class name does not say it: Transformers would warn, and dynamo break
         self.post_init()
 
     @can_return_tuple

@@ -49,6 +49,12 @@ class CatalogueEntry:
         """Constraints between options (each option alone is already valid); raise ``ValueError``."""
 
     @classmethod
+    def unused_options(cls, spec: dict[str, Any]) -> dict[str, str]:
+        """Options (default None) that these options leave without effect, with the reason: given a value, they
+        are refused rather than ignored."""
+        return {}
+
+    @classmethod
     def describe(cls) -> dict[str, Any]:
         return {
             "description": cls.description,
@@ -87,4 +93,7 @@ def resolve_spec(kind: str, value: Any, registry: Mapping[str, type[CatalogueEnt
     for key, option in entry.options.items():
         spec[key] = option.validate(f"{kind} {name!r}", key, value.get(key, option.default))
     entry.check_spec(spec)
+    for key, reason in entry.unused_options(spec).items():
+        if value.get(key) is not None:
+            raise ValueError(f"{kind} {name!r}: option {key!r}={value[key]!r} has no effect here: {reason}.")
     return spec

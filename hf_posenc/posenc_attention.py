@@ -84,7 +84,7 @@ def choose_backend(
         if backend == "flex_attention" and not flex_possible:
             continue
         if backend in scheme_backends and backend in normalizer_backends:
-            if backend != requested:
+            if backend != requested and not torch.compiler.is_compiling():  # dynamo cannot trace a logger call
                 _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
             return backend
     raise AssertionError("eager runs every scheme and normalizer")

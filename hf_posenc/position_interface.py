@@ -161,7 +161,9 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     """Base class of a scheme. Subclasses set ``name``, ``description``, ``options`` and override hooks.
 
     Class attributes:
-        relative: the scheme only sees ``i - j``, so shifting all position ids by a constant changes nothing.
+        relative: with its default options the scheme only sees ``i - j``, so shifting all position ids by a constant
+            changes nothing; ``is_relative(spec)`` says it for given options, ``relative_unless`` names the options
+            that make a relative scheme absolute.
         families: ``"encoder"`` and/or ``"decoder"``: where the scheme has a form; checked when the config is built.
         backends: the attention backends that can run it (``supported_backends`` may narrow it by option).
         cache_states: names of the per-token states it keeps across decoding steps (see :class:`PositionCache`).
@@ -172,6 +174,7 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     """
 
     relative: bool = False
+    relative_unless: str = ""
     families: tuple[str, ...] = FAMILIES
     backends: tuple[str, ...] = BACKENDS
     cache_states: tuple[str, ...] = ()
@@ -190,7 +193,17 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
-        return {**super().describe(), "relative": cls.relative, "families": list(cls.families)}
+        unless = {"relative_unless": cls.relative_unless} if cls.relative_unless else {}
+        return {**super().describe(), "relative": cls.relative, **unless, "families": list(cls.families)}
+
+    @classmethod
+    def is_relative(cls, spec: dict[str, Any]) -> bool:
+        """Whether the scheme with these options (a resolved spec) is shift-invariant."""
+        return cls.relative
+
+    @classmethod
+    def check_sizes(cls, spec: dict[str, Any], hidden_size: int, max_position_embeddings: int) -> None:
+        """Raise ``ValueError`` if the options do not fit the config's sizes; called when the config is built."""
 
     @classmethod
     def check_family(cls, spec: dict[str, Any], causal: bool) -> None:

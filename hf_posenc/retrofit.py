@@ -466,7 +466,9 @@ def retrofit(
         position_encoding = {"type": position_encoding}
     position_encoding = {**position_encoding, **options}
     max_positions = table.num_embeddings - offset if table is not None else model.config.max_position_embeddings
-    spec = resolve_position_encoding(position_encoding, max_positions, family.causal(model.config))
+    spec = resolve_position_encoding(
+        position_encoding, max_positions, family.causal(model.config), model.config.hidden_size
+    )
     if spec["type"] == "learned" and table is not None and spec["max_positions"] > max_positions:
         raise ValueError(
             f"retrofit(): the stock position table has {max_positions} positions; got max_positions="

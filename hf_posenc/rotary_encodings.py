@@ -68,8 +68,24 @@ ROPE_SCALING_OPTIONS: dict[str, dict[str, Option]] = {
 }
 
 
+TRANSFORMERS_SCALING_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_max_positions"}
+"""Keys of a Transformers ``rope_parameters`` dict accepted in ``scaling`` for this library's names."""
+
+
 def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
-    """The full ``scaling`` dict of ``rope`` (defaults filled in); ``ValueError`` naming a bad key or value."""
+    """The full ``scaling`` dict of ``rope`` (defaults filled in); ``ValueError`` naming a bad key or value.
+    Transformers' names ``rope_type`` and ``original_max_position_embeddings`` are read as ``type`` and
+    ``original_max_positions`` (:data:`TRANSFORMERS_SCALING_KEYS`); the resolved dict uses this library's names."""
+    scaling = dict(scaling)
+    for theirs, ours in TRANSFORMERS_SCALING_KEYS.items():
+        if theirs not in scaling:
+            continue
+        if ours in scaling and scaling[ours] != scaling[theirs]:
+            raise ValueError(
+                f"position_encoding 'rope': scaling gives {ours}={scaling[ours]!r} and its Transformers name "
+                f"{theirs}={scaling[theirs]!r}; give one."
+            )
+        scaling[ours] = scaling.pop(theirs)
     kind = scaling.get("type")
     if kind not in ROPE_SCALING_OPTIONS:
         raise ValueError(
@@ -89,6 +105,11 @@ def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
         resolved[key] = option.validate(owner, key, scaling.get(key, option.default))
     if kind == "llama3" and resolved["high_freq_factor"] <= resolved["low_freq_factor"]:
         raise ValueError(f"{owner}: high_freq_factor must be larger than low_freq_factor, got {resolved}.")
+    if kind == "yarn" and resolved["beta_fast"] < resolved["beta_slow"]:
+        raise ValueError(
+            f"{owner}: beta_fast={resolved['beta_fast']} must be >= beta_slow={resolved['beta_slow']} (the ramp runs "
+            "from the dimensions turning beta_fast times over the original length to those turning beta_slow times)."
+        )
     return resolved
 
 
@@ -167,6 +188,7 @@ class RoPE(PositionEncoding):
     name = "rope"
     description = "rotary: rotate q and k by position (Su et al. 2021)"
     relative = True
+    relative_unless = "apply_to_value, or scaling of type 'dynamic'"
     options = {
         "theta": Option(10000.0, (float, int), "rotation base", lambda v: v > 1, "a number > 1"),
         "rotary_fraction": Option(
@@ -182,6 +204,23 @@ class RoPE(PositionEncoding):
     def check_spec(cls, spec):
         if spec["scaling"] is not None:
             spec["scaling"] = resolve_rope_scaling(spec["scaling"])
+
+    @classmethod
+    def check_sizes(cls, spec, hidden_size, max_position_embeddings):
+        original = (spec["scaling"] or {}).get("original_max_positions")
+        if original is not None and original > max_position_embeddings:
+            raise ValueError(
+                f"position_encoding 'rope' scaling {spec['scaling']['type']!r}: original_max_positions={original} is "
+                f"beyond max_position_embeddings={max_position_embeddings}; scaling lengthens the original length "
+                "(set max_position_embeddings to the length the scaled model runs, or lower original_max_positions)."
+            )
+
+    @classmethod
+    def is_relative(cls, spec):
+        """Shift-invariant unless ``apply_to_value`` (values carry absolute positions) or ``dynamic`` scaling (the
+        base depends on each token's own position past the original length)."""
+        scaling = spec["scaling"] or {}
+        return not spec["apply_to_value"] and scaling.get("type") != "dynamic"
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)

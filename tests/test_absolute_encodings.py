@@ -14,6 +14,8 @@ from conftest import make_config, make_model, random_ids
 
 import hf_posenc
 from hf_posenc.absolute_encodings import sinusoidal_table
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import EmbeddingInputs
 
 
@@ -221,6 +223,36 @@ def test_generated_table_is_cached_in_eval_until_weights_change_or_a_longer_inpu
     assert lengths == [6, 8, 6, 6, 6]
 
 
+@pytest.mark.parametrize("update", ["fused_adamw", "data_add"])
+@pytest.mark.parametrize("scheme", ["recurrent", "floater"])
+def test_generated_table_follows_updates_that_skip_the_version_counter(scheme, update):
+    """Fused AdamW (Trainer's default) and ``p.data`` writes leave ``p._version`` alone: evaluate, update, evaluate
+    must equal a fresh model with the updated weights (issue 16, item 1)."""
+    model, ids = make_model("gpt2", scheme), random_ids(2, 12)
+    parameters = list(model.base_model.position_encoding.parameters())
+    versions = [p._version for p in parameters]
+    with torch.no_grad():
+        before = model(ids).logits
+    if update == "fused_adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model.train()
+        for _ in range(5):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+    else:
+        for p in parameters:
+            p.data.add_(0.1)
+    assert [p._version for p in parameters] == versions  # the counter did not move: the case to catch
+    fresh = make_model("gpt2", scheme, seed=1)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after, expected = model(ids).logits, fresh(ids).logits
+    assert (after - before).abs().max() > 1e-2
+    torch.testing.assert_close(after, expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("table", ["learned", "sinusoidal"])
 def test_multiplicative_is_x_times_p(family, table):
     encoding = scheme_module(family, {"type": "multiplicative", "table": table})
@@ -310,9 +342,54 @@ def test_complex_order_needs_token_ids(family):
 
 
 @pytest.mark.parametrize("scheme", ["complex_order", "floater"])
-def test_odd_hidden_size_is_refused(scheme):
+def test_odd_hidden_size_is_refused_when_the_config_is_built(scheme):
     with pytest.raises(ValueError, match=rf"{scheme} needs an even hidden_size.*got 33"):
-        make_model("gpt2", scheme, n_embd=33, n_head=3)
+        make_config("gpt2", scheme, n_embd=33, n_head=3)
+    with pytest.raises(ValueError, match=rf"{scheme} needs an even hidden_size.*got 33"):
+        make_config("bert", scheme, hidden_size=33, num_attention_heads=3)
+
+
+def test_multiplicative_refuses_max_positions_with_the_sinusoidal_table():
+    with pytest.raises(ValueError, match=r"option 'max_positions'=64 has no effect here: table='sinusoidal' has no"):
+        make_config("gpt2", {"type": "multiplicative", "table": "sinusoidal", "max_positions": 64})
+    config = make_config("gpt2", {"type": "multiplicative", "table": "sinusoidal"})
+    assert config.position_encoding["max_positions"] is None
+    assert make_config("gpt2", config.position_encoding).position_encoding == config.position_encoding  # reloads
+    assert make_config("gpt2", "multiplicative").position_encoding["max_positions"] == 40
+
+
+FLOAT_OPTIONS = [
+    (catalogue, name, key)
+    for catalogue, listing in (
+        ("position_encoding", hf_posenc.list_position_encodings()),
+        ("attention_normalizer", hf_posenc.list_attention_normalizers()),
+    )
+    for name in listing
+    for key, option in (POSITION_ENCODINGS if catalogue == "position_encoding" else ATTENTION_NORMALIZERS)[
+        name
+    ].options.items()
+    if float in option.types
+]
+
+
+@pytest.mark.parametrize(("catalogue", "name", "key"), FLOAT_OPTIONS)
+def test_every_float_option_takes_an_int(catalogue, name, key):
+    """Ints such as ``atol=0`` are numbers like any other: a float option checks an int's range, never its type,
+    and stores it as a float."""
+    option = (POSITION_ENCODINGS if catalogue == "position_encoding" else ATTENTION_NORMALIZERS)[name].options[key]
+    for value in [0, 1, 2, 100] + ([round(option.default)] if option.default is not None else []):
+        if option.check is None or option.check(value):
+            stored = option.validate(name, key, value)
+            assert stored == value and isinstance(stored, float)
+        else:
+            with pytest.raises(ValueError, match=rf"option '{key}'={value} is out of range"):
+                option.validate(name, key, value)
+
+
+@pytest.mark.parametrize("key", ["rtol", "atol", "step_size"])
+def test_floater_tolerances_take_ints(key):
+    config = make_config("gpt2", {"type": "floater", key: 1})
+    assert config.position_encoding[key] == 1.0
 
 
 def test_resize_token_embeddings_resizes_complex_order_frequencies(family, tmp_path):

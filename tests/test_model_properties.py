@@ -9,20 +9,41 @@ from conftest import (
     COMBOS,
     DECODER_SCHEMES,
     FAMILIES,
-    RELATIVE_SCHEMES,
     SCHEMES,
     family_combos,
+    make_config,
     make_model,
     random_ids,
     supports,
 )
+
+from hf_posenc.position_encodings import POSITION_ENCODINGS
 
 
 ATOL = 1e-5
 FAMILY_COMBOS = family_combos(COMBOS)
 DECODER_COMBOS = [combo for combo in COMBOS if combo[0] in DECODER_SCHEMES]
 FAMILY_SCHEMES = [(family, scheme) for family in FAMILIES for scheme in SCHEMES if supports(family, scheme)]
-RELATIVE_COMBOS = family_combos([combo for combo in COMBOS if combo[0] in RELATIVE_SCHEMES])
+# Options that may change whether a scheme is relative, besides every scheme's defaults.
+OPTION_VARIANTS = [
+    {"type": "rope", "apply_to_value": True},
+    {"type": "rope", "scaling": {"type": "dynamic", "factor": 2.0, "original_max_positions": 8}},
+    {"type": "rope", "scaling": {"type": "yarn", "factor": 2.0, "original_max_positions": 8}},
+    {"type": "rope", "scaling": {"type": "linear", "factor": 2.0}},
+]
+
+
+def is_relative(family: str, position_encoding) -> bool:
+    """The scheme's own flag for these options (``PositionEncoding.is_relative``)."""
+    spec = make_config(family, position_encoding).position_encoding
+    return POSITION_ENCODINGS[spec["type"]].is_relative(spec)
+
+
+SHIFT_CASES = FAMILY_COMBOS + [(family, spec, "softmax") for family in FAMILIES for spec in OPTION_VARIANTS]
+RELATIVE_COMBOS = [case for case in SHIFT_CASES if is_relative(*case[:2])]
+ABSOLUTE_VARIANTS = [
+    (family, spec) for family in FAMILIES for spec in OPTION_VARIANTS if not is_relative(family, spec)
+]
 
 
 def hf_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -115,6 +136,19 @@ def test_relative_schemes_are_shift_invariant(family, scheme, normalizer):
         base = model(ids, position_ids=positions).logits
         shifted = model(ids, position_ids=positions + 13).logits
     torch.testing.assert_close(shifted, base, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "position_encoding"), ABSOLUTE_VARIANTS)
+def test_options_that_make_a_scheme_absolute_are_seen_by_a_shift(family, position_encoding):
+    """rope with ``apply_to_value`` or ``dynamic`` scaling is flagged absolute, and a shift does change it."""
+    assert [spec for f, spec in ABSOLUTE_VARIANTS if f == family] == OPTION_VARIANTS[:2]
+    model = make_model(family, position_encoding)
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        base = model(ids, position_ids=positions).logits
+        shifted = model(ids, position_ids=positions + 13).logits
+    assert (shifted - base).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("scheme", ["learned", "sinusoidal"])

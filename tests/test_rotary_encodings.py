@@ -161,11 +161,32 @@ def test_yarn_attention_factor_scales_the_logits_like_transformers():
         ({"type": "ntk", "factor": 2.0, "beta_fast": 3}, r"unknown scaling option\(s\) \['beta_fast'\] for 'ntk'"),
         ({"type": "llama3", "factor": 2.0, "low_freq_factor": 4.0}, r"high_freq_factor must be larger"),
         ({"type": "yarn", "factor": 2.0, "truncate": 1}, r"option 'truncate' must be bool, got 1"),
+        ({"type": "yarn", "factor": 2.0, "beta_fast": 1, "beta_slow": 32}, r"beta_fast=1.0 must be >= beta_slow=32"),
+        ({"rope_type": "linear", "type": "ntk", "factor": 2.0}, r"type='ntk' and its Transformers name rope_type"),
     ],
 )
 def test_bad_scaling_raises_when_the_config_is_built(scaling, message):
     with pytest.raises(ValueError, match=message):
         hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", "scaling": scaling})
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])
+def test_original_length_beyond_max_position_embeddings_is_refused(kind):
+    scaling = {"type": kind, "factor": 2.0, "original_max_positions": 64}
+    with pytest.raises(ValueError, match=r"original_max_positions=64 is beyond max_position_embeddings=40"):
+        make_config("gpt2", {"type": "rope", "scaling": scaling})
+    with pytest.raises(ValueError, match=r"original_max_positions=64 is beyond max_position_embeddings=40"):
+        make_config("bert", {"type": "rope", "scaling": scaling})
+    assert make_config("gpt2", {"type": "rope", "scaling": {**scaling, "original_max_positions": 40}})
+
+
+def test_transformers_rope_parameters_keys_are_read_as_ours():
+    """A Transformers user writes ``rope_type`` and ``original_max_position_embeddings``."""
+    theirs = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16}
+    ours = {"type": "yarn", "factor": 4.0, "original_max_positions": 16, "beta_fast": 16}
+    spec = hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", "scaling": theirs}).position_encoding
+    assert spec == hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", "scaling": ours}).position_encoding
+    assert spec["scaling"]["type"] == "yarn" and "rope_type" not in spec["scaling"]
 
 
 def test_scaling_is_stored_in_full():
@@ -202,6 +223,24 @@ def test_rope_on_values_sees_a_shift_and_plain_rope_does_not(family):
             shifted = model(ids, position_ids=positions + 13).logits
             moved[apply_to_value] = (shifted - model(ids, position_ids=positions).logits).abs().max()
     assert moved[False] < 1e-4 < moved[True]
+
+
+@pytest.mark.parametrize(
+    ("options", "relative"),
+    [
+        ({}, True),
+        ({"apply_to_value": True}, False),
+        ({"scaling": {"type": "dynamic", "factor": 2.0}}, False),
+        ({"scaling": {"type": "yarn", "factor": 2.0}}, True),
+        ({"scaling": {"type": "linear", "factor": 2.0}}, True),
+    ],
+)
+def test_rope_relative_flag_follows_its_options(options, relative):
+    spec = hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", **options}).position_encoding
+    assert POSITION_ENCODINGS["rope"].is_relative(spec) is relative
+    listed = hf_posenc.list_position_encodings()["rope"]
+    assert listed["relative"] is True  # the defaults' value
+    assert listed["relative_unless"] == "apply_to_value, or scaling of type 'dynamic'"
 
 
 LONG_ROPES = [
