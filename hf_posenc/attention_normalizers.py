@@ -183,31 +183,31 @@ def _double(score: torch.Tensor) -> torch.Tensor:
     return 2 * score
 
 
-def _log_of_positive(value: torch.Tensor) -> torch.Tensor:
-    """``log x`` where ``x > 0``, ``-inf`` elsewhere, with gradient 0 there (never ``0 * inf``)."""
-    positive = value > 0
-    return torch.where(positive, torch.log(torch.where(positive, value, 1.0)), -math.inf)
+def _log_where(condition: torch.Tensor, log_value: Callable, value: torch.Tensor, safe: float) -> torch.Tensor:
+    """``log_value(value)`` where ``condition``, ``-inf`` elsewhere; ``log_value`` only ever sees values where it is
+    finite (``safe`` elsewhere), so the gradient there is 0, whatever arrives (never ``0 * inf``)."""
+    return torch.where(condition, log_value(torch.where(condition, value, safe)), -math.inf)
 
 
 def _log_relu_squared(score: torch.Tensor) -> torch.Tensor:
     """``log relu(b)^2 = 2 log b`` for ``b > 0``, ``-inf`` (weight 0) for ``b <= 0``."""
-    return 2 * _log_of_positive(score)
+    return _log_where(score > 0, lambda b: 2 * torch.log(b), score, 1.0)
 
 
 def _log_positive_swish(score: torch.Tensor) -> torch.Tensor:
     """``log swish(b) = log b + log sigmoid(b)`` for ``b > 0`` (where swish > 0), ``-inf`` elsewhere."""
-    return _log_of_positive(score) + nn.functional.logsigmoid(score)
+    return _log_where(score > 0, lambda b: torch.log(b) + nn.functional.logsigmoid(b), score, 1.0)
 
 
 def _log_negative_swish(score: torch.Tensor) -> torch.Tensor:
     """``log(-swish(b)) = log(-b) + log sigmoid(b)`` for ``b < 0`` (where swish < 0), ``-inf`` elsewhere; exact
     where float32 ``swish`` itself underflows (``b`` below about -100)."""
-    return _log_of_positive(-score) + nn.functional.logsigmoid(score)
+    return _log_where(score < 0, lambda b: torch.log(-b) + nn.functional.logsigmoid(b), score, -1.0)
 
 
 def _log_swish_squared(score: torch.Tensor) -> torch.Tensor:
     """``log swish(b)^2 = 2 (log |b| + log sigmoid(b))``, ``-inf`` at ``b = 0``."""
-    return 2 * (_log_of_positive(score.abs()) + nn.functional.logsigmoid(score))
+    return _log_where(score != 0, lambda b: 2 * (torch.log(b.abs()) + nn.functional.logsigmoid(b)), score, 1.0)
 
 
 def _row_factor(log_factor: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -350,10 +350,10 @@ class SwishL2(AttentionNormalizer):
     ``max_positions^(-1/4)``. FlexAttention (where it returns the log-sum-exp): three passes on the log of the
     weight's magnitude, ``s+ = log swish(b)`` where ``b > 0``, ``s- = log(-swish(b))`` where ``b < 0``
     (``log |b| + log sigmoid(b)``, ``-inf`` elsewhere) and ``s2 = 2 log |swish(b)|``:
-    ``O = softmax(s+) V exp(lse(s+) - lse(s2)/2) - softmax(s-) V exp(lse(s-) - lse(s2)/2)``, combined in float32.
-    The values equal eager's; the gradient differs only at a score of exactly 0 (or within about 1e-38 of it,
-    where ``e^s`` underflows), where eager's ``d swish / d b = 1/2`` reaches the weight and the log form gives 0,
-    since a weight that crosses zero has no logarithm there.
+    ``O = softmax(s+) V exp(lse(s+) - lse(s2)/2) - softmax(s-) V exp(lse(s-) - lse(s2)/2)``, combined in at least
+    float32. The values equal eager's; the gradient differs only at a score of exactly 0 (or so close to it that
+    ``e^s`` underflows, about 1e-38 of the row's weights in float32), where eager's ``d swish / d b = 1/2`` reaches
+    the weight and the log form gives 0: a weight that crosses zero has no logarithm there.
     """
 
     name = "swish_l2"
@@ -376,8 +376,9 @@ class SwishL2(AttentionNormalizer):
         ]
         (positive, lse_positive), (negative, lse_negative), (_, lse_squared) = passes
         half_norm = lse_squared / 2
-        output = positive.float() * _row_factor(lse_positive - half_norm, lse_positive)
-        output = output - negative.float() * _row_factor(lse_negative - half_norm, lse_negative)
+        dtype = torch.promote_types(positive.dtype, torch.float32)  # the difference of two parts: at least float32
+        output = positive.to(dtype) * _row_factor(lse_positive - half_norm, lse_positive)
+        output = output - negative.to(dtype) * _row_factor(lse_negative - half_norm, lse_negative)
         return output.to(positive.dtype)
 
 
