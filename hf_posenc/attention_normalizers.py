@@ -170,12 +170,12 @@ def _visible_key_count_lse(attend, query: torch.Tensor, key: torch.Tensor, block
     if block_mask is None:
         return torch.full(query.shape[:-1], key.shape[-2], dtype=torch.float32, device=query.device).log()
     heads = block_mask.kv_num_blocks.shape[1]
-    zeros_query = query.new_zeros(query.shape[0], heads, query.shape[2], 16)
-    zeros_key = key.new_zeros(key.shape[0], heads, key.shape[2], 16)
+    # Three distinct tensors: an aliased key and value would be another compiled graph.
+    zeros = [tensor.new_zeros(tensor.shape[0], heads, tensor.shape[2], 16) for tensor in (query, key, key)]
     kwargs = dict(score_mod=None, block_mask=block_mask, scale=1.0, pass_name="visible_keys")
     if AuxRequest is None:
-        return attend(zeros_query, zeros_key, zeros_key, return_lse=True, **kwargs)[1]
-    return attend(zeros_query, zeros_key, zeros_key, return_aux=AuxRequest(lse=True), **kwargs)[1].lse
+        return attend(*zeros, return_lse=True, **kwargs)[1]
+    return attend(*zeros, return_aux=AuxRequest(lse=True), **kwargs)[1].lse
 
 
 def _double(score: torch.Tensor) -> torch.Tensor:
