@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import make_config, make_model, random_ids
+from conftest import COMBOS, family_combos, make_config, make_model, random_ids
 from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import flex_attention
 
 from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
@@ -150,6 +151,36 @@ def test_flex_request_with_head_dim_8_on_cpu_gives_eager_numbers(family, caplog)
                 outputs[attn] = model(ids, attention_mask=attention_mask).logits
     assert "wrong numbers for head_dim 8" in caplog.text
     assert torch.isfinite(outputs["flex_attention"]).all()
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), family_combos(COMBOS))
+def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer, monkeypatch):
+    """The flex path (the scheme's score_mod, the normalizer's flex_output, the BlockMask) of every combination,
+    with uncompiled FlexAttention standing in for the compiled kernel (same semantics, no compile per combination,
+    any head width; it returns the log-sum-exp on CPU); combinations flex cannot express fall back. The compiled
+    CPU kernel is checked by the tests below on heads of 32."""
+    calls = []
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(1)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    outputs = {}
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, scheme, normalizer, attn=attn)
+        with torch.no_grad():
+            outputs[attn] = model(ids, attention_mask=attention_mask).logits
+    spec = model.config.position_encoding
+    runs_flex = "flex_attention" in POSITION_ENCODINGS[scheme].supported_backends(spec)
+    assert bool(calls) == runs_flex
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
 
