@@ -64,8 +64,8 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     Class attributes:
         backends: attention backends that can compute it without materialising the weights (the gate narrows it
             to eager, see ``supported_backends``).
-        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``), which compiled
-            FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
+        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: l2, exp, relu2,
+            swish_l2), which compiled FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
     """
 
     options = GATE_OPTIONS
@@ -132,26 +132,82 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         block_mask: BlockMask | None,
         scale: float,
     ) -> torch.Tensor:
-        """The attention output ``(batch, heads, q_len, head_dim)`` on FlexAttention (``attend``), for normalizers
-        with ``"flex_attention"`` in ``backends``: softmax as it is."""
+        """The attention output ``(batch, heads, q_len, head_dim)`` on FlexAttention, for normalizers with
+        ``"flex_attention"`` in ``backends``: softmax as it is.
+
+        ``attend(query, key, value, score_mod=, block_mask=, scale=, pass_name=, **flex_kwargs)`` is FlexAttention
+        through the kernel layer's compile cache (``posenc_attention.flex_attend``); ``pass_name`` names the pass
+        when a normalizer makes several, each of which gets its own compiled function. ``score_mod`` is the scheme's
+        position-only term or None; ``block_mask`` the mask or None (nothing masked)."""
         return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
 
-def _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale, factor: float = 1.0):
-    """FlexAttention's ``softmax(factor b) V`` and ``lse_i = log sum_j e^(factor b_ij)`` (``-inf`` on a row with no
-    visible key, whose output is 0)."""
-    if factor != 1.0:
-        inner = score_mod
+def _flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform: Callable | None = None):
+    """One FlexAttention pass on the transformed scores ``s = t(b)`` (``b``: the scores with the scheme's
+    ``score_mod``; ``t``: ``transform``, elementwise, or the identity): ``softmax(s) V`` and
+    ``lse_i = log sum_j e^(s_ij)`` over the visible keys. A row where every ``s`` is ``-inf`` or no key is visible
+    gets output 0 and ``lse = -inf`` (FlexAttention's rule for such rows)."""
+    pass_score_mod = score_mod
+    if transform is not None:
 
-        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            score = score if inner is None else inner(score, batch_idx, head_idx, q_idx, kv_idx)
-            return score * factor
+        def pass_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            if score_mod is not None:
+                score = score_mod(score, batch_idx, head_idx, q_idx, kv_idx)
+            return transform(score)
 
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale)
+    kwargs = dict(score_mod=pass_score_mod, block_mask=block_mask, scale=scale)
+    kwargs["pass_name"] = "softmax" if transform is None else transform.__name__
     if AuxRequest is None:
         return attend(query, key, value, return_lse=True, **kwargs)
     output, aux = attend(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
     return output, aux.lse
+
+
+def _visible_key_count_lse(attend, query: torch.Tensor, key: torch.Tensor, block_mask: BlockMask | None):
+    """``log n_i``, ``n_i`` the number of keys query ``i`` may see, ``(batch, heads|1, q_len)``: the log-sum-exp of
+    a FlexAttention pass of zero scores under the mask (``-inf`` where no key is visible), on zero q, k, v of width 16
+    and the mask's own head count (1 for Transformers' masks), so that it costs a fraction of a pass."""
+    if block_mask is None:
+        return torch.full(query.shape[:-1], key.shape[-2], dtype=torch.float32, device=query.device).log()
+    heads = block_mask.kv_num_blocks.shape[1]
+    # Three distinct tensors: an aliased key and value would be another compiled graph.
+    zeros = [tensor.new_zeros(tensor.shape[0], heads, tensor.shape[2], 16) for tensor in (query, key, key)]
+    kwargs = dict(score_mod=None, block_mask=block_mask, scale=1.0, pass_name="visible_keys")
+    if AuxRequest is None:
+        return attend(*zeros, return_lse=True, **kwargs)[1]
+    return attend(*zeros, return_aux=AuxRequest(lse=True), **kwargs)[1].lse
+
+
+def _double(score: torch.Tensor) -> torch.Tensor:
+    """``2 b``: ``lse(2b) = log sum_j e^(2 b_ij)``, the squared l2 norm of ``e^b`` in log space."""
+    return 2 * score
+
+
+def _log_where(condition: torch.Tensor, log_value: Callable, value: torch.Tensor, safe: float) -> torch.Tensor:
+    """``log_value(value)`` where ``condition``, ``-inf`` elsewhere; ``log_value`` only ever sees values where it is
+    finite (``safe`` elsewhere), so the gradient there is 0, whatever arrives (never ``0 * inf``)."""
+    return torch.where(condition, log_value(torch.where(condition, value, safe)), -math.inf)
+
+
+def _log_relu_squared(score: torch.Tensor) -> torch.Tensor:
+    """``log relu(b)^2 = 2 log b`` for ``b > 0``, ``-inf`` (weight 0) for ``b <= 0``."""
+    return _log_where(score > 0, lambda b: 2 * torch.log(b), score, 1.0)
+
+
+def _log_positive_swish(score: torch.Tensor) -> torch.Tensor:
+    """``log swish(b) = log b + log sigmoid(b)`` for ``b > 0`` (where swish > 0), ``-inf`` elsewhere."""
+    return _log_where(score > 0, lambda b: torch.log(b) + nn.functional.logsigmoid(b), score, 1.0)
+
+
+def _log_negative_swish(score: torch.Tensor) -> torch.Tensor:
+    """``log(-swish(b)) = log(-b) + log sigmoid(b)`` for ``b < 0`` (where swish < 0), ``-inf`` elsewhere; exact
+    where float32 ``swish`` itself underflows (``b`` below about -100)."""
+    return _log_where(score < 0, lambda b: torch.log(-b) + nn.functional.logsigmoid(b), score, -1.0)
+
+
+def _log_swish_squared(score: torch.Tensor) -> torch.Tensor:
+    """``log swish(b)^2 = 2 (log |b| + log sigmoid(b))``, ``-inf`` at ``b = 0``."""
+    return _log_where(score != 0, lambda b: 2 * (torch.log(b.abs()) + nn.functional.logsigmoid(b)), score, 1.0)
 
 
 def _row_factor(log_factor: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -198,8 +254,8 @@ class L2(AttentionNormalizer):
         return exp / torch.linalg.vector_norm(exp, dim=-1, keepdim=True)  # >= 1: the row max contributes e^0
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        output, lse = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale)
-        _, lse_double = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale, factor=2.0)
+        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale)
+        _, lse_double = _flex_pass(attend, query, key, value, score_mod, block_mask, scale, _double)
         return output * _row_factor(lse - lse_double / 2, lse).to(output.dtype)
 
 
@@ -234,7 +290,7 @@ class Exp(AttentionNormalizer):
         return torch.exp(scores)  # masked keys: exp(finfo.min) = 0 exactly
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        output, lse = _flex_softmax_and_lse(attend, query, key, value, score_mod, block_mask, scale)
+        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale)
         if not torch.compiler.is_compiling():
             _check_exp_range(lse, torch.float32)
         return output * _row_factor(lse, lse).to(output.dtype)
@@ -258,11 +314,17 @@ class ReLU2(AttentionNormalizer):
     ``n_i`` counts the visible keys of the row (padding and, in a decoder, causality excluded; ``kv_len`` when
     nothing is masked). Masked keys have ``b = finfo.min``, so ``relu`` gives them exactly 0. Init: near-zero scores
     give rows summing to ``E[relu(b)^2] <= Var(b)``, below softmax's 1, so F's smaller W_V/W_O init does not apply:
-    factor 1.
+    factor 1. FlexAttention (where it returns the log-sum-exp), after attention-gym's activation mods: with
+    ``s = 2 log relu(b)`` (``-inf`` for ``b <= 0``), ``softmax(s)_ij = relu(b_ij)^2 / sum_j relu(b_ij)^2``, so
+    ``O = softmax(s) V exp(lse(s) - log n_i)``, ``log n_i`` from a pass of zero scores on zero q, k of width 16 under
+    the mask (a row with no positive score has ``lse = -inf`` and output 0). Exact, gradients included: the weight
+    and its derivative are both 0 at ``b = 0``.
     """
 
     name = "relu2"
     description = "relu(b)^2 / n, n the visible keys of the row (GAU); W_V, W_O init unchanged"
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
 
     def normalize(self, scores, attention_inputs):
         visible = attention_inputs["visible"]
@@ -272,6 +334,11 @@ class ReLU2(AttentionNormalizer):
             count = visible.sum(dim=-1, keepdim=True).clamp(min=1).to(scores.dtype)
         return torch.relu(scores).square() / count
 
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_relu_squared)
+        count_lse = _visible_key_count_lse(attend, query, key, block_mask)
+        return output * _row_factor(lse - count_lse, lse).to(output.dtype)
+
 
 class SwishL2(AttentionNormalizer):
     """``a_ij = swish(b_ij) / sqrt(sum_j swish(b_ij)^2)``, ``swish(b) = b sigmoid(b)`` (F, "swish + l2"): unit l2
@@ -280,11 +347,19 @@ class SwishL2(AttentionNormalizer):
     Masked keys: ``swish(finfo.min) = 0`` exactly. Range: ``swish(b)`` underflows to 0 for ``b`` below about -100 in
     float32 (and loses precision below about -87); a row whose swish values are all 0 gets weights 0 (never 0/0).
     Init: like ``l2`` the row has unit l2 norm (sum up to ``sqrt(n)`` for equal scores), so W_V and W_O are scaled by
-    ``max_positions^(-1/4)``.
+    ``max_positions^(-1/4)``. FlexAttention (where it returns the log-sum-exp): three passes on the log of the
+    weight's magnitude, ``s+ = log swish(b)`` where ``b > 0``, ``s- = log(-swish(b))`` where ``b < 0``
+    (``log |b| + log sigmoid(b)``, ``-inf`` elsewhere) and ``s2 = 2 log |swish(b)|``:
+    ``O = softmax(s+) V exp(lse(s+) - lse(s2)/2) - softmax(s-) V exp(lse(s-) - lse(s2)/2)``, combined in at least
+    float32. The values equal eager's; the gradient differs only at a score of exactly 0 (or so close to it that
+    ``e^s`` underflows, about 1e-38 of the row's weights in float32), where eager's ``d swish / d b = 1/2`` reaches
+    the weight and the log form gives 0: a weight that crosses zero has no logarithm there.
     """
 
     name = "swish_l2"
     description = "swish(b) / sqrt(sum_j swish(b)^2) (signed, unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
 
     def value_init_scale(self) -> float:
         return self.dims.max_positions**-0.25
@@ -293,6 +368,18 @@ class SwishL2(AttentionNormalizer):
         swish = nn.functional.silu(scores)
         norm = torch.linalg.vector_norm(swish, dim=-1, keepdim=True)
         return swish / torch.where(norm > 0, norm, 1.0)
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        passes = [
+            _flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform)
+            for transform in (_log_positive_swish, _log_negative_swish, _log_swish_squared)
+        ]
+        (positive, lse_positive), (negative, lse_negative), (_, lse_squared) = passes
+        half_norm = lse_squared / 2
+        dtype = torch.promote_types(positive.dtype, torch.float32)  # the difference of two parts: at least float32
+        output = positive.to(dtype) * _row_factor(lse_positive - half_norm, lse_positive)
+        output = output - negative.to(dtype) * _row_factor(lse_negative - half_norm, lse_negative)
+        return output.to(positive.dtype)
 
 
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {

@@ -15,7 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
-from .posenc_attention import build_attention_mask, build_dense_mask, choose_backend
+from .posenc_attention import build_attention_mask, build_dense_mask, choose_backend, position_bias_needs_grad
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 
@@ -105,6 +105,8 @@ def prepare_attention(
         attention_dropout=model.training and attention_dropout > 0,
         query_length=inputs_embeds.shape[1],
         given_mask=attention_mask,
+        head_dim=encoding.dims.head_dim,
+        position_bias_needs_grad=position_bias_needs_grad(encoding),
     )
     key_positions = position_ids
     if position_cache is not None:

@@ -6,22 +6,27 @@ normalizer, the values and the layer's value term. ``choose_backend`` picks what
 
 * ``eager``: every scheme and normalizer (weights are materialised);
 * ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
-* ``flex_attention``: softmax, and (off CPU) l2 and exp from its log-sum-exp; a position-only term goes in as a
-  ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only and returns no log-sum-exp,
-  so a CPU forward that needs gradients runs SDPA instead, and l2 or exp on CPU run eager.
+* ``flex_attention``: softmax, and (off CPU) l2, exp, relu2 and swish_l2 from its log-sum-exp; a position-only term
+  goes in as a ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only, returns no
+  log-sum-exp and is wrong for heads narrower than 24, so there a forward that needs gradients or has such heads
+  runs SDPA instead, and the other normalizers run eager.
 
-A combination a backend cannot express falls back to the next one that can (flex -> sdpa -> eager); every backend
-computes the same numbers, so a fallback changes speed, never the result.
+A combination a backend cannot express falls back to the next one that can (flex -> sdpa -> eager), with its reason
+logged; on CUDA a request for SDPA (the default) runs FlexAttention where that is the faster exact path. Every
+backend computes the same numbers, so the choice changes speed, never the result. FlexAttention is compiled by
+``flex_attend``, which owns the compile cache (one region per grad mode, combination and pass).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from functools import cache, partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.utils import logging
@@ -34,6 +39,83 @@ from .position_interface import AttentionInputs, LayerPositionTerm, PositionEnco
 logger = logging.get_logger(__name__)
 
 FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLEX_CPU_MIN_HEAD_DIM = 24
+"""Compiled FlexAttention on CPU (torch 2.13) is wrong below this head_dim. Inductor's CPU kernel computes q.k^T per
+block of keys with a micro-GEMM whose first variant, taken when ``head_dim < 24`` and ``head_dim`` and the key count
+of a block are multiples of the CPU's float vector width, always reads and writes 16 keys: with 8 keys left (a key
+count of 8 mod 16, on AVX2) it reads past the keys and overwrites the running row maximum, so head_dim 8 or 16 give
+errors up to 1.4 or NaN (measured: head_dim 8, 16 with 8, 24, 40, 136 keys; head_dim 4, 12, 20, 24, 32 and 16, 32
+keys are right). The width and the key count change per machine and per forward, so the bound is on head_dim."""
+
+FLEX_CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+"""FlexAttention's kernel options on CUDA when the position tables need gradients (issue 17, H100, B 8, H 12, n 2048,
+head_dim 64, a per-distance table, forward + backward: 25 ms with torch's defaults, 4.25 ms with these; with the
+defaults a float32 table that needs gradients does not compile, "out of resource: shared memory"). ``BLOCK_M`` and
+``BLOCK_N`` set the forward's tiles, ``num_stages`` both passes' pipelining (the backward keeps its default tiles)."""
+
+
+def flex_refusal(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None,
+    needs_lse: bool,
+    attention_dropout: bool,
+    query_length: int,
+    given_mask: torch.Tensor | BlockMask | None,
+) -> str | None:
+    """Why FlexAttention cannot run this forward, or None if it can. The rules, in order: no attention dropout; a
+    one-token decoding step gains nothing from it and would compile once per cache length; a user's 4-D tensor mask
+    runs on eager or SDPA; compiled FlexAttention on CPU (torch 2.13) has no backward, takes float32, float16 and
+    bfloat16 only, is wrong for ``head_dim`` below :data:`FLEX_CPU_MIN_HEAD_DIM`, and returns no log-sum-exp, which
+    normalizers with ``flex_needs_lse`` are computed from (``needs_lse``). ``head_dim`` None: not known to the caller
+    (the models always pass it)."""
+    if attention_dropout:
+        return "FlexAttention has no attention dropout"
+    if query_length == 1:
+        return "a one-token decoding step runs SDPA (FlexAttention would compile once per cache length)"
+    if isinstance(given_mask, torch.Tensor) and given_mask.dim() == 4:
+        return "a 4-D tensor attention_mask runs on eager or SDPA"
+    if device.type == "cpu":
+        if torch.is_grad_enabled():
+            return "compiled FlexAttention on CPU has no backward (torch 2.13); use torch.no_grad() for it"
+        if dtype not in FLEX_CPU_DTYPES:
+            return f"compiled FlexAttention on CPU takes float32, float16 and bfloat16, not {dtype}"
+        if head_dim is not None and head_dim < FLEX_CPU_MIN_HEAD_DIM:
+            return (
+                f"compiled FlexAttention on CPU computes wrong numbers for head_dim {head_dim} < "
+                f"{FLEX_CPU_MIN_HEAD_DIM} (torch 2.13)"
+            )
+    if needs_lse and not flex_returns_lse(device):
+        return "compiled FlexAttention on CPU returns no log-sum-exp, which this normalizer is computed from"
+    return None
+
+
+def backend_candidates(
+    requested: str, device: torch.device, sdpa_runs_normalizer: bool, position_bias_needs_grad: bool
+) -> tuple[str, ...]:
+    """The backends to try for a forward, in order; the first that can run the combination runs it.
+
+    | request | device | combination | order |
+    |---|---|---|---|
+    | ``eager`` | any | any | eager |
+    | ``flex_attention`` | any | any | flex, sdpa, eager |
+    | ``sdpa`` (default) | CUDA | a normalizer SDPA cannot compute (l2, exp, relu2, swish_l2) | flex, eager |
+    | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, fire) | flex, sdpa, eager |
+    | ``sdpa`` (default) | otherwise | any | sdpa, eager |
+
+    Measured on an H100 (issue 17, fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
+    flex against 3.3-7.2x on eager; a learnable bias's gradient is summed into its table by the ``score_mod``'s
+    backward instead of through a dense bias; a fixed bias (ALiBi) stays on SDPA (40.1 ms against flex's 43.2 ms).
+    """
+    if requested == "eager":
+        return ("eager",)
+    if requested == "flex_attention":
+        return ("flex_attention", "sdpa", "eager")
+    if device.type == "cuda" and not sdpa_runs_normalizer:
+        return ("flex_attention", "eager")
+    if device.type == "cuda" and position_bias_needs_grad:
+        return ("flex_attention", "sdpa", "eager")
+    return ("sdpa", "eager")
 
 
 def choose_backend(
@@ -46,54 +128,73 @@ def choose_backend(
     attention_dropout: bool = False,
     query_length: int = 2,
     given_mask: torch.Tensor | BlockMask | None = None,
+    head_dim: int | None = None,
+    position_bias_needs_grad: bool = False,
 ) -> str:
-    """The backend that runs a forward: ``requested`` if it can express the scheme and normalizer with their options
-    (``position_encoding``, ``attention_normalizer``: full config specs), else the next of flex -> sdpa -> eager that
-    can. ``need_weights`` (``output_attentions``) needs eager; FlexAttention has no attention dropout, so
-    ``attention_dropout`` (training with a dropout rate > 0) skips it; a one-token decoding step (``query_length ==
-    1``) gains nothing from it and would compile once per cache length, so it runs SDPA; FlexAttention on CPU takes
-    float32, float16 and bfloat16 only, and no gradients, and does not return the log-sum-exp that normalizers with
-    ``flex_needs_lse`` (l2, exp) are computed from. A user's 4-D tensor mask (``given_mask``) runs on eager or
-    SDPA; a user's ``BlockMask`` needs FlexAttention."""
+    """The backend that runs a forward: the first of :func:`backend_candidates` (from ``requested``, default SDPA)
+    that can express the scheme and normalizer with their options (``position_encoding``, ``attention_normalizer``:
+    full config specs) and that :func:`flex_refusal` does not rule out. ``need_weights`` (``output_attentions``)
+    needs eager; ``attention_dropout`` is training with a dropout rate > 0; ``position_bias_needs_grad`` is
+    :func:`position_bias_needs_grad` of the scheme. A user's ``BlockMask`` needs FlexAttention. A request that cannot
+    be honoured is logged with its reason."""
     requested = requested or "sdpa"
-    order = ("flex_attention", "sdpa", "eager")
-    if requested not in order:
-        raise ValueError(f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {order}.")
+    if requested not in BACKEND_REQUESTS:
+        raise ValueError(
+            f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {BACKEND_REQUESTS}."
+        )
     scheme_backends = POSITION_ENCODINGS[position_encoding["type"]].supported_backends(position_encoding)
     normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
-    flex_possible = not (
-        attention_dropout
-        or query_length == 1
-        or (device.type == "cpu" and (torch.is_grad_enabled() or dtype not in FLEX_CPU_DTYPES))
-        or (normalizer_class.flex_needs_lse and not flex_returns_lse(device))
-        or isinstance(given_mask, torch.Tensor)
-        and given_mask.dim() == 4
+    refusal = flex_refusal(
+        device, dtype, head_dim, normalizer_class.flex_needs_lse, attention_dropout, query_length, given_mask
     )
     if isinstance(given_mask, BlockMask):
-        if not (flex_possible and "flex_attention" in scheme_backends and "flex_attention" in normalizer_backends):
+        if refusal is not None or "flex_attention" not in set(scheme_backends) & set(normalizer_backends):
             raise ValueError(
                 f"A BlockMask attention_mask needs FlexAttention, which cannot run {position_encoding['type']} + "
-                f"{attention_normalizer['type']} here (CPU with gradients, dropout, float64 or a one-token step); "
-                "pass a 2-D or 4-D tensor mask instead."
+                f"{attention_normalizer['type']} here ({refusal or 'not supported by the combination'}); pass a 2-D "
+                "or 4-D tensor mask instead."
             )
         return "flex_attention"
-    for backend in order[order.index(requested) :]:
+    candidates = backend_candidates(requested, device, "sdpa" in normalizer_backends, position_bias_needs_grad)
+    for backend in candidates:
         if backend != "eager" and need_weights:
             continue
-        if backend == "flex_attention" and not flex_possible:
+        if backend not in scheme_backends or backend not in normalizer_backends:
             continue
-        if backend in scheme_backends and backend in normalizer_backends:
-            if backend != requested and not torch.compiler.is_compiling():  # dynamo cannot trace a logger call
-                _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
-            return backend
+        if backend == "flex_attention" and refusal is not None:
+            if requested == "flex_attention" and not torch.compiler.is_compiling():
+                _log_flex_refusal(position_encoding["type"], attention_normalizer["type"], refusal)
+            continue
+        if backend != requested and not torch.compiler.is_compiling():  # dynamo cannot trace a logger call
+            _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
+        return backend
     raise AssertionError("eager runs every scheme and normalizer")
+
+
+BACKEND_REQUESTS = ("flex_attention", "sdpa", "eager")
+
+
+def position_bias_needs_grad(encoding: PositionEncoding) -> bool:
+    """Whether this forward differentiates a position-only score bias: the scheme gives a ``score_mod`` and has
+    parameters that require gradients, and gradients are enabled (T5's table, KERPLE's r1 and r2, FIRE's MLP, in
+    training; ALiBi's fixed slopes never)."""
+    return (
+        torch.is_grad_enabled()
+        and type(encoding).score_mod is not PositionEncoding.score_mod
+        and any(parameter.requires_grad for parameter in encoding.parameters())
+    )
 
 
 def flex_returns_lse(device: torch.device) -> bool:
     """Compiled FlexAttention returns the log-sum-exp (``return_aux=AuxRequest(lse=True)``) except on CPU, where
     torch 2.13 raises "torch.compile on CPU only supports inference and `return_lse` is not supported yet"."""
     return device.type != "cpu"
+
+
+@cache
+def _log_flex_refusal(encoding: str, normalizer: str, reason: str) -> None:
+    logger.warning(f"hf_posenc: {encoding} + {normalizer} does not run on the requested flex_attention: {reason}.")
 
 
 @cache
@@ -136,8 +237,51 @@ def build_attention_mask(
 
 
 @cache
-def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False)
+def _compiled_flex_attention(grad_enabled: bool, region: str) -> Callable:
+    """One compiled FlexAttention per grad mode and ``region`` (a combination and a pass of its normalizer), each
+    with its own recompile budget (``isolate_recompiles``), so that train/eval switches, several combinations in one
+    process and the passes of a normalizer never share torch's recompile limit. The first call compiles for its
+    shapes; a second sequence length or batch size compiles once more with those sizes symbolic (torch's automatic
+    dynamic shapes), after which new lengths reuse it. ``fullgraph=True`` makes hitting the limit raise rather than
+    silently run uncompiled (see :func:`flex_attend`). ``grad_enabled`` only keys the cache."""
+    return torch.compile(flex_attention, fullgraph=True, isolate_recompiles=True)
+
+
+def flex_attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, region: str, pass_name: str = "", **kwargs
+):
+    """FlexAttention through the compile cache: ``flex_attention(query, key, value, **kwargs)`` compiled per grad
+    mode and ``region``/``pass_name``. Inside a ``torch.compile``d model the plain function is called and the outer
+    compile fuses it. Should a region still hit torch's recompile limit (shapes other than the lengths and batch
+    size changing every call), the call runs FlexAttention's unfused path, which materialises every score, and a
+    warning says so: no silent slow path."""
+    if torch.compiler.is_compiling():
+        return flex_attention(query, key, value, **kwargs)
+    name = f"{region}/{pass_name}" if pass_name else region
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        return _compiled_flex_attention(grad_enabled, name)(query, key, value, **kwargs)
+    except FailOnRecompileLimitHit:
+        _warn_unfused_flex(name, grad_enabled)
+        return flex_attention(query, key, value, **kwargs)
+
+
+@cache
+def _warn_unfused_flex(region: str, grad_enabled: bool) -> None:
+    logger.warning(
+        f"hf_posenc: compiled FlexAttention for {region} ({'training' if grad_enabled else 'inference'}) hit torch's "
+        f"recompile limit (torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}); calls "
+        "that need a new compilation now run FlexAttention's unfused path, which materialises every score (slow, "
+        "O(n^2) memory). TORCH_LOGS=recompiles shows what changed between calls."
+    )
+
+
+def flex_kernel_options(device: torch.device, encoding: PositionEncoding) -> dict[str, Any]:
+    """``kernel_options`` for FlexAttention: :data:`FLEX_CUDA_KERNEL_OPTIONS` on CUDA when the position tables need
+    gradients (the measured case), torch's defaults otherwise."""
+    if device.type == "cuda" and position_bias_needs_grad(encoding):
+        return {"kernel_options": FLEX_CUDA_KERNEL_OPTIONS}
+    return {}
 
 
 def build_dense_mask(
@@ -255,9 +399,9 @@ def positional_attention(
     backend = attention_inputs["backend"]
     if backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
-        output = normalizer.flex_output(
-            _compiled_flex_attention(), query, key, value, score_mod, attention_inputs["mask"], scaling
-        )
+        region = f"{encoding.name}+{normalizer.name}"
+        attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding))
+        output = normalizer.flex_output(attend, query, key, value, score_mod, attention_inputs["mask"], scaling)
     elif backend == "sdpa":
         output = _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal)
     else:

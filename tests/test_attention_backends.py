@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 
 import pytest
 import torch
+import transformers
+from conftest import COMBOS, family_combos, make_config, make_model, random_ids
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import flex_attention
 
+from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
-from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
+from hf_posenc.posenc_attention import (
+    build_dense_mask,
+    choose_backend,
+    flex_attend,
+    position_bias_needs_grad,
+    positional_attention,
+)
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
 
 DIMS = AttentionDims(hidden_size=8, num_heads=2, head_dim=4, max_positions=16, causal=True)
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # choose_backend is pure logic: CUDA rules are tested without a GPU
+FUSED_NORMALIZERS = ["l2", "exp", "relu2", "swish_l2"]
 
 
 def spec(name):
@@ -59,6 +74,190 @@ def test_fallbacks():
     with torch.no_grad():  # CPU FlexAttention takes float32, float16, bfloat16
         assert choose_backend("flex_attention", t5, softmax, CPU, torch.float64) == "sdpa"
         assert choose_backend("flex_attention", t5, softmax, CPU, torch.bfloat16) == "flex_attention"
+
+
+def test_cuda_rule_table_runs_each_combination_on_its_fastest_exact_backend():
+    """On CUDA a request for SDPA (or none) runs flex for the normalizers SDPA cannot compute and for a position-only
+    bias that needs gradients; a fixed bias stays on SDPA; what flex cannot take falls back as on any device."""
+    t5, alibi, shaw = spec("t5"), spec("alibi"), spec("shaw")
+    gated_l2 = resolve_attention_normalizer({"type": "l2", "toeplitz_gate": True})
+    for requested in ("sdpa", None):
+        assert choose_backend(requested, t5, SOFTMAX, CUDA) == "sdpa"  # inference: the bias is a constant
+        assert choose_backend(requested, t5, SOFTMAX, CUDA, position_bias_needs_grad=True) == "flex_attention"
+        assert choose_backend(requested, alibi, SOFTMAX, CUDA) == "sdpa"
+        trained_with_dropout = dict(position_bias_needs_grad=True, attention_dropout=True)
+        assert choose_backend(requested, t5, SOFTMAX, CUDA, **trained_with_dropout) == "sdpa"
+        for name in FUSED_NORMALIZERS:
+            normalizer_spec = resolve_attention_normalizer(name)
+            assert choose_backend(requested, t5, normalizer_spec, CUDA) == "flex_attention"
+            assert choose_backend(requested, alibi, normalizer_spec, CUDA) == "flex_attention"
+            assert choose_backend(requested, t5, normalizer_spec, CUDA, attention_dropout=True) == "eager"
+            assert choose_backend(requested, t5, normalizer_spec, CUDA, need_weights=True) == "eager"
+            assert choose_backend(requested, t5, normalizer_spec, CUDA, query_length=1) == "eager"
+            assert choose_backend(requested, shaw, normalizer_spec, CUDA) == "eager"  # a content term: no score_mod
+        assert choose_backend(requested, t5, gated_l2, CUDA) == "eager"  # the gate needs the weights
+    assert choose_backend("eager", t5, L2, CUDA) == "eager"
+    assert choose_backend("eager", t5, SOFTMAX, CUDA, position_bias_needs_grad=True) == "eager"
+    assert choose_backend("flex_attention", alibi, SOFTMAX, CUDA) == "flex_attention"
+
+
+def test_cpu_keeps_sdpa_for_a_trainable_bias_and_eager_for_the_fused_normalizers():
+    t5 = spec("t5")
+    assert choose_backend("sdpa", t5, SOFTMAX, CPU, position_bias_needs_grad=True) == "sdpa"
+    for name in FUSED_NORMALIZERS:
+        assert choose_backend("sdpa", t5, resolve_attention_normalizer(name), CPU) == "eager"
+        with torch.no_grad():
+            assert choose_backend("flex_attention", t5, resolve_attention_normalizer(name), CPU) == "eager"
+
+
+@pytest.mark.parametrize("name", ["t5", "kerple", "fire"])
+def test_a_trainable_position_bias_needs_grad_only_while_gradients_are_on(name):
+    encoding = scheme(name)
+    assert position_bias_needs_grad(encoding)
+    with torch.no_grad():
+        assert not position_bias_needs_grad(encoding)
+    encoding.requires_grad_(False)  # frozen (PEFT): the bias is a constant
+    assert not position_bias_needs_grad(encoding)
+
+
+@pytest.mark.parametrize("name", ["alibi", "learned", "rope"])
+def test_a_fixed_bias_or_no_score_bias_never_needs_grad(name):
+    assert not position_bias_needs_grad(scheme(name))
+
+
+def test_flex_on_cpu_is_refused_below_head_dim_24_with_the_reason_logged(caplog):
+    """Compiled CPU FlexAttention (torch 2.13) is wrong for head_dim 8 and 16 with 8 mod 16 keys (AVX2)."""
+    posenc_attention._log_flex_refusal.cache_clear()
+    t5 = spec("t5")
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="hf_posenc"):
+        assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=8) == "sdpa"
+        assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=16) == "sdpa"
+        assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=24) == "flex_attention"
+        assert choose_backend("flex_attention", t5, SOFTMAX, CUDA, head_dim=8) == "flex_attention"
+    assert "wrong numbers for head_dim 8 < 24" in caplog.text and "head_dim 16 < 24" in caplog.text
+
+
+def test_flex_request_with_head_dim_8_on_cpu_gives_eager_numbers(family, caplog):
+    """A PosEnc model with 4 heads of 8 and 8 tokens: the compiled CPU kernel gave NaN here; now SDPA runs it."""
+    posenc_attention._log_flex_refusal.cache_clear()
+    ids = random_ids(2, 8)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 6:] = 0
+    outputs = {}
+    with caplog.at_level(logging.INFO, logger="hf_posenc"):
+        for attn in ("eager", "flex_attention"):
+            model = make_model(family, "t5", attn=attn)  # hidden 32, 4 heads: head_dim 8
+            with torch.no_grad():
+                outputs[attn] = model(ids, attention_mask=attention_mask).logits
+    assert "wrong numbers for head_dim 8" in caplog.text
+    assert torch.isfinite(outputs["flex_attention"]).all()
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), family_combos(COMBOS))
+def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer, monkeypatch):
+    """The flex path (the scheme's score_mod, the normalizer's flex_output, the BlockMask) of every combination,
+    with uncompiled FlexAttention standing in for the compiled kernel (same semantics, no compile per combination,
+    any head width; it returns the log-sum-exp on CPU); combinations flex cannot express fall back. The compiled
+    CPU kernel is checked by the tests below on heads of 32."""
+    calls = []
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(1)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    outputs = {}
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, scheme, normalizer, attn=attn)
+        with torch.no_grad():
+            outputs[attn] = model(ids, attention_mask=attention_mask).logits
+    spec = model.config.position_encoding
+    runs_flex = "flex_attention" in POSITION_ENCODINGS[scheme].supported_backends(spec)
+    assert bool(calls) == runs_flex
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+# --- the compile cache of FlexAttention (compiled on CPU: inference only, head_dim >= 24; ~20 s a compile) ---------
+
+
+def wide_head_models(family):
+    """A 1-layer model with 2 heads of 32 on flex and the same weights on eager."""
+    wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
+    layers = dict(num_hidden_layers=1) if family == "bert" else dict(n_layer=1)
+    flex = make_model(family, "t5", attn="flex_attention", **wide, **layers)
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    eager = auto.from_config(copy.deepcopy(make_config(family, "t5", **wide, **layers)), attn_implementation="eager")
+    eager.load_state_dict(flex.state_dict())
+    return flex, eager.eval()
+
+
+def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
+    """Ten lengths (more than torch's recompile limit of 8): compiled for the first, once more with symbolic sizes
+    for the second, then reused; never the unfused path; every output equals eager. Before the compile cache
+    (``dynamic=False``) every length compiled and the ninth ran unfused."""
+    posenc_attention._compiled_flex_attention.cache_clear()
+    flex, eager = wide_head_models("bert")
+    compiles = []
+    for length in (9, 14, 21, 30, 37, 45, 52, 64, 71, 80):
+        ids = random_ids(2, length)
+        attention_mask = torch.ones_like(ids)
+        attention_mask[0, length - 3 :] = 0
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            output = flex.bert(ids, attention_mask=attention_mask).last_hidden_state
+            expected = eager.bert(ids, attention_mask=attention_mask).last_hidden_state
+        compiles.append(counters["stats"]["unique_graphs"] - before)
+        visible = attention_mask.bool()
+        torch.testing.assert_close(output[visible], expected[visible], atol=1e-5, rtol=1e-4)
+    # The first two lengths compile FlexAttention and Transformers' compiled create_block_mask (masking_utils), fewer
+    # when an earlier test already made their sizes symbolic (torch keeps that per function); later lengths nothing.
+    assert sum(compiles[:2]) <= 4 and compiles[2:] == [0] * 8, compiles
+    assert posenc_attention._warn_unfused_flex.cache_info().currsize == 0
+
+
+def test_hitting_the_recompile_limit_warns_and_runs_the_unfused_path(caplog):
+    """With the limit at 1 a second head width (always a new compile) cannot compile: FlexAttention runs uncompiled,
+    with a warning."""
+    posenc_attention._compiled_flex_attention.cache_clear()
+    posenc_attention._warn_unfused_flex.cache_clear()
+    torch.manual_seed(0)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
+        for head_dim in (32, 48):
+            q, k, v = (torch.randn(1, 2, 16, head_dim) for _ in range(3))
+            output = flex_attend(q, k, v, region="test")
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-4)
+    assert "compiled FlexAttention for test (inference) hit torch's recompile limit" in caplog.text
+    assert "unfused path" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
+def test_train_and_eval_alternating_on_cuda_never_end_on_the_unfused_path(caplog):
+    """What Trainer does: training steps and evaluations alternate (grad mode on and off), lengths vary."""
+    posenc_attention._warn_unfused_flex.cache_clear()
+    config = make_config("bert", "t5", "l2", hidden_size=128, num_attention_heads=2, num_hidden_layers=2)
+    model = transformers.AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa").cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with caplog.at_level(logging.WARNING):
+        for step in range(24):
+            ids = random_ids(4, 32 + 8 * (step % 3)).cuda()
+            model.train()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                assert torch.isfinite(model(ids, labels=ids).loss)
+    assert "unfused path" not in caplog.text
+    assert posenc_attention._warn_unfused_flex.cache_info().currsize == 0
 
 
 def test_unknown_backend_raises():

@@ -4,12 +4,13 @@ inside both model families, with padding, causal masks and rows that see no key;
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 from conftest import make_config, make_model, random_ids
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import hf_posenc
 from hf_posenc import posenc_attention
@@ -328,11 +329,17 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
     torch.testing.assert_close(out.transpose(1, 2).double() / scale, expected / scale, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize(("family", "name"), [("bert", "l2"), ("gpt2", "exp")])  # uncompiled flex is slow
+FUSED = [("bert", "l2"), ("gpt2", "exp"), ("bert", "relu2"), ("gpt2", "relu2"), ("bert", "swish_l2")]
+FUSED += [("gpt2", "swish_l2")]
+
+
+@pytest.mark.parametrize(("family", "name"), FUSED)  # uncompiled flex is slow
 def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeypatch):
-    """``O = softmax(b) V x exp(lse(b) - lse(2b)/2)`` (l2), ``x exp(lse(b))`` (exp). Compiled FlexAttention returns
-    the log-sum-exp off CPU only (torch 2.13); uncompiled FlexAttention returns it on CPU, so it stands in here. With
-    a padded row, and in BERT a row that sees no key (FlexAttention: lse = -inf, output 0)."""
+    """``O = softmax(b) V x exp(lse(b) - lse(2b)/2)`` (l2), ``x exp(lse(b))`` (exp), ``softmax(2 log relu b) V x
+    exp(lse - log n)`` (relu2), the positive and negative parts of swish over its l2 norm (swish_l2). Compiled
+    FlexAttention returns the log-sum-exp off CPU only (torch 2.13); uncompiled FlexAttention returns it on CPU (and
+    is right for any head width), so it stands in here. With a padded row, and in BERT a row that sees no key
+    (FlexAttention: lse = -inf, output 0)."""
     calls = []
 
     def uncompiled_flex(*args, **kwargs):
@@ -340,7 +347,8 @@ def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeyp
         return flex_attention(*args, **kwargs)
 
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda: uncompiled_flex)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
     ids = random_ids(3, 8)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 5:] = 0
@@ -351,26 +359,121 @@ def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeyp
         model = make_model(family, "t5", name, attn=attn)
         with torch.no_grad():
             outputs[attn] = model.base_model(ids, attention_mask=attention_mask).last_hidden_state
-    assert len(calls) == (4 if name == "l2" else 2)  # two layers; l2 also needs lse(2b)
+    passes = {"l2": 2, "exp": 1, "relu2": 2, "swish_l2": 3}[name]  # relu2: and the visible-key count
+    assert len(calls) == 2 * passes  # two layers
     assert torch.isfinite(outputs["flex_attention"]).all()
     real = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][real], outputs["eager"][real], atol=ATOL, rtol=1e-4)
 
 
-def test_l2_and_exp_on_flex_run_eager_on_cpu_and_flex_elsewhere():
+def differentiable_flex(query, key, value, score_mod=None, block_mask=None, scale=1.0, return_aux=None, **options):
+    """FlexAttention's own eager semantics (``math_attention``: score_mod, mask, a row with no finite score gives
+    output 0 and lse -inf) through autograd, which FlexAttention refuses on CPU; lse in natural log."""
+    from torch._higher_order_ops.flex_attention import math_attention
+
+    if block_mask is None:
+        block_mask = create_block_mask(lambda b, h, q, kv: q >= 0, None, None, query.shape[-2], key.shape[-2], "cpu")
+    score_mod = score_mod or (lambda score, batch_idx, head_idx, q_idx, kv_idx: score)
+    output, lse, _ = math_attention(query, key, value, score_mod, block_mask.as_tuple(), scale, {})
+    return output if return_aux is None else (output, SimpleNamespace(lse=lse * math.log(2)))
+
+
+def scores_mod(scores):
+    """A score_mod that replaces q.k with given scores ``(heads, q, k)`` (which may then hold exact zeros)."""
+    return lambda score, batch_idx, head_idx, q_idx, kv_idx: scores[head_idx, q_idx, kv_idx]
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_fused_flex_values_and_gradients_equal_eager_at_zero_and_negative_scores(name):
+    """Scores with exact zeros, values near 0 of both signs, large negatives (-120: float32 swish underflows there),
+    a row with no positive score and a row with no visible key; output and the gradients of the scores and values
+    against eager's weights. The one documented difference: swish_l2's gradient at a score of exactly 0 (eager's
+    d swish/db = 1/2 there; a log-domain weight has no derivative at its zero) is 0 on the fused path."""
+    torch.manual_seed(0)
+    scores = torch.randn(2, 5, 6, dtype=torch.float64) * 2
+    scores[0, 0, :3] = 0.0
+    scores[0, 1] = -torch.rand(6, dtype=torch.float64)  # no positive score: relu2 gives the row 0
+    scores[1, 2, :2] = torch.tensor([1e-6, -1e-6])
+    scores[1, 3, 1:3] = -120.0
+    visible = torch.ones(5, 6, dtype=torch.bool)
+    visible[:, 4:] = False  # padding
+    visible[4] = False  # a query that sees no key
+    block_mask = create_block_mask(lambda b, h, q, kv: visible[q, kv], None, None, 5, 6, "cpu")
+    value = torch.randn(1, 2, 6, 16, dtype=torch.float64)
+    layer = normalizer(name, num_heads=2).double()
+    results = {}
+    for path in ("eager", "flex"):
+        b, v = scores.clone().requires_grad_(), value.clone().requires_grad_()
+        if path == "flex":
+            query = torch.zeros(1, 2, 5, 16, dtype=torch.float64)
+            output = layer.flex_output(differentiable_flex, query, query[:, :, :1].expand(1, 2, 6, 16), v,
+                                       scores_mod(b), block_mask, 1.0)  # fmt: skip
+        else:
+            masked = b[None].masked_fill(~visible, torch.finfo(torch.float64).min)
+            weights = layer(masked.masked_fill(~visible.any(-1, keepdim=True), 0.0), {"visible": visible})
+            output = (weights * visible.any(-1, keepdim=True)) @ v
+        (output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum().backward()
+        results[path] = (output, b.grad, v.grad)
+    expected = reference_weights(name, scores, visible) @ value
+    torch.testing.assert_close(results["eager"][0], expected)
+    torch.testing.assert_close(results["flex"][0], expected)
+    if name == "relu2":
+        assert torch.equal(results["flex"][0][0, 0, 1], torch.zeros(16, dtype=torch.float64))
+    assert torch.equal(results["flex"][0][0, :, 4], torch.zeros(2, 16, dtype=torch.float64))
+    torch.testing.assert_close(results["flex"][2], results["eager"][2])
+    exact_zero = scores == 0
+    if name == "swish_l2":
+        assert torch.equal(results["flex"][1][exact_zero], torch.zeros(3, dtype=torch.float64))
+        assert results["eager"][1][exact_zero].abs().min() > 1e-3
+    torch.testing.assert_close(results["flex"][1][~exact_zero], results["eager"][1][~exact_zero])
+    assert torch.isfinite(results["flex"][1]).all()
+
+
+@pytest.mark.parametrize("name", ["relu2", "swish_l2"])
+def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradients(name, monkeypatch):
+    """Through ``positional_attention`` with a causal, left-padded mask: the bias table's gradient reaches it through
+    the scheme's score_mod in every pass of the normalizer."""
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
+    torch.manual_seed(0)
+    dims = AttentionDims(hidden_size=32, num_heads=2, head_dim=16, max_positions=16, causal=True)
+    layer = ATTENTION_NORMALIZERS[name](resolve_attention_normalizer(name), dims).double()
+    t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 8, "max_distance": 16, "table_scale": 1.0}, dims)
+    torch.nn.init.normal_(t5.relative_attention_bias.weight)
+    t5 = t5.double()
+    positions = torch.arange(7)[None]
+    visible = (positions[:, None, :, None] >= positions[:, None, None, :]) & (positions >= 2)[:, None, None, :]
+    qkv = [torch.randn(1, 2, 7, 16, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    kwargs = dict(scaling=0.25, dropout=0.0, training=False, causal=True)
+    gradients = {}
+    for backend in ("eager", "flex_attention"):
+        if backend == "flex_attention":
+            block_mask = create_block_mask(lambda b, h, q, kv: visible[0, 0, q, kv], None, None, 7, 7, "cpu")
+            inputs = {"backend": backend, "mask": block_mask, "visible": None, "row_has_key": None}
+            inputs.update(position=t5.prepare(positions, positions, backend))
+        else:
+            tables = t5.prepare(positions, positions, backend)
+            inputs = {"backend": backend, "position": tables}
+            inputs.update(build_dense_mask(visible, tables.pop("score_bias"), torch.float64, keep_boolean=False))
+        inputs.update(query_positions=positions, key_positions=positions)
+        output, _ = positional_attention(*qkv, inputs, t5, layer, None, **kwargs)
+        output[:, 2:].pow(2).sum().backward()  # queries 0, 1 see no key: output 0 on both paths
+        table = t5.relative_attention_bias.weight
+        gradients[backend] = [output.detach(), table.grad] + [tensor.grad for tensor in qkv]
+        for tensor in [*qkv, table]:
+            tensor.grad = None
+    for flex, eager in zip(gradients["flex_attention"], gradients["eager"], strict=True):
+        torch.testing.assert_close(flex, eager)
+
+
+def test_fused_normalizers_run_eager_on_cpu_and_flex_elsewhere():
     t5 = {"type": "t5", "num_buckets": 32, "max_distance": 128}
-    for name in ("l2", "exp"):
+    for name in ("l2", "exp", "relu2", "swish_l2"):
         spec = resolve_attention_normalizer(name)
         with torch.no_grad():
             assert choose_backend("flex_attention", t5, spec, CPU) == "eager"
             assert choose_backend("flex_attention", t5, spec, torch.device("cuda")) == "flex_attention"
-        assert choose_backend("sdpa", t5, spec, torch.device("cuda")) == "eager"
-    for name in ("relu2", "swish_l2"):
-        with torch.no_grad():
-            assert (
-                choose_backend("flex_attention", t5, resolve_attention_normalizer(name), torch.device("cuda"))
-                == "eager"
-            )
+        assert choose_backend("sdpa", t5, spec, CPU) == "eager"
+        assert choose_backend("sdpa", t5, spec, torch.device("cuda")) == "flex_attention"
 
 
 # --- initialisation ---------------------------------------------------------------------------------------------
