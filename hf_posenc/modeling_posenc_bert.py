@@ -226,6 +226,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.embeddings.word_embeddings(input_ids)
+        default_positions = position_ids is None
         position_ids = resolve_position_ids(position_ids, inputs_embeds, 0)
         embedding_output = self.embeddings(
             self.position_encoding,
@@ -244,6 +245,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             causal=self.config.is_decoder,
             attention_dropout=self.config.attention_probs_dropout_prob,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
+            default_positions=default_positions,
         )
         sequence_output = self.encoder(embedding_output, attention_inputs, self.position_encoding).last_hidden_state
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
