@@ -207,9 +207,9 @@ class _ReluMlpOfScalars(torch.autograd.Function):
     def forward(x, weight_in, bias_in, weight_out, bias_out, chunk):
         flat = x.reshape(-1)
         out = torch.empty(weight_out.shape[0], flat.numel(), dtype=x.dtype, device=x.device)
-        for start in range(0, flat.numel(), chunk):
-            hidden = torch.relu(flat[start : start + chunk, None] * weight_in + bias_in)
-            out[:, start : start + chunk] = weight_out @ hidden.T
+        for start in range(0, flat.numel(), chunk):  # hidden layer (width, chunk): w x + b by one addmm
+            hidden = torch.addmm(bias_in[:, None], weight_in[:, None], flat[None, start : start + chunk]).relu_()
+            out[:, start : start + chunk] = weight_out @ hidden
         return (out + bias_out[:, None]).view(weight_out.shape[0], *x.shape)
 
     @staticmethod
@@ -226,13 +226,13 @@ class _ReluMlpOfScalars(torch.autograd.Function):
         grad_weight_in, grad_bias_in = torch.zeros_like(weight_in), torch.zeros_like(bias_in)
         grad_weight_out = torch.zeros_like(weight_out)
         for start in range(0, flat.numel(), ctx.chunk):
-            part, part_grad = flat[start : start + ctx.chunk, None], grad[:, start : start + ctx.chunk]
-            before = part * weight_in + bias_in
-            grad_weight_out += part_grad @ torch.relu(before)
-            grad_before = (part_grad.T @ weight_out) * (before > 0)
-            grad_weight_in += (grad_before * part).sum(0)
-            grad_bias_in += grad_before.sum(0)
-            grad_x[start : start + ctx.chunk] = grad_before @ weight_in
+            part, part_grad = flat[start : start + ctx.chunk], grad[:, start : start + ctx.chunk]
+            before = torch.addmm(bias_in[:, None], weight_in[:, None], part[None])  # (width, chunk)
+            grad_weight_out += part_grad @ torch.relu(before).T
+            grad_before = (weight_out.T @ part_grad).masked_fill_(before <= 0, 0.0)
+            grad_weight_in += grad_before @ part
+            grad_bias_in += grad_before.sum(1)
+            grad_x[start : start + ctx.chunk] = weight_in @ grad_before
         return grad_x.view(x.shape), grad_weight_in, grad_bias_in, grad_weight_out, grad.sum(-1), None
 
 
