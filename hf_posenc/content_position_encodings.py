@@ -121,7 +121,7 @@ class Shaw(PositionEncoding):
     def layer_term(cls, spec, dims, layer_idx):
         return ShawTerm(spec, dims)
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         k = self.spec["max_distance"]
         index = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
         tables = {"shaw_index": index}
@@ -192,7 +192,7 @@ class TransformerXL(PositionEncoding):
     def layer_term(cls, spec, dims, layer_idx):
         return TransformerXLTerm(dims)
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         distances = relative_distances(query_positions, key_positions)
         lowest, highest = int(distances.min()), int(distances.max())
         steps = torch.arange(lowest, highest + 1, device=distances.device)
@@ -313,7 +313,7 @@ class DeBERTa(PositionEncoding):
         self.rel_embeddings = nn.Embedding(2 * self.span, dims.hidden_size)
         self.LayerNorm = nn.LayerNorm(dims.hidden_size, eps=1e-7)  # DeBERTa's layer_norm_eps
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         distances = relative_distances(query_positions, key_positions)
         if self.spec["position_buckets"] > 0:
             distances = deberta_log_bucket(
@@ -401,7 +401,7 @@ class TUPE(PositionEncoding):
         states = projection(self.LayerNorm(self.table(positions)))
         return states.view(*positions.shape, self.dims.num_heads, self.dims.head_dim).transpose(1, 2)
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         head_dim = self.dims.head_dim
         position_query = self.projected_positions(query_positions, self.query) * (2 * head_dim) ** -0.5
         position_key = self.projected_positions(key_positions, self.key)

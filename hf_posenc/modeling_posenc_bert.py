@@ -265,6 +265,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        default_positions = position_ids is None
         position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
         position_cache = None
         if past_key_values is not None:
@@ -289,6 +290,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             past_key_values=past_key_values,
             position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
+            default_positions=default_positions,
         )
         sequence_output = self.encoder(
             embedding_output, attention_inputs, self.position_encoding, past_key_values

@@ -90,10 +90,13 @@ def prepare_attention(
     past_key_values=None,
     position_cache: PositionCache | None = None,
     output_attentions: bool = False,
+    default_positions: bool = False,
 ) -> AttentionInputs:
     """Pick the backend for this forward, then build what every layer reads (:data:`AttentionInputs`): the mask with
     the scheme's position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``),
-    and the scheme's shared tables."""
+    and the scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``);
+    with no cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told
+    (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
     config = model.config
     backend = choose_backend(
         config._attn_implementation,
@@ -111,7 +114,8 @@ def prepare_attention(
     key_positions = position_ids
     if position_cache is not None:
         key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
-    tables = encoding.prepare(position_ids, key_positions, backend)
+    consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
+    tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
     score_bias = tables.pop("score_bias", None)
     mask = build_attention_mask(
         config,
@@ -121,9 +125,9 @@ def prepare_attention(
         attention_mask,
         past_key_values=past_key_values,
         position_ids=position_ids,
-        # Nothing masked and nothing added: a bidirectional layer needs no mask, nor SDPA (is_causal covers
-        # causality) unless a layer's own term takes the place of the mask.
-        allow_skip=score_bias is None and (not causal or backend == "sdpa" and not encoding.has_layer_term),
+        # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor
+        # SDPA without a bias (is_causal covers causality) unless a layer's own term takes the place of the mask.
+        allow_skip=not causal or score_bias is None and backend == "sdpa" and not encoding.has_layer_term,
     )
     inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
     if backend == "flex_attention":

@@ -298,6 +298,8 @@ def build_dense_mask(
     if mask is None:
         additive = None if score_bias is None else score_bias.to(dtype)
         return {"mask": additive, "visible": None, "row_has_key": None}
+    if mask.shape[0] > 1 and mask.stride(0) == 0:  # a mask broadcast over the batch stays one row: (1, ...) results
+        mask = mask[:1]
     additive = None if score_bias is None else score_bias.to(dtype)
     if mask.dtype == torch.bool:
         visible = mask

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
 from .options import CatalogueEntry
+from .relative_tables import toeplitz
 
 
 BACKENDS = ("eager", "sdpa", "flex_attention")
@@ -237,10 +239,15 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         return inputs.inputs_embeds
 
     def prepare(
-        self, query_positions: torch.Tensor, key_positions: torch.Tensor, backend: str
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, backend: str, consecutive: bool = False
     ) -> dict[str, torch.Tensor]:
         """Tensors every layer shares, computed once per forward. A ``"score_bias"`` entry ``(batch|1, heads,
-        q_len, kv_len)`` is added to the scores on eager and SDPA (folded into the mask once)."""
+        q_len, kv_len)`` is added to the scores on eager and SDPA (folded into the mask once).
+
+        ``consecutive`` (static, from the model: its default positions and no cached key) promises
+        ``query_positions[b, i] - key_positions[b, j] = i - j + query_positions[0, 0] - key_positions[0, 0]`` in
+        every row ``b``: distances follow the local indices and every row has the same ones, so a shift-invariant
+        term can be computed once per distance and shared by the batch. False promises nothing."""
         return {}
 
     def score_mod(
@@ -260,15 +267,34 @@ class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.
 
     Subclasses define ``bias_table(device)`` (what the formula reads, computed once per forward: a parameter, fixed
-    values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and
-    ``position_bias(query_position, key_position, head, table)``, elementwise and broadcasting. The same function
-    builds the dense ``(batch, heads, q_len, kv_len)`` bias once per forward (eager, SDPA) and runs inside the
-    FlexAttention ``score_mod``, so every backend evaluates one formula.
+    values computed in float32 so that casting the model never rounds them, or a dict of such tensors) and the formula
+    once, elementwise and broadcasting:
+
+    * a shift-invariant scheme (``relative = True``: T5, ALiBi, KERPLE) writes ``distance_bias(distance, head,
+      table)`` of ``distance = i - j``;
+    * a scheme that also reads the positions themselves (FIRE) writes ``position_bias(query_position, key_position,
+      head, table)`` and sets ``relative = False``.
+
+    Paths (each evaluates that one formula):
+
+    * consecutive positions (``prepare(..., consecutive=True)``, the model's default positions) of a shift-invariant
+      scheme: the formula once per distance present, ``(heads, q_len + kv_len - 1)``; eager and SDPA add its
+      Toeplitz expansion (:func:`relative_tables.toeplitz`, backward by diagonal sums, no scatter), one
+      ``(1, heads, q_len, kv_len)`` bias shared by the batch; FlexAttention's ``score_mod`` reads the table (padded to
+      a multiple of 8 columns) at ``i - j + kv_len - 1``;
+    * any other positions: the formula per (query, key) pair, ``(batch|1, heads, q_len, kv_len)`` for eager and SDPA
+      (:meth:`dense_bias`, which a scheme may evaluate more cheaply, as FIRE does), and inside ``score_mod`` on flex.
     """
 
     relative = True
 
     def bias_table(self, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def distance_bias(
+        self, distance: torch.Tensor, head: torch.Tensor, table: torch.Tensor | dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The bias of the integer distances ``distance = i - j`` (query minus key) for the heads ``head``."""
         raise NotImplementedError
 
     def position_bias(
@@ -278,17 +304,49 @@ class RelativeScoreBias(PositionEncoding):
         head: torch.Tensor,
         table: torch.Tensor | dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """The bias of every (query, key) position pair, broadcasting; shift-invariant schemes read ``i - j``."""
+        return self.distance_bias(query_position - key_position, head, table)
 
-    def prepare(self, query_positions, key_positions, backend):
+    def dense_bias(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, table: torch.Tensor | dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``(batch|1, heads, q_len, kv_len)`` bias of arbitrary positions ``(batch|1, q_len)``, ``(batch|1,
+        kv_len)``: :meth:`position_bias` per pair."""
+        heads = torch.arange(self.dims.num_heads, device=query_positions.device)[None, :, None, None]
+        return self.position_bias(query_positions[:, None, :, None], key_positions[:, None, None, :], heads, table)
+
+    def per_distance_bias(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, table: torch.Tensor | dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``(heads, q_len + kv_len - 1)``: column ``s`` holds the bias of the local distance ``s - (kv_len - 1)``
+        (:mod:`relative_tables`' convention) for consecutive positions, i.e. of the distance ``s - (kv_len - 1) +
+        query_positions[0, 0] - key_positions[0, 0]``; no host sync."""
+        q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+        offset = query_positions[0, 0] - key_positions[0, 0]
+        distance = torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
+        heads = torch.arange(self.dims.num_heads, device=query_positions.device)
+        return self.distance_bias(distance[None, :], heads[:, None], table)
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         table = self.bias_table(query_positions.device)
+        if consecutive and self.relative:
+            per_distance = self.per_distance_bias(query_positions, key_positions, table)
+            if backend == "flex_attention":
+                return {"per_distance_bias": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
+            q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+            return {"score_bias": toeplitz(per_distance, q_len, kv_len)[None]}
         if backend == "flex_attention":
             return {"bias_table": table}
-        heads = torch.arange(self.dims.num_heads, device=query_positions.device)[None, :, None, None]
-        bias = self.position_bias(query_positions[:, None, :, None], key_positions[:, None, None, :], heads, table)
-        return {"score_bias": bias}
+        return {"score_bias": self.dense_bias(query_positions, key_positions, table)}
 
     def score_mod(self, tables, query_positions, key_positions):
+        if "per_distance_bias" in tables:
+            per_distance, last_key = tables["per_distance_bias"], key_positions.shape[-1] - 1
+
+            def per_distance_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+                return score + per_distance[head_idx, q_idx - kv_idx + last_key].to(score.dtype)
+
+            return per_distance_score_mod
         table = tables["bias_table"]
         query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
 

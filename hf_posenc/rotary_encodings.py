@@ -263,7 +263,7 @@ class RoPE(PositionEncoding):
         base = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
         return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         # Frequencies in float64, angles in float32, for each forward: a model cast to bf16 keeps exact rotations.
         inv_freq = self.inverse_frequencies(query_positions).float()
         angles = (query_positions[..., None].float() * inv_freq)[:, None]
@@ -309,7 +309,7 @@ class XPos(PositionEncoding):
         "scale_base": Option(512.0, (float, int), "decay length s", lambda v: v > 0, "a number > 0"),
     }
 
-    def prepare(self, query_positions, key_positions, backend):
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
         dim = self.dims.head_dim
         inv_freq = rotary_inverse_frequencies(dim, self.spec["theta"]).to(query_positions.device)
         angles = query_positions[:, None, :, None].float() * inv_freq.float()

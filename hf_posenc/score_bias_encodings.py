@@ -86,9 +86,9 @@ class T5Bias(RelativeScoreBias):
     def bias_table(self, device):
         return self.relative_attention_bias.weight * self.table_scale
 
-    def position_bias(self, query_position, key_position, head, table):
+    def distance_bias(self, distance, head, table):
         bucket = t5_relative_bucket(
-            query_position - key_position,
+            distance,
             bidirectional=not self.dims.causal,
             num_buckets=self.spec["num_buckets"],
             max_distance=self.spec["max_distance"],
@@ -118,8 +118,8 @@ class ALiBi(RelativeScoreBias):
     def bias_table(self, device):
         return alibi_slopes(self.dims.num_heads).to(device=device, dtype=torch.float32)
 
-    def position_bias(self, query_position, key_position, head, table):
-        return -table[head] * (query_position - key_position).abs()
+    def distance_bias(self, distance, head, table):
+        return -table[head] * distance.abs()
 
 
 def positive_straight_through(value: torch.Tensor, low: float, high: float | None = None) -> torch.Tensor:
@@ -165,8 +165,8 @@ class KERPLE(RelativeScoreBias):
         r1 = positive_straight_through(self.r1, self.minimum)
         return torch.stack([r1, positive_straight_through(self.r2, self.minimum, r2_high)])
 
-    def position_bias(self, query_position, key_position, head, table):
-        distance = (query_position - key_position).abs().to(torch.promote_types(table.dtype, torch.float32))
+    def distance_bias(self, distance, head, table):
+        distance = distance.abs().to(torch.promote_types(table.dtype, torch.float32))
         r1, r2 = table[0, head], table[1, head]
         if self.spec["variant"] == "log":
             return -r1 * torch.log1p(r2 * distance)
@@ -196,6 +196,62 @@ def relu_mlp_pieces(
     slope = (active * weight_in) @ weight_out.T
     intercept = (active * bias_in) @ weight_out.T + bias_out
     return sorted_breakpoints, slope, intercept
+
+
+class _ReluMlpOfScalars(torch.autograd.Function):
+    """``f(x) = W_out relu(w_in x + b_in) + b_out`` for every element of ``x``, in chunks of elements, saving only
+    ``x`` and the weights: the ``(elements, width)`` hidden layer is never held whole, and every gradient is a dense
+    matrix product or sum (no gather, hence no scatter in the backward)."""
+
+    @staticmethod
+    def forward(x, weight_in, bias_in, weight_out, bias_out, chunk):
+        flat = x.reshape(-1)
+        out = torch.empty(weight_out.shape[0], flat.numel(), dtype=x.dtype, device=x.device)
+        for start in range(0, flat.numel(), chunk):  # hidden layer (width, chunk): w x + b by one addmm
+            hidden = torch.addmm(bias_in[:, None], weight_in[:, None], flat[None, start : start + chunk]).relu_()
+            out[:, start : start + chunk] = weight_out @ hidden
+        return (out + bias_out[:, None]).view(weight_out.shape[0], *x.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight_in, bias_in, weight_out, _, chunk = inputs
+        ctx.save_for_backward(x, weight_in, bias_in, weight_out)
+        ctx.chunk = chunk
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight_in, bias_in, weight_out = ctx.saved_tensors
+        flat, grad = x.reshape(-1), grad.reshape(weight_out.shape[0], -1)
+        grad_x = torch.empty_like(flat)
+        grad_weight_in, grad_bias_in = torch.zeros_like(weight_in), torch.zeros_like(bias_in)
+        grad_weight_out = torch.zeros_like(weight_out)
+        for start in range(0, flat.numel(), ctx.chunk):
+            part, part_grad = flat[start : start + ctx.chunk], grad[:, start : start + ctx.chunk]
+            before = torch.addmm(bias_in[:, None], weight_in[:, None], part[None])  # (width, chunk)
+            grad_weight_out += part_grad @ torch.relu(before).T
+            grad_before = (weight_out.T @ part_grad).masked_fill_(before <= 0, 0.0)
+            grad_weight_in += grad_before @ part
+            grad_bias_in += grad_before.sum(1)
+            grad_x[start : start + ctx.chunk] = weight_in @ grad_before
+        return grad_x.view(x.shape), grad_weight_in, grad_bias_in, grad_weight_out, grad.sum(-1), None
+
+
+def relu_mlp_of_scalars(
+    x: torch.Tensor,
+    weight_in: torch.Tensor,
+    bias_in: torch.Tensor,
+    weight_out: torch.Tensor,
+    bias_out: torch.Tensor,
+    chunk: int = 1 << 16,
+) -> torch.Tensor:
+    """``(heads, *x.shape)``: ``f_h(x) = sum_u W_out[h, u] relu(w_in[u] x + b_in[u]) + b_out[h]`` for every element
+    of ``x`` (``w_in``, ``b_in``: ``(width,)``; ``W_out`` ``(heads, width)``; ``b_out`` ``(heads,)``), in float32 or
+    wider whatever autocast says, ``chunk`` elements at a time (memory ``O(chunk * width)`` beyond the output)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ReluMlpOfScalars.apply(
+            x.to(dtype), weight_in.to(dtype), bias_in.to(dtype), weight_out.to(dtype), bias_out.to(dtype), chunk
+        )
 
 
 def piece_index(x: torch.Tensor, breakpoints: torch.Tensor) -> torch.Tensor:
@@ -253,9 +309,7 @@ class FIRE(RelativeScoreBias):
         init.uniform_(self.mlp_out, -bound, bound)
 
     def bias_table(self, device):
-        breakpoints, slope, intercept = relu_mlp_pieces(
-            self.mlp_in[:, 0], self.mlp_in[:, 1], self.mlp_out[:, :-1], self.mlp_out[:, -1]
-        )
+        breakpoints, slope, intercept = relu_mlp_pieces(*self.mlp_weights())
         threshold = (self.threshold_scale * self.spec["threshold"]).abs()
         return {
             "c": self.c.abs(),
@@ -265,11 +319,25 @@ class FIRE(RelativeScoreBias):
             "intercept": intercept,
         }
 
-    def position_bias(self, query_position, key_position, head, table):
+    def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``w_in``, ``b_in`` ``(width,)``, ``W_out`` ``(heads, width)``, ``b_out`` ``(heads,)``."""
+        return self.mlp_in[:, 0], self.mlp_in[:, 1], self.mlp_out[:, :-1], self.mlp_out[:, -1]
+
+    def normalised_distance(self, query_position, key_position, table):
+        """The MLP's input ``psi(|i - j|) / (psi(max(L, i, j)) + eps)``, in float32 or wider, broadcasting."""
         c = table["c"]
         dtype = torch.promote_types(c.dtype, torch.float32)
         distance = (query_position - key_position).abs().to(dtype)
         normaliser = torch.maximum(torch.maximum(query_position, key_position).to(dtype), table["threshold"])
-        x = torch.log1p(c * distance) / (torch.log1p(c * normaliser) + self.eps)
+        return torch.log1p(c * distance) / (torch.log1p(c * normaliser) + self.eps)
+
+    def position_bias(self, query_position, key_position, head, table):
+        x = self.normalised_distance(query_position, key_position, table)
         piece = piece_index(x, table["breakpoints"].to(x.dtype))
         return table["slope"][piece, head] * x + table["intercept"][piece, head]
+
+    def dense_bias(self, query_positions, key_positions, table):
+        """The MLP itself on the ``(batch|1, q_len, kv_len)`` inputs (:func:`relu_mlp_of_scalars`): a dense backward,
+        where looking up each pair's piece would scatter ``q_len * kv_len`` gradients into ``width + 1`` rows."""
+        x = self.normalised_distance(query_positions[:, :, None], key_positions[:, None, :], table)
+        return relu_mlp_of_scalars(x, *self.mlp_weights()).transpose(0, 1)
