@@ -17,6 +17,7 @@ from transformers import initialization as init
 
 from .options import Option
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
+from .relative_tables import skew
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -24,6 +25,25 @@ def relative_distances(query_positions: torch.Tensor, key_positions: torch.Tenso
     """``i - j`` for every query position i ``(batch|1, q_len)`` and key position j ``(batch|1, kv_len)``:
     ``(batch|1, q_len, kv_len)``."""
     return query_positions[:, :, None] - key_positions[:, None, :]
+
+
+def contiguous_positions(query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
+    """Whether the queries are at ``p, p + 1, ..., p + q_len - 1`` and the keys at ``r, ..., r + kv_len - 1``, with the
+    same ``p`` and ``r`` in every row: then the distance of query ``i`` to key ``j`` is ``i - j + p - r`` and a
+    per-distance table is read by :func:`~hf_posenc.relative_tables.skew`. One host sync per forward; under
+    ``torch.compile`` (no data-dependent branch) it is assumed and asserted on the device instead."""
+    query_steps = torch.arange(query_positions.shape[-1], device=query_positions.device)
+    key_steps = torch.arange(key_positions.shape[-1], device=key_positions.device)
+    contiguous = torch.logical_and(
+        (query_positions == query_positions[:1, :1] + query_steps).all(),
+        (key_positions == key_positions[:1, :1] + key_steps).all(),
+    )
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            contiguous, "xlnet under torch.compile needs contiguous positions, the same in every row of the batch"
+        )
+        return True
+    return bool(contiguous)
 
 
 def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -162,7 +182,10 @@ class TransformerXLTerm(LayerPositionTerm):
         # the small factors, not on the (q_len, kv_len) result.
         rows = rows * scaling
         row_scores = torch.matmul(query + self.position_bias[:, None].to(query.dtype), rows.transpose(-1, -2))
-        position_scores = gather_rows(row_scores, tables["xl_index"])
+        if "xl_index" in tables:  # positions with gaps: each pair's row gathered
+            position_scores = gather_rows(row_scores, tables["xl_index"])
+        else:  # contiguous positions: column s of the rows is the distance s - (kv_len - 1) + p - r
+            position_scores = skew(row_scores, key.shape[-2])
         # Term 3: u W_K x_j, the same for every query.
         content_bias = self.content_bias[..., None].to(key.dtype) * scaling
         return position_scores + torch.matmul(key, content_bias).transpose(-1, -2)
@@ -175,11 +198,13 @@ class TransformerXL(PositionEncoding):
 
     ``R_{i-j}`` the sinusoid of the distance, not clipped (``transformer_xl_sinusoids``); ``W_{K,R}``, ``u``, ``v``
     per layer (``untie_r``), no position term on the values. Bidirectional in the encoder, causal in the decoder.
-    ``prepare`` builds the sinusoids of every distance the forward has, ``rows = max(i - j) - min(i - j) + 1``
-    (``q_len + kv_len - 1`` for contiguous positions), and each pair's row; a layer scores ``(q + v)`` against the
-    projected rows, ``(batch, heads, q_len, rows)``, and gathers: the memory of Transformer-XL's relative shift,
-    without its assumption of contiguous positions. Reference: kimiyoung/transformer-xl
-    ``RelPartialLearnableMultiHeadAttn``.
+    ``prepare`` builds the sinusoids of every distance the forward has; a layer scores ``(q + v)`` against the
+    projected rows, ``(batch, heads, q_len, rows)`` (one matmul), then reads each pair's row. Contiguous positions
+    (:func:`contiguous_positions`, the usual case) have ``rows = q_len + kv_len - 1`` distances, sized from the shapes
+    (no host sync), read by :func:`~hf_posenc.relative_tables.skew` (Transformer-XL's relative shift, views only,
+    nothing of ``(batch, heads, q_len, rows)`` kept for the backward); positions with gaps have
+    ``rows = max(i - j) - min(i - j) + 1`` and an index per pair, read by a gather. Reference:
+    kimiyoung/transformer-xl ``RelPartialLearnableMultiHeadAttn``.
     """
 
     name = "xlnet"
@@ -193,6 +218,11 @@ class TransformerXL(PositionEncoding):
         return TransformerXLTerm(dims)
 
     def prepare(self, query_positions, key_positions, backend):
+        if contiguous_positions(query_positions, key_positions):
+            q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+            offset = query_positions[0, 0] - key_positions[0, 0]
+            steps = torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
+            return {"xl_sinusoids": transformer_xl_sinusoids(steps, self.dims.hidden_size)}
         distances = relative_distances(query_positions, key_positions)
         lowest, highest = int(distances.min()), int(distances.max())
         steps = torch.arange(lowest, highest + 1, device=distances.device)
