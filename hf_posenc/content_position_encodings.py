@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .options import Option
@@ -462,20 +463,48 @@ class CoPETerm(LayerPositionTerm):
     def init_weights(self, initializer_range):
         init.zeros_(self.position_embeddings)
 
+    query_chunk: int = 256
+    """Queries per chunk: the gates, positions and interpolation of a chunk are ``(batch, heads, chunk, kv_len)``
+    tensors, recomputed in the backward (activation checkpointing per chunk), so a layer keeps only the
+    ``(batch, heads, q_len, kv_len)`` term itself."""
+
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        compute_dtype = torch.promote_types(query.dtype, torch.float32)
-        query = query.to(compute_dtype)
-        gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
-        if attention_inputs["visible"] is not None:
-            gates = gates * attention_inputs["visible"]  # masked keys (the future, padding) count nothing
-        # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
-        positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.position_embeddings.shape[-1] - 1)
-        floor = positions.floor()
-        fraction, index = positions - floor, floor.long()
-        # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
-        integer_scores = torch.matmul(query, self.position_embeddings.to(compute_dtype))
-        steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
-        return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
+        visible = attention_inputs["visible"]
+        chunks = []
+        for start in range(0, query.shape[-2], self.query_chunk):
+            rows = slice(start, start + self.query_chunk)
+            chunk_visible = None if visible is None else visible[..., rows, :]
+            arguments = (query[..., rows, :], key, chunk_visible, self.position_embeddings, scaling)
+            if torch.is_grad_enabled():
+                chunks.append(checkpoint(cope_scores, *arguments, use_reentrant=False))
+            else:
+                chunks.append(cope_scores(*arguments))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+
+
+def cope_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    visible: torch.Tensor | None,
+    position_embeddings: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """CoPE's term ``q_i . e[p_ij]`` ``(batch, heads, q_len, kv_len)`` for queries ``(batch, heads, q_len,
+    head_dim)`` (a chunk of them), every key, ``visible`` ``(batch|1, 1, q_len, kv_len)`` or None, and ``e``
+    ``(head_dim, max_positions)``; computed in at least float32."""
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    query = query.to(compute_dtype)
+    gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
+    if visible is not None:
+        gates = gates * visible  # masked keys (the future, padding) count nothing
+    # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
+    positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=position_embeddings.shape[-1] - 1)
+    floor = positions.floor()
+    fraction, index = positions - floor, floor.long()
+    # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
+    integer_scores = torch.matmul(query, position_embeddings.to(compute_dtype))
+    steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
+    return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
 
 
 class CoPE(PositionEncoding):

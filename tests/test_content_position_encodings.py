@@ -159,7 +159,10 @@ def transformer_xl_sinusoid(distance: int, dim: int) -> torch.Tensor:
     return torch.tensor([math.sin(distance * f) for f in frequencies] + [math.cos(distance * f) for f in frequencies])
 
 
-CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS = torch.tensor([[4, 5, 6]] * 2), torch.tensor([list(range(7))] * 2)
+CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS = (
+    torch.tensor([[4, 5, 6]] * 2),
+    torch.tensor([list(range(7))] * 2),
+)
 
 
 @pytest.mark.parametrize("contiguous", [False, True], ids=["gather", "skew"])
@@ -606,3 +609,23 @@ def test_sdpa_training_step_equals_eager_values_and_grads(family, spec):
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-4)
     for actual, expected in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_cope_in_chunks_of_queries_equals_one_chunk_values_and_grads():
+    """Chunks of 2 queries (checkpointed: recomputed in the backward) against the whole (q, kv) term at once."""
+    _, _, attention = scheme_and_term("gpt2", {"type": "cope", "max_positions": 4})
+    term = attention.position_term
+    with torch.no_grad():
+        term.position_embeddings.normal_(generator=torch.Generator().manual_seed(1))
+    query, key, _ = qkv(q_len=5, kv_len=7)
+    visible = KEY_POSITIONS[:1, None, None, :] <= torch.tensor([2, 3, 5, 6, 9])[None, None, :, None]
+    grad_output = torch.randn(2, HEADS, 5, 7)
+    results = []
+    for chunk in (64, 2):
+        term.query_chunk = chunk
+        inputs = [t.clone().requires_grad_() for t in (query, key)]
+        score = term.score_term(*inputs, {"visible": visible}, 0.5, None)
+        parameters = [*inputs, term.position_embeddings]
+        results.append((score, *torch.autograd.grad((score * grad_output).sum(), parameters)))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected)
