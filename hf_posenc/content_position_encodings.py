@@ -11,6 +11,8 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -52,6 +54,26 @@ def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     q_len, rows)`` read at each (query, key) pair's row, ``index`` ``(batch|1, q_len, kv_len)``."""
     batch, heads, q_len, _ = row_scores.shape
     return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+
+
+QUERY_CHUNK = 256
+"""Queries per chunk of a content-position term (:func:`in_query_chunks`)."""
+
+
+def in_query_chunks(chunk_term: Callable[[int, int], torch.Tensor], q_len: int, chunk: int | None = None):
+    """A ``(batch, heads, q_len, kv_len)`` score term built from ``chunk_term(start, stop)``, its rows ``start ..
+    stop - 1``, ``chunk`` (default :data:`QUERY_CHUNK`) queries at a time. With gradients each chunk is checkpointed (its intermediates, the
+    ``(batch, heads, chunk, rows)`` products, gates and indices, are recomputed in the backward), so a layer keeps
+    only the term itself: memory grows like ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
+    chunk = chunk or QUERY_CHUNK
+    chunks = []
+    for start in range(0, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(chunk_term, start, stop, use_reentrant=False))
+        else:
+            chunks.append(chunk_term(start, stop))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
 def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
@@ -181,15 +203,21 @@ class TransformerXLTerm(LayerPositionTerm):
         rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
         # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered. The scale goes on
         # the small factors, not on the (q_len, kv_len) result.
-        rows = rows * scaling
-        row_scores = torch.matmul(query + self.position_bias[:, None].to(query.dtype), rows.transpose(-1, -2))
-        if "xl_index" in tables:  # positions with gaps: each pair's row gathered
-            position_scores = gather_rows(row_scores, tables["xl_index"])
-        else:  # contiguous positions: column s of the rows is the distance s - (kv_len - 1) + p - r
-            position_scores = skew(row_scores, key.shape[-2])
+        rows = (rows * scaling).transpose(-1, -2)
+        query = query + self.position_bias[:, None].to(query.dtype)
         # Term 3: u W_K x_j, the same for every query.
-        content_bias = self.content_bias[..., None].to(key.dtype) * scaling
-        return position_scores + torch.matmul(key, content_bias).transpose(-1, -2)
+        content_scores = torch.matmul(key, self.content_bias[..., None].to(key.dtype) * scaling).transpose(-1, -2)
+        kv_len, index = key.shape[-2], tables.get("xl_index")
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            if index is not None:  # positions with gaps: each pair's row gathered
+                position_scores = gather_rows(torch.matmul(query[..., start:stop, :], rows), index[:, start:stop])
+            else:  # contiguous positions: column s of the rows is the distance s - (kv_len - 1) + p - r
+                row_scores = torch.matmul(query[..., start:stop, :], rows[..., start : stop + kv_len - 1])
+                position_scores = skew(row_scores, kv_len)
+            return position_scores + content_scores
+
+        return in_query_chunks(chunk_scores, query.shape[-2])
 
 
 class TransformerXL(PositionEncoding):
@@ -268,20 +296,26 @@ class DeBERTaTerm(LayerPositionTerm):
         embeddings, index = tables["deberta_embeddings"].to(query.dtype), tables["deberta_index"]
         if self.share_att_key:
             position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
-        score = 0.0
         # The scale goes on the (2 span)-row projections, not on the (q_len, kv_len) result: one pass fewer.
+        query_rows = key_rows = None
         if "c2p" in self.att_type:
             if not self.share_att_key:
                 position_key = self.heads(self.pos_key_proj(embeddings))
-            # c2p_ij = q_i . K^r[idx(i, j)]
-            score = gather_rows(torch.matmul(query, position_key.transpose(-1, -2) * scaling), index)
+            query_rows = position_key.transpose(-1, -2) * scaling
         if "p2c" in self.att_type:
             if not self.share_att_key:
                 position_query = self.heads(self.pos_query_proj(embeddings))
-            # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index.
             key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)  # (batch, heads, kv_len, 2 span)
-            score = score + gather_rows(key_rows, index.transpose(-1, -2)).transpose(-1, -2)
-        return score
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            score = 0.0
+            if query_rows is not None:  # c2p_ij = q_i . K^r[idx(i, j)]
+                score = gather_rows(torch.matmul(query[..., start:stop, :], query_rows), index[:, start:stop])
+            if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index
+                score = score + gather_rows(key_rows, index[:, start:stop].transpose(-1, -2)).transpose(-1, -2)
+            return score
+
+        return in_query_chunks(chunk_scores, query.shape[-2])
 
 
 class DeBERTa(PositionEncoding):
@@ -454,7 +488,10 @@ class TUPE(PositionEncoding):
 
 class CoPETerm(LayerPositionTerm):
     """One layer's CoPE position embeddings ``e`` ``(head_dim, max_positions)``, shared by the heads, initialised to
-    zero (as the reference's ``pos_emb``)."""
+    zero (as the reference's ``pos_emb``). The term is computed ``query_chunk`` queries at a time
+    (:func:`in_query_chunks`)."""
+
+    query_chunk: int | None = None  # QUERY_CHUNK
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -463,23 +500,14 @@ class CoPETerm(LayerPositionTerm):
     def init_weights(self, initializer_range):
         init.zeros_(self.position_embeddings)
 
-    query_chunk: int = 256
-    """Queries per chunk: the gates, positions and interpolation of a chunk are ``(batch, heads, chunk, kv_len)``
-    tensors, recomputed in the backward (activation checkpointing per chunk), so a layer keeps only the
-    ``(batch, heads, q_len, kv_len)`` term itself."""
-
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         visible = attention_inputs["visible"]
-        chunks = []
-        for start in range(0, query.shape[-2], self.query_chunk):
-            rows = slice(start, start + self.query_chunk)
-            chunk_visible = None if visible is None else visible[..., rows, :]
-            arguments = (query[..., rows, :], key, chunk_visible, self.position_embeddings, scaling)
-            if torch.is_grad_enabled():
-                chunks.append(checkpoint(cope_scores, *arguments, use_reentrant=False))
-            else:
-                chunks.append(cope_scores(*arguments))
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            chunk_visible = None if visible is None else visible[..., start:stop, :]
+            return cope_scores(query[..., start:stop, :], key, chunk_visible, self.position_embeddings, scaling)
+
+        return in_query_chunks(chunk_scores, query.shape[-2], self.query_chunk)
 
 
 def cope_scores(

@@ -621,11 +621,36 @@ def test_cope_in_chunks_of_queries_equals_one_chunk_values_and_grads():
     visible = KEY_POSITIONS[:1, None, None, :] <= torch.tensor([2, 3, 5, 6, 9])[None, None, :, None]
     grad_output = torch.randn(2, HEADS, 5, 7)
     results = []
-    for chunk in (64, 2):
+    for chunk in (None, 2):
         term.query_chunk = chunk
         inputs = [t.clone().requires_grad_() for t in (query, key)]
         score = term.score_term(*inputs, {"visible": visible}, 0.5, None)
         parameters = [*inputs, term.position_embeddings]
         results.append((score, *torch.autograd.grad((score * grad_output).sum(), parameters)))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["skew", "gather"])
+@pytest.mark.parametrize("spec", ["xlnet", "deberta", {"type": "deberta", "att_type": "p2c", "share_att_key": False}])
+def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec, contiguous, monkeypatch):
+    from hf_posenc import content_position_encodings
+
+    _, encoding, attention = scheme_and_term("bert", spec)
+    query, key, _ = qkv(q_len=5, kv_len=7)
+    query_positions = torch.tensor([[2, 3, 4, 5, 6]] * 2) if contiguous else torch.tensor([[5, 6, 9, 10, 12]] * 2)
+    inputs = attention_inputs(
+        encoding, query_positions, KEY_POSITIONS[:1].expand(2, -1) if not contiguous else CONTIGUOUS_KEY_POSITIONS
+    )
+    grad_output = torch.randn(2, HEADS, 5, 7)
+    parameters = [p for p in attention.position_term.parameters()] + [p for p in attention.parameters()][:2]
+    results = []
+    for chunk in (256, 2):
+        monkeypatch.setattr(content_position_encodings, "QUERY_CHUNK", chunk)
+        leaves = [t.clone().requires_grad_() for t in (query, key)]
+        score = attention.position_term.score_term(*leaves, inputs, 0.3, attention.project_query_key)
+        results.append(
+            (score, *torch.autograd.grad((score * grad_output).sum(), leaves + parameters, materialize_grads=True))
+        )
     for actual, expected in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(actual, expected)
