@@ -56,16 +56,22 @@ def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
 
 
-QUERY_CHUNK = 256
-"""Queries per chunk of a content-position term (:func:`in_query_chunks`)."""
+CHUNK_ELEMENTS = 2**23
+"""Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
+memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
+allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
 
 
-def in_query_chunks(chunk_term: Callable[[int, int], torch.Tensor], q_len: int, chunk: int | None = None):
-    """A ``(batch, heads, q_len, kv_len)`` score term built from ``chunk_term(start, stop)``, its rows ``start ..
-    stop - 1``, ``chunk`` (default :data:`QUERY_CHUNK`) queries at a time. With gradients each chunk is checkpointed (its intermediates, the
-    ``(batch, heads, chunk, rows)`` products, gates and indices, are recomputed in the backward), so a layer keeps
-    only the term itself: memory grows like ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
-    chunk = chunk or QUERY_CHUNK
+def in_query_chunks(
+    chunk_term: Callable[[int, int], torch.Tensor], scores_shape: tuple[int, ...], chunk: int | None = None
+) -> torch.Tensor:
+    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term built from ``chunk_term(start, stop)``, its
+    rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill :data:`CHUNK_ELEMENTS`). With
+    gradients each chunk is checkpointed (its intermediates, the ``(batch, heads, chunk, rows)`` products, gates and
+    indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
+    ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
+    batch, heads, q_len, kv_len = scores_shape
+    chunk = chunk or max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
     chunks = []
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)
@@ -217,7 +223,7 @@ class TransformerXLTerm(LayerPositionTerm):
                 position_scores = skew(row_scores, kv_len)
             return position_scores + content_scores
 
-        return in_query_chunks(chunk_scores, query.shape[-2])
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
 
 
 class TransformerXL(PositionEncoding):
@@ -315,7 +321,7 @@ class DeBERTaTerm(LayerPositionTerm):
                 score = score + gather_rows(key_rows, index[:, start:stop].transpose(-1, -2)).transpose(-1, -2)
             return score
 
-        return in_query_chunks(chunk_scores, query.shape[-2])
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
 
 
 class DeBERTa(PositionEncoding):
@@ -491,7 +497,7 @@ class CoPETerm(LayerPositionTerm):
     zero (as the reference's ``pos_emb``). The term is computed ``query_chunk`` queries at a time
     (:func:`in_query_chunks`)."""
 
-    query_chunk: int | None = None  # QUERY_CHUNK
+    query_chunk: int | None = None  # None: by CHUNK_ELEMENTS
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -507,7 +513,7 @@ class CoPETerm(LayerPositionTerm):
             chunk_visible = None if visible is None else visible[..., start:stop, :]
             return cope_scores(query[..., start:stop, :], key, chunk_visible, self.position_embeddings, scaling)
 
-        return in_query_chunks(chunk_scores, query.shape[-2], self.query_chunk)
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), self.query_chunk)
 
 
 def cope_scores(

@@ -645,8 +645,8 @@ def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec,
     grad_output = torch.randn(2, HEADS, 5, 7)
     parameters = [p for p in attention.position_term.parameters()] + [p for p in attention.parameters()][:2]
     results = []
-    for chunk in (256, 2):
-        monkeypatch.setattr(content_position_encodings, "QUERY_CHUNK", chunk)
+    for elements in (2**23, 2 * HEADS * 7 * 2):  # one chunk, chunks of 2 queries
+        monkeypatch.setattr(content_position_encodings, "CHUNK_ELEMENTS", elements)
         leaves = [t.clone().requires_grad_() for t in (query, key)]
         score = attention.position_term.score_term(*leaves, inputs, 0.3, attention.project_query_key)
         results.append(
