@@ -70,6 +70,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=SCHEMES, help="`none` is always added")
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
     parser.add_argument("--memory-seq-len", type=int, default=None, help="also measure peak training memory")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="CPU memory: glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in the measuring processes, e.g. 1048576, so that "
+        "freed blocks above it go back to the OS and the resident set follows the live tensors (by default glibc "
+        "raises the threshold up to 32 MiB after the first frees and keeps freed heap blocks resident)",
+    )
     parser.add_argument("--memory-child", nargs=3, metavar=("FAMILY", "SCHEME", "NORMALIZER"), help=argparse.SUPPRESS)
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--batch", type=int, default=8)
@@ -298,7 +306,11 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
             command += ["--memory-seq-len", str(args.memory_seq_len), "--device", args.device, "--seq-lens", "1"]
             command += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads)]
             command += ["--vocab", str(args.vocab), "--seed", str(args.seed)]
-            peak = float(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
+            env = dict(os.environ)
+            if args.malloc_mmap_threshold is not None:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+            result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+            peak = float(result.stdout.split()[-1])
             rows.append({"family": family, "scheme": scheme, "normalizer": normalizer, "peak_mib": peak})
         base = next(r["peak_mib"] for r in rows if r["family"] == family and r["scheme"] == "none")
         for row in rows:

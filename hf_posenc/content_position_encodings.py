@@ -11,12 +11,16 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .options import Option
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
+from .relative_tables import skew
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -26,11 +30,56 @@ def relative_distances(query_positions: torch.Tensor, key_positions: torch.Tenso
     return query_positions[:, :, None] - key_positions[:, None, :]
 
 
+def contiguous_positions(query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
+    """Whether the queries are at ``p, p + 1, ..., p + q_len - 1`` and the keys at ``r, ..., r + kv_len - 1``, with the
+    same ``p`` and ``r`` in every row: then the distance of query ``i`` to key ``j`` is ``i - j + p - r`` and a
+    per-distance table is read by :func:`~hf_posenc.relative_tables.skew`. One host sync per forward; under
+    ``torch.compile`` (no data-dependent branch) it is assumed and asserted on the device instead."""
+    query_steps = torch.arange(query_positions.shape[-1], device=query_positions.device)
+    key_steps = torch.arange(key_positions.shape[-1], device=key_positions.device)
+    contiguous = torch.logical_and(
+        (query_positions == query_positions[:1, :1] + query_steps).all(),
+        (key_positions == key_positions[:1, :1] + key_steps).all(),
+    )
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            contiguous, "xlnet under torch.compile needs contiguous positions, the same in every row of the batch"
+        )
+        return True
+    return bool(contiguous)
+
+
 def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``out[b, h, i, j] = row_scores[b, h, i, index[b, i, j]]``: scores against a table of rows ``(batch, heads,
     q_len, rows)`` read at each (query, key) pair's row, ``index`` ``(batch|1, q_len, kv_len)``."""
     batch, heads, q_len, _ = row_scores.shape
     return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+
+
+CHUNK_ELEMENTS = 2**23
+"""Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
+memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
+allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
+
+
+def in_query_chunks(
+    chunk_term: Callable[[int, int], torch.Tensor], scores_shape: tuple[int, ...], chunk: int | None = None
+) -> torch.Tensor:
+    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term built from ``chunk_term(start, stop)``, its
+    rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill :data:`CHUNK_ELEMENTS`). With
+    gradients each chunk is checkpointed (its intermediates, the ``(batch, heads, chunk, rows)`` products, gates and
+    indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
+    ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
+    batch, heads, q_len, kv_len = scores_shape
+    chunk = chunk or max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
+    chunks = []
+    for start in range(0, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(chunk_term, start, stop, use_reentrant=False))
+        else:
+            chunks.append(chunk_term(start, stop))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
 def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
@@ -160,12 +209,21 @@ class TransformerXLTerm(LayerPositionTerm):
         rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
         # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered. The scale goes on
         # the small factors, not on the (q_len, kv_len) result.
-        rows = rows * scaling
-        row_scores = torch.matmul(query + self.position_bias[:, None].to(query.dtype), rows.transpose(-1, -2))
-        position_scores = gather_rows(row_scores, tables["xl_index"])
+        rows = (rows * scaling).transpose(-1, -2)
+        query = query + self.position_bias[:, None].to(query.dtype)
         # Term 3: u W_K x_j, the same for every query.
-        content_bias = self.content_bias[..., None].to(key.dtype) * scaling
-        return position_scores + torch.matmul(key, content_bias).transpose(-1, -2)
+        content_scores = torch.matmul(key, self.content_bias[..., None].to(key.dtype) * scaling).transpose(-1, -2)
+        kv_len, index = key.shape[-2], tables.get("xl_index")
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            if index is not None:  # positions with gaps: each pair's row gathered
+                position_scores = gather_rows(torch.matmul(query[..., start:stop, :], rows), index[:, start:stop])
+            else:  # contiguous positions: column s of the rows is the distance s - (kv_len - 1) + p - r
+                row_scores = torch.matmul(query[..., start:stop, :], rows[..., start : stop + kv_len - 1])
+                position_scores = skew(row_scores, kv_len)
+            return position_scores + content_scores
+
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
 
 
 class TransformerXL(PositionEncoding):
@@ -175,11 +233,13 @@ class TransformerXL(PositionEncoding):
 
     ``R_{i-j}`` the sinusoid of the distance, not clipped (``transformer_xl_sinusoids``); ``W_{K,R}``, ``u``, ``v``
     per layer (``untie_r``), no position term on the values. Bidirectional in the encoder, causal in the decoder.
-    ``prepare`` builds the sinusoids of every distance the forward has, ``rows = max(i - j) - min(i - j) + 1``
-    (``q_len + kv_len - 1`` for contiguous positions), and each pair's row; a layer scores ``(q + v)`` against the
-    projected rows, ``(batch, heads, q_len, rows)``, and gathers: the memory of Transformer-XL's relative shift,
-    without its assumption of contiguous positions. Reference: kimiyoung/transformer-xl
-    ``RelPartialLearnableMultiHeadAttn``.
+    ``prepare`` builds the sinusoids of every distance the forward has; a layer scores ``(q + v)`` against the
+    projected rows, ``(batch, heads, q_len, rows)`` (one matmul), then reads each pair's row. Contiguous positions
+    (:func:`contiguous_positions`, the usual case) have ``rows = q_len + kv_len - 1`` distances, sized from the shapes
+    (no host sync), read by :func:`~hf_posenc.relative_tables.skew` (Transformer-XL's relative shift, views only,
+    nothing of ``(batch, heads, q_len, rows)`` kept for the backward); positions with gaps have
+    ``rows = max(i - j) - min(i - j) + 1`` and an index per pair, read by a gather. Reference:
+    kimiyoung/transformer-xl ``RelPartialLearnableMultiHeadAttn``.
     """
 
     name = "xlnet"
@@ -193,6 +253,11 @@ class TransformerXL(PositionEncoding):
         return TransformerXLTerm(dims)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        if consecutive or contiguous_positions(query_positions, key_positions):
+            q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+            offset = query_positions[0, 0] - key_positions[0, 0]
+            steps = torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
+            return {"xl_sinusoids": transformer_xl_sinusoids(steps, self.dims.hidden_size)}
         distances = relative_distances(query_positions, key_positions)
         lowest, highest = int(distances.min()), int(distances.max())
         steps = torch.arange(lowest, highest + 1, device=distances.device)
@@ -237,20 +302,26 @@ class DeBERTaTerm(LayerPositionTerm):
         embeddings, index = tables["deberta_embeddings"].to(query.dtype), tables["deberta_index"]
         if self.share_att_key:
             position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
-        score = 0.0
         # The scale goes on the (2 span)-row projections, not on the (q_len, kv_len) result: one pass fewer.
+        query_rows = key_rows = None
         if "c2p" in self.att_type:
             if not self.share_att_key:
                 position_key = self.heads(self.pos_key_proj(embeddings))
-            # c2p_ij = q_i . K^r[idx(i, j)]
-            score = gather_rows(torch.matmul(query, position_key.transpose(-1, -2) * scaling), index)
+            query_rows = position_key.transpose(-1, -2) * scaling
         if "p2c" in self.att_type:
             if not self.share_att_key:
                 position_query = self.heads(self.pos_query_proj(embeddings))
-            # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index.
             key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)  # (batch, heads, kv_len, 2 span)
-            score = score + gather_rows(key_rows, index.transpose(-1, -2)).transpose(-1, -2)
-        return score
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            score = 0.0
+            if query_rows is not None:  # c2p_ij = q_i . K^r[idx(i, j)]
+                score = gather_rows(torch.matmul(query[..., start:stop, :], query_rows), index[:, start:stop])
+            if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index
+                score = score + gather_rows(key_rows, index[:, start:stop].transpose(-1, -2)).transpose(-1, -2)
+            return score
+
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
 
 
 class DeBERTa(PositionEncoding):
@@ -423,7 +494,10 @@ class TUPE(PositionEncoding):
 
 class CoPETerm(LayerPositionTerm):
     """One layer's CoPE position embeddings ``e`` ``(head_dim, max_positions)``, shared by the heads, initialised to
-    zero (as the reference's ``pos_emb``)."""
+    zero (as the reference's ``pos_emb``). The term is computed ``query_chunk`` queries at a time
+    (:func:`in_query_chunks`)."""
+
+    query_chunk: int | None = None  # None: by CHUNK_ELEMENTS
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -433,19 +507,38 @@ class CoPETerm(LayerPositionTerm):
         init.zeros_(self.position_embeddings)
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        compute_dtype = torch.promote_types(query.dtype, torch.float32)
-        query = query.to(compute_dtype)
-        gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
-        if attention_inputs["visible"] is not None:
-            gates = gates * attention_inputs["visible"]  # masked keys (the future, padding) count nothing
-        # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
-        positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.position_embeddings.shape[-1] - 1)
-        floor = positions.floor()
-        fraction, index = positions - floor, floor.long()
-        # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
-        integer_scores = torch.matmul(query, self.position_embeddings.to(compute_dtype))
-        steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
-        return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
+        visible = attention_inputs["visible"]
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            chunk_visible = None if visible is None else visible[..., start:stop, :]
+            return cope_scores(query[..., start:stop, :], key, chunk_visible, self.position_embeddings, scaling)
+
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), self.query_chunk)
+
+
+def cope_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    visible: torch.Tensor | None,
+    position_embeddings: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """CoPE's term ``q_i . e[p_ij]`` ``(batch, heads, q_len, kv_len)`` for queries ``(batch, heads, q_len,
+    head_dim)`` (a chunk of them), every key, ``visible`` ``(batch|1, 1, q_len, kv_len)`` or None, and ``e``
+    ``(head_dim, max_positions)``; computed in at least float32."""
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    query = query.to(compute_dtype)
+    gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
+    if visible is not None:
+        gates = gates * visible  # masked keys (the future, padding) count nothing
+    # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
+    positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=position_embeddings.shape[-1] - 1)
+    floor = positions.floor()
+    fraction, index = positions - floor, floor.long()
+    # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
+    integer_scores = torch.matmul(query, position_embeddings.to(compute_dtype))
+    steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
+    return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
 
 
 class CoPE(PositionEncoding):

@@ -32,6 +32,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.utils import logging
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection
 
@@ -336,6 +337,14 @@ def _eager(query, key, value, attention_inputs, normalizer, score_term, value_te
     return output, weights
 
 
+def _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training) -> bool:
+    """A float mask that requires grad (a learned position term) on CPU, without dropout: CPU SDPA kernels do not
+    differentiate the mask and would fall back to the math path, so :func:`attention_with_learned_bias` runs SDPA's
+    fused forward and its own backward (one ``(q_len, kv_len)`` tensor kept per layer instead of about three)."""
+    needs_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+    return needs_grad and query.device.type == "cpu" and not (training and dropout > 0)
+
+
 def _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal):
     attn_mask = attention_inputs["mask"]
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
@@ -346,15 +355,18 @@ def _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, tra
             attn_mask = score_term.to(query.dtype).masked_fill(~attn_mask, torch.finfo(query.dtype).min)
         else:
             attn_mask = attn_mask + score_term.to(attn_mask.dtype)
-    output = nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout if training else 0.0,
-        scale=scaling,
-        is_causal=attn_mask is None and causal and query.shape[-2] > 1,
-    )
+    if _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training):
+        output = attention_with_learned_bias(query, key, value, attn_mask, scaling)
+    else:
+        output = nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout if training else 0.0,
+            scale=scaling,
+            is_causal=attn_mask is None and causal and query.shape[-2] > 1,
+        )
     if attention_inputs["row_has_key"] is not None:
         output = output * attention_inputs["row_has_key"]
     return output

@@ -159,19 +159,30 @@ def transformer_xl_sinusoid(distance: int, dim: int) -> torch.Tensor:
     return torch.tensor([math.sin(distance * f) for f in frequencies] + [math.cos(distance * f) for f in frequencies])
 
 
+CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS = (
+    torch.tensor([[4, 5, 6]] * 2),
+    torch.tensor([list(range(7))] * 2),
+)
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["gather", "skew"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_xlnet_terms_2_3_4_equal_the_loop(family):
+def test_xlnet_terms_2_3_4_equal_the_loop(family, contiguous):
     _, encoding, attention = scheme_and_term(family, "xlnet")
     term = attention.position_term
     query, key, _ = qkv()
-    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    query_positions, key_positions = QUERY_POSITIONS, KEY_POSITIONS
+    if contiguous:
+        query_positions, key_positions = CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS
+    inputs = attention_inputs(encoding, query_positions, key_positions)
+    assert ("xl_index" not in inputs["position"]) is contiguous
     w_kr = term.position_key.weight  # (hidden, hidden): W_{K,R} R = w_kr @ R
     u, v = term.content_bias, term.position_bias
     expected = torch.zeros(2, HEADS, 3, 7)
     for b in range(2):
         for i in range(3):
             for j in range(7):
-                relative = w_kr @ transformer_xl_sinusoid(int(QUERY_POSITIONS[b, i] - KEY_POSITIONS[b, j]), HIDDEN)
+                relative = w_kr @ transformer_xl_sinusoid(int(query_positions[b, i] - key_positions[b, j]), HIDDEN)
                 for h in range(HEADS):
                     r = relative[h * HEAD_DIM : (h + 1) * HEAD_DIM]
                     content_position = query[b, h, i] @ r  # x_i W_Q W_{K,R} R_{i-j}
@@ -549,3 +560,97 @@ def test_convert_keeps_the_stock_weights_and_initialises_the_layer_terms(scheme)
     assert all(torch.isfinite(p).all() for p in converted.parameters())
     with torch.no_grad():
         assert torch.isfinite(converted(random_ids(2, 9)).last_hidden_state).all()
+
+
+# ---- the fast paths against the eager reference ----
+
+
+def test_attention_with_learned_bias_equals_softmax_attention_values_and_grads():
+    """SDPA's forward with the bias detached and the recomputed backward, against autograd through the formula;
+    a bias broadcast over the batch, masked keys at finfo.min."""
+    from hf_posenc.learned_bias_attention import attention_with_learned_bias
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(2, 3, 6, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(1, 3, 5, 6, generator=generator, dtype=torch.float64)
+    visible = torch.rand(2, 1, 5, 6, generator=generator) > 0.3
+    visible[..., 0] = True
+    grad_output = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
+    results = []
+    for attend in (
+        lambda q, k, v, m: torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * 0.3 + m).softmax(-1), v),
+        lambda q, k, v, m: attention_with_learned_bias(q, k, v, m, 0.3),
+    ):
+        inputs = [t.clone().requires_grad_() for t in (query, key, value, bias)]
+        mask = inputs[3].masked_fill(~visible, torch.finfo(torch.float64).min)
+        output = attend(*inputs[:3], mask)
+        results.append((output, *torch.autograd.grad((output * grad_output).sum(), inputs)))
+    for expected, actual in zip(*results, strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize(("family", "spec"), CONTENT_SCHEMES)
+def test_sdpa_training_step_equals_eager_values_and_grads(family, spec):
+    """A padded batch through the whole model: SDPA (skew, learned-bias backward, chunks) against eager."""
+    model = make_model(family, spec)
+    ids = random_ids(2, 11)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # left padding (the position ids stay 0..10: queries of the padded row see fewer keys)
+    results = []
+    for backend in ("eager", "sdpa"):
+        model.set_attn_implementation(backend)
+        model.zero_grad()
+        logits = model(ids, attention_mask=attention_mask).logits
+        (logits[attention_mask.bool()] ** 2).mean().backward()
+        results.append(
+            (logits[attention_mask.bool()], [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        )
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-4)
+    for actual, expected in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_cope_in_chunks_of_queries_equals_one_chunk_values_and_grads():
+    """Chunks of 2 queries (checkpointed: recomputed in the backward) against the whole (q, kv) term at once."""
+    _, _, attention = scheme_and_term("gpt2", {"type": "cope", "max_positions": 4})
+    term = attention.position_term
+    with torch.no_grad():
+        term.position_embeddings.normal_(generator=torch.Generator().manual_seed(1))
+    query, key, _ = qkv(q_len=5, kv_len=7)
+    visible = KEY_POSITIONS[:1, None, None, :] <= torch.tensor([2, 3, 5, 6, 9])[None, None, :, None]
+    grad_output = torch.randn(2, HEADS, 5, 7)
+    results = []
+    for chunk in (None, 2):
+        term.query_chunk = chunk
+        inputs = [t.clone().requires_grad_() for t in (query, key)]
+        score = term.score_term(*inputs, {"visible": visible}, 0.5, None)
+        parameters = [*inputs, term.position_embeddings]
+        results.append((score, *torch.autograd.grad((score * grad_output).sum(), parameters)))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["skew", "gather"])
+@pytest.mark.parametrize("spec", ["xlnet", "deberta", {"type": "deberta", "att_type": "p2c", "share_att_key": False}])
+def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec, contiguous, monkeypatch):
+    from hf_posenc import content_position_encodings
+
+    _, encoding, attention = scheme_and_term("bert", spec)
+    query, key, _ = qkv(q_len=5, kv_len=7)
+    query_positions = torch.tensor([[2, 3, 4, 5, 6]] * 2) if contiguous else torch.tensor([[5, 6, 9, 10, 12]] * 2)
+    inputs = attention_inputs(
+        encoding, query_positions, KEY_POSITIONS[:1].expand(2, -1) if not contiguous else CONTIGUOUS_KEY_POSITIONS
+    )
+    grad_output = torch.randn(2, HEADS, 5, 7)
+    parameters = [p for p in attention.position_term.parameters()] + [p for p in attention.parameters()][:2]
+    results = []
+    for elements in (2**23, 2 * HEADS * 7 * 2):  # one chunk, chunks of 2 queries
+        monkeypatch.setattr(content_position_encodings, "CHUNK_ELEMENTS", elements)
+        leaves = [t.clone().requires_grad_() for t in (query, key)]
+        score = attention.position_term.score_term(*leaves, inputs, 0.3, attention.project_query_key)
+        results.append(
+            (score, *torch.autograd.grad((score * grad_output).sum(), leaves + parameters, materialize_grads=True))
+        )
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected)
