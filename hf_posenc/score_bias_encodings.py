@@ -337,7 +337,15 @@ class FIRE(RelativeScoreBias):
         return table["slope"][piece, head] * x + table["intercept"][piece, head]
 
     def dense_bias(self, query_positions, key_positions, table):
-        """The MLP itself on the ``(batch|1, q_len, kv_len)`` inputs (:func:`relu_mlp_of_scalars`): a dense backward,
-        where looking up each pair's piece would scatter ``q_len * kv_len`` gradients into ``width + 1`` rows."""
+        """Off CPU, the MLP itself on the ``(batch|1, q_len, kv_len)`` inputs (:func:`relu_mlp_of_scalars`): a dense
+        backward, where looking up each pair's piece would scatter ``q_len * kv_len`` gradients into ``width + 1``
+        rows (atomic adds on the same addresses on a GPU). On CPU that scatter is a cheap sequential add and the MLP
+        costs ``width`` times more, so the piece lookup (:meth:`position_bias`) stays; both give the same numbers."""
+        if query_positions.device.type == "cpu":
+            return super().dense_bias(query_positions, key_positions, table)
+        return self.mlp_bias(query_positions, key_positions, table)
+
+    def mlp_bias(self, query_positions, key_positions, table):
+        """``(batch|1, heads, q_len, kv_len)``: the MLP evaluated on every pair's normalised distance."""
         x = self.normalised_distance(query_positions[:, :, None], key_positions[:, None, :], table)
         return relu_mlp_of_scalars(x, *self.mlp_weights()).transpose(0, 1)

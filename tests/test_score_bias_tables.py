@@ -96,7 +96,7 @@ def test_fire_dense_mlp_equals_its_pieces_per_pair_in_values_and_gradients(causa
     """FIRE's dense bias (the MLP, dense backward) = its piecewise lookup per pair, below and past the threshold."""
     encoding = scheme("fire", causal, threshold=threshold, mlp_width=8)
     query_positions, key_positions = torch.arange(3, 9)[None], torch.arange(9)[None]
-    bias = encoding.prepare(query_positions, key_positions, "sdpa", consecutive=True)["score_bias"]
+    bias = encoding.mlp_bias(query_positions, key_positions, encoding.bias_table(torch.device("cpu")))  # off CPU
     heads = torch.arange(HEADS)[None, :, None, None]
     table = encoding.bias_table(torch.device("cpu"))
     expected = encoding.position_bias(query_positions[:, None, :, None], key_positions[:, None, None, :], heads, table)
