@@ -37,6 +37,8 @@ from tqdm.auto import tqdm
 
 import hf_posenc
 
+from .score_bias_encodings import T5Bias, t5_bias_from_steps
+
 
 EMBEDDED_CORPUS = Path(__file__).parent / "data" / "emma.txt.xz"
 MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
@@ -243,7 +245,8 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
     * ``sinusoidal`` (Vaswani et al. 2017; tensor2tensor): token embeddings ``N(0, d^-1/2)``. GPT-2's 0.02 leaves the
       fixed table (entries of size ~0.7) eight times louder than ``d^-1/2`` does and the tokens nearly invisible:
       trained with GPT-2's init the model stays on the unigram plateau.
-    * ``t5`` (Raffel et al. 2020; ``T5PreTrainedModel._init_weights``): relative attention bias ``N(0, d^-1/2)``.
+    * ``t5`` (Raffel et al. 2020; ``T5PreTrainedModel._init_weights``): relative attention bias values ``N(0, d^-1/2)``
+      (on top of the scheme's initial far steps, ``T5Bias``).
 
     ``learned`` is GPT-2's / BERT's own init; ``rope``, ``alibi`` and ``none`` have no parameters.
     """
@@ -256,9 +259,11 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
             changed.append(f"token embeddings ~ N(0, {std:.4f})")
         if scheme == "t5":
             for name, module in model.named_modules():
-                if name.endswith("relative_attention_bias"):
-                    module.weight.normal_(0.0, std)
-                    changed.append(f"{name} ~ N(0, {std:.4f})")
+                if isinstance(module, T5Bias):  # T5's values, on top of the scheme's falling far steps
+                    steps = module.initial_steps().expand_as(module.relative_attention_bias.weight)
+                    falling = t5_bias_from_steps(steps, bidirectional=not module.dims.causal) * module.table_scale
+                    module.store_bias(falling + torch.randn_like(falling) * std)
+                    changed.append(f"{name} bias ~ N(0, {std:.4f}) + its initial steps")
     return changed
 
 

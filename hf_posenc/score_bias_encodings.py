@@ -88,7 +88,7 @@ class T5Bias(RelativeScoreBias):
     ``max_distance`` on), and at the trained buckets' level their number drowns the near keys. Training moves the
     steps of the buckets it reaches; the others keep falling.
 
-    A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s``.
+    A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`).
     """
 
     name = "t5"
@@ -128,6 +128,12 @@ class T5Bias(RelativeScoreBias):
         weight = self.relative_attention_bias.weight
         noise = torch.randn(weight.shape) * (initializer_range / self.table_scale)
         init.copy_(weight, noise + self.initial_steps())
+
+    def store_bias(self, values: torch.Tensor) -> None:
+        """Write bias values ``(num_buckets, heads)`` (a T5 checkpoint's table, or an init drawn as values)."""
+        steps = t5_steps_from_bias(values, bidirectional=not self.dims.causal) / self.table_scale
+        with torch.no_grad():
+            self.relative_attention_bias.weight.copy_(steps)
 
     def bias_table(self, device):
         steps = self.relative_attention_bias.weight

@@ -196,13 +196,25 @@ def test_t5_bias_table_is_table_scale_times_the_summed_steps(causal):
 
 
 def test_t5_checkpoint_values_convert_to_steps():
-    """A T5 table of bias values, stored as ``t5_steps_from_bias(values) / table_scale``, gives back those values."""
+    """A T5 table of bias values, stored as ``t5_steps_from_bias(values) / table_scale`` (``store_bias``), gives back
+    those values."""
     values = torch.randn(32, 2)
     for causal in (False, True):
         encoding = scheme("t5", causal, head_dim=16)
-        with torch.no_grad():
-            encoding.relative_attention_bias.weight.copy_(t5_steps_from_bias(values, bidirectional=not causal) / 4.0)
+        encoding.store_bias(values)
+        torch.testing.assert_close(
+            encoding.relative_attention_bias.weight * 4.0, t5_bias_by_hand_inverse(values, causal)
+        )
         torch.testing.assert_close(encoding.bias_table(CPU), values)
+
+
+def t5_bias_by_hand_inverse(values, causal):
+    """Each bucket's value minus the value of the bucket one step nearer (bucket 0 for the first upper one)."""
+    half = values.shape[0] if causal else values.shape[0] // 2
+    steps = values.clone()
+    for k in range(1, values.shape[0]):
+        steps[k] = values[k] - values[0 if k == half else k - 1]
+    return steps
 
 
 @pytest.mark.parametrize("model_type", ["bert", "gpt2"])
