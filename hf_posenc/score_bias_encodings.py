@@ -83,10 +83,11 @@ class T5Bias(RelativeScoreBias):
     never reaches (distances beyond the training length) gets no gradient: stored as a value it would keep its
     initial ~0 while the farthest trained buckets go to about -2 (every key past the training length then gains ~+2);
     stored as a step it keeps the bias of the nearest trained bucket plus its initial step. Each step starts at
-    ``N(0, initializer_range / s)`` (T5's small init), and each logarithmic bucket's step at ``far_step`` =
-    -1 nat below that: keys beyond the training length share few buckets (the last one takes every distance from
+    ``N(0, initializer_range / s)`` (T5's small init), plus ``far_step / s`` (-1 nat of bias) at each logarithmic
+    bucket: the keys beyond the training length share few buckets (the last one takes every distance from
     ``max_distance`` on), and at the trained buckets' level their number drowns the near keys. Training moves the
-    steps of the buckets it reaches; the others keep falling.
+    steps of the buckets it reaches; the others keep falling. Same benchmark, loss at 64 / 128 / 256 / 512 bytes
+    after training at 64: values 1.663 / 2.009 / 2.802 / 3.082, steps 1.626 / 1.592 / 1.593 / 1.593.
 
     A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`).
     """
