@@ -1,10 +1,12 @@
-"""How fast position-only biases learn: small byte-level decoders trained side by side, loss at 1x and 8x length.
+"""How fast position-only biases learn: small byte-level decoders trained side by side, loss at 1x to 8x length.
 
 Each scheme trains a ``posenc_gpt2`` decoder (bytes as tokens, width 128, 3 layers, 4 heads, no dropout) with AdamW
 at 1e-3 on batches of 32 x 64 bytes of Jane Austen, from the same seed and the same batches. After training it
-reports the mean next-byte loss (nats/byte) on held-out text in windows of the training length and of 8x that
-length, and their ratio (how well the scheme extrapolates). Issue 7 of hf_posenc: ``t5`` learned slower than
-reference implementations whose bias table is scaled by sqrt(head_dim).
+reports the next-byte loss (nats/byte) on held-out text at 1x, 2x, 4x and 8x the training length, scored as the
+extrapolation recipe does (``hf_posenc.extrapolation.sliding_window_loss``: windows of L bytes moved by the training
+length, each scored on its last training-length positions), and the ratio of the last to the first (how well the
+scheme extrapolates). Issue 7 of hf_posenc: ``t5`` learned slower than reference implementations whose bias table
+is scaled by sqrt(head_dim); issue 16: ``t5`` past its training length.
 
     python benchmarks/bias_learning_pace.py                                   # t5, alibi, kerple, fire; 600 steps
     python benchmarks/bias_learning_pace.py --steps 300 --schemes t5 '{"type": "t5", "table_scale": 1.0}'
@@ -25,6 +27,7 @@ import transformers
 from tqdm import tqdm
 
 import hf_posenc
+from hf_posenc.extrapolation import sliding_window_loss
 
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "austen.txt"
@@ -37,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=64, help="training length (bytes)")
-    parser.add_argument("--extrapolation", type=int, default=8, help="evaluate at this multiple of --length too")
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="evaluate at these multiples")
     parser.add_argument("--eval-bytes", type=int, default=65536, help="held-out bytes evaluated at each length")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -68,19 +71,6 @@ def byte_model(position_encoding, max_length: int, seed: int) -> transformers.Pr
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-@torch.no_grad()
-def mean_loss(model, data: torch.Tensor, length: int, batch: int) -> float:
-    """Mean next-byte loss over consecutive windows of ``length`` bytes of ``data``."""
-    model.eval()
-    windows = data[: len(data) // length * length].view(-1, length)
-    total = 0.0
-    for start in range(0, len(windows), batch):
-        chunk = windows[start : start + batch]
-        total += model(chunk, labels=chunk).loss.item() * len(chunk)
-    model.train()
-    return total / len(windows)
-
-
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -88,14 +78,14 @@ def main() -> None:
     data = torch.frombuffer(bytearray(args.corpus.read_bytes()), dtype=torch.uint8).long()
     split = int(len(data) * 0.95)
     train, held_out = data[:split], data[split : split + args.eval_bytes]
-    long_length = args.length * args.extrapolation
+    lengths = [factor * args.length for factor in args.factors]
     generator = torch.Generator().manual_seed(args.seed)
     starts = torch.randint(0, len(train) - args.length, (args.steps, args.batch), generator=generator)
     offsets = torch.arange(args.length)
     results = []
     for text in args.schemes:
         scheme = parse_scheme(text)
-        model = byte_model(scheme, long_length, args.seed).train()
+        model = byte_model(scheme, max(lengths), args.seed).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         began = time.perf_counter()
         for step in tqdm(range(args.steps), desc=str(text), leave=False):
@@ -105,23 +95,20 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
         seconds = time.perf_counter() - began
-        short = mean_loss(model, held_out, args.length, args.batch)
-        long = mean_loss(model, held_out, long_length, max(1, args.batch // args.extrapolation))
+        model.eval()
+        losses = {length: sliding_window_loss(model, held_out, length, args.length, args.batch) for length in lengths}
+        first, last = losses[lengths[0]], losses[lengths[-1]]
         row = {
             "scheme": model.config.position_encoding,
             "train_loss_last": loss.item(),
-            f"loss_at_{args.length}": short,
-            f"loss_at_{long_length}": long,
-            "ratio": long / short,
+            **{f"loss_at_{length}": value for length, value in losses.items()},
+            "ratio": last / first,
             "train_seconds": seconds,
         }
         results.append(row)
-        print(
-            f"{json.dumps(row['scheme']):70s} loss@{args.length} {short:.3f}  loss@{long_length} {long:.3f}  "
-            f"ratio {long / short:.3f}  ({seconds:.0f} s)",
-            flush=True,
-        )
-        if not math.isfinite(short):
+        columns = "  ".join(f"loss@{length} {value:.3f}" for length, value in losses.items())
+        print(f"{json.dumps(row['scheme']):70s} {columns}  ratio {last / first:.3f}  ({seconds:.0f} s)", flush=True)
+        if not math.isfinite(first):
             raise RuntimeError(f"{text}: loss is not finite")
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -41,19 +41,55 @@ def t5_relative_bucket(
     return offset + torch.where(magnitude < max_exact, magnitude, large)
 
 
+def t5_bias_from_steps(steps: torch.Tensor, *, bidirectional: bool) -> torch.Tensor:
+    """T5 bias values ``(num_buckets, heads)`` from their steps outward from distance 0: ``beta[k] = sum_{m <= k}
+    steps[m]`` along each direction.
+
+    Causal: buckets ``0, 1, ..., n - 1`` are distances in increasing order, so ``beta = cumsum(steps)``. Bidirectional:
+    the lower half (``i - j >= 0``) is ``cumsum(steps[:n/2])``; the upper half (keys to the right) starts from bucket
+    0 (distance 0): ``beta[n/2 + m] = beta[0] + sum_{m' <= m} steps[n/2 + m']`` (bucket ``n/2``, distance "-0", is
+    never looked up; its step is the offset between the two directions).
+    """
+    if not bidirectional:
+        return steps.cumsum(0)
+    half = steps.shape[0] // 2
+    past = steps[:half].cumsum(0)
+    return torch.cat([past, past[:1] + steps[half:].cumsum(0)])
+
+
+def t5_steps_from_bias(bias: torch.Tensor, *, bidirectional: bool) -> torch.Tensor:
+    """The inverse of :func:`t5_bias_from_steps`: a T5 table of bias values ``(num_buckets, heads)`` as steps."""
+    first = torch.zeros_like(bias[:1])
+    if not bidirectional:
+        return torch.diff(bias, dim=0, prepend=first)
+    half = bias.shape[0] // 2
+    return torch.cat([torch.diff(bias[:half], dim=0, prepend=first), torch.diff(bias[half:], dim=0, prepend=bias[:1])])
+
+
 class T5Bias(RelativeScoreBias):
-    """T5 bucketed relative bias: ``b_ij += s * beta_h[bucket(i - j)]``, one table shared by all layers.
+    """T5 bucketed relative bias: ``b_ij += beta_h[bucket(i - j)]``, one table shared by all layers.
 
     Bidirectional buckets in an encoder, causal (``i - j >= 0`` only) in a decoder. Source: Raffel et al. 2020;
-    kexue.fm/archives/8130 "T5式". Parameters: ``relative_attention_bias`` ``(num_buckets, heads)``.
+    kexue.fm/archives/8130 "T5式". Parameters: ``relative_attention_bias`` ``(num_buckets, heads)``, the table's
+    steps outward from distance 0: ``beta = s * t5_bias_from_steps(relative_attention_bias)`` (each bucket is the
+    bucket before it, one step nearer, plus its own step).
 
-    The stored table is multiplied by ``s = table_scale`` (default ``sqrt(head_dim)``, as x-transformers does). Adam
-    moves every parameter by about the learning rate per step whatever its gradient's size, so a table read as it is
-    moves its bias by ``lr`` per step, far slower than the attention logits it competes with; read through ``s`` it
-    moves ``s`` times faster (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps). The
-    initial bias keeps T5's small values: the table starts at ``N(0, initializer_range / s)``; buckets that training
-    never reaches (distances beyond the training length) keep that near-zero bias. A T5 checkpoint's table (bias
-    values) converts as ``weight / s``; ``table_scale=1.0`` reads it unchanged (and learns at T5's own pace).
+    ``s = table_scale`` (default ``sqrt(head_dim)``, as x-transformers): Adam moves every parameter by about the
+    learning rate per step whatever its gradient's size, so a table read as it is moves its bias by ``lr`` per step,
+    far slower than the attention logits it competes with; read through ``s`` it moves ``s`` times faster
+    (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps).
+
+    Steps, not values, so that a model keeps its bias past its training length (issue 16). A bucket that training
+    never reaches (distances beyond the training length) gets no gradient: stored as a value it would keep its
+    initial ~0 while the farthest trained buckets go to about -2 (every key past the training length then gains ~+2);
+    stored as a step it keeps the bias of the nearest trained bucket plus its initial step. Each step starts at
+    ``N(0, initializer_range / s)`` (T5's small init), plus ``far_step / s`` (-1 nat of bias) at each logarithmic
+    bucket: the keys beyond the training length share few buckets (the last one takes every distance from
+    ``max_distance`` on), and at the trained buckets' level their number drowns the near keys. Training moves the
+    steps of the buckets it reaches; the others keep falling. Same benchmark, loss at 64 / 128 / 256 / 512 bytes
+    after training at 64: values 1.663 / 2.009 / 2.802 / 3.082, steps 1.626 / 1.592 / 1.593 / 1.593.
+
+    A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`).
     """
 
     name = "t5"
@@ -65,6 +101,7 @@ class T5Bias(RelativeScoreBias):
             None, (float, int), "bias = table_scale * table (None: sqrt(head_dim))", lambda v: v > 0, "a number > 0"
         ),
     }
+    far_step = -1.0
 
     @classmethod
     def check_spec(cls, spec):
@@ -80,11 +117,28 @@ class T5Bias(RelativeScoreBias):
         self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
         self.table_scale = spec["table_scale"] or math.sqrt(dims.head_dim)
 
+    def initial_steps(self) -> torch.Tensor:
+        """The mean of each stored step at init, ``(num_buckets, 1)``: ``far_step / s`` at the logarithmic buckets
+        (those past the exact distances, in each direction), 0 elsewhere."""
+        half = self.spec["num_buckets"] // (1 if self.dims.causal else 2)
+        per_direction = torch.arange(half) >= half // 2
+        logarithmic = per_direction if self.dims.causal else torch.cat([per_direction, per_direction])
+        return (logarithmic.float() * self.far_step / self.table_scale)[:, None]
+
     def init_weights(self, initializer_range):
-        init.normal_(self.relative_attention_bias.weight, std=initializer_range / self.table_scale)
+        weight = self.relative_attention_bias.weight
+        noise = torch.randn(weight.shape) * (initializer_range / self.table_scale)
+        init.copy_(weight, noise + self.initial_steps())
+
+    def store_bias(self, values: torch.Tensor) -> None:
+        """Write bias values ``(num_buckets, heads)`` (a T5 checkpoint's table, or an init drawn as values)."""
+        steps = t5_steps_from_bias(values, bidirectional=not self.dims.causal) / self.table_scale
+        with torch.no_grad():
+            self.relative_attention_bias.weight.copy_(steps)
 
     def bias_table(self, device):
-        return self.relative_attention_bias.weight * self.table_scale
+        steps = self.relative_attention_bias.weight
+        return t5_bias_from_steps(steps, bidirectional=not self.dims.causal) * self.table_scale
 
     def distance_bias(self, distance, head, table):
         bucket = t5_relative_bucket(

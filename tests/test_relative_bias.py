@@ -83,10 +83,13 @@ def test_t5_attention_weights_match_a_hand_written_reference():
     model = make_model("bert", "t5")
     ids = random_ids(1, 6)
     encoding = model.bert.position_encoding
-    table = encoding.relative_attention_bias.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
+    steps = encoding.relative_attention_bias.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
 
     def bias(h, i, j):
-        return float(table[SU_T5_TABLE[i - j] if i >= j else 16 + SU_T5_TABLE[j - i], h])
+        # The stored table holds steps outward from distance 0: sum them up to the bucket, in its direction.
+        if i >= j:
+            return sum(float(steps[b, h]) for b in range(SU_T5_TABLE[i - j] + 1))
+        return float(steps[0, h]) + sum(float(steps[b, h]) for b in range(16, 16 + SU_T5_TABLE[j - i] + 1))
 
     expected = reference_biased_attention_logits(model, ids, bias)
     with torch.no_grad():

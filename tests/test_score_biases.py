@@ -14,7 +14,7 @@ from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import choose_backend
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
-from hf_posenc.score_bias_encodings import relu_mlp_pieces
+from hf_posenc.score_bias_encodings import relu_mlp_pieces, t5_bias_from_steps, t5_steps_from_bias
 
 
 CPU = torch.device("cpu")
@@ -162,13 +162,98 @@ def test_t5_table_scale_multiplies_the_stored_table():
     torch.testing.assert_close(dense_bias(default, positions), dense_bias(unscaled, positions))
 
 
-def test_t5_initial_bias_keeps_the_initializer_range():
-    """The stored table starts at N(0, initializer_range / table_scale), so the bias starts at T5's small values."""
+def t5_bias_by_hand(steps, causal):
+    """beta[k] = the sum of the steps from bucket 0 out to bucket k, in k's direction (the upper half of a
+    bidirectional table starts from bucket 0)."""
+    buckets, heads = steps.shape
+    half = buckets if causal else buckets // 2
+    bias = torch.zeros(buckets, heads)
+    for h in range(heads):
+        for k in range(buckets):
+            chain = range(k + 1) if k < half else [0, *range(half, k + 1)]
+            bias[k, h] = sum(float(steps[m, h]) for m in chain)
+    return bias
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_t5_bias_is_the_sum_of_the_steps_out_to_its_bucket(causal):
+    steps = torch.randn(8, 3, dtype=torch.float64)
+    torch.testing.assert_close(
+        t5_bias_from_steps(steps, bidirectional=not causal), t5_bias_by_hand(steps, causal).double()
+    )
+    torch.testing.assert_close(
+        t5_steps_from_bias(t5_bias_from_steps(steps, bidirectional=not causal), bidirectional=not causal), steps
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_t5_bias_table_is_table_scale_times_the_summed_steps(causal):
+    encoding = scheme("t5", causal, head_dim=16)  # table_scale 4
+    with torch.no_grad():
+        encoding.relative_attention_bias.weight.normal_()
+    expected = 4.0 * t5_bias_by_hand(encoding.relative_attention_bias.weight, causal)
+    torch.testing.assert_close(encoding.bias_table(CPU), expected)
+
+
+def test_t5_checkpoint_values_convert_to_steps():
+    """A T5 table of bias values, stored as ``t5_steps_from_bias(values) / table_scale`` (``store_bias``), gives back
+    those values."""
+    values = torch.randn(32, 2)
+    for causal in (False, True):
+        encoding = scheme("t5", causal, head_dim=16)
+        encoding.store_bias(values)
+        torch.testing.assert_close(
+            encoding.relative_attention_bias.weight * 4.0, t5_bias_by_hand_inverse(values, causal)
+        )
+        torch.testing.assert_close(encoding.bias_table(CPU), values)
+
+
+def t5_bias_by_hand_inverse(values, causal):
+    """Each bucket's value minus the value of the bucket one step nearer (bucket 0 for the first upper one)."""
+    half = values.shape[0] if causal else values.shape[0] // 2
+    steps = values.clone()
+    for k in range(1, values.shape[0]):
+        steps[k] = values[k] - values[0 if k == half else k - 1]
+    return steps
+
+
+@pytest.mark.parametrize("model_type", ["bert", "gpt2"])
+def test_t5_initial_bias_is_small_over_exact_distances_and_falls_one_nat_per_log_bucket(model_type):
+    """Steps start at N(0, initializer_range / table_scale), minus 1 / table_scale at each logarithmic bucket."""
     torch.manual_seed(0)
-    config = make_config("bert", "t5", hidden_size=64, initializer_range=0.02)  # head_dim 16: table_scale 4
-    encoding = transformers.AutoModelForMaskedLM.from_config(config).bert.position_encoding
+    width = {"hidden_size": 64} if model_type == "bert" else {"n_embd": 64}  # 4 heads of 16: table_scale 4
+    config = make_config(model_type, "t5", initializer_range=0.02, **width)
+    auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
+    model = auto.from_config(config)
+    encoding = model.base_model.position_encoding
     assert encoding.table_scale == 4.0
-    assert 0.0035 < encoding.relative_attention_bias.weight.std().item() < 0.0065  # 0.02 / 4
+    causal = model_type == "gpt2"
+    steps = encoding.relative_attention_bias.weight.detach() * 4.0
+    exact = torch.cat([torch.arange(16)] if causal else [torch.arange(8), torch.arange(16, 24)])
+    logarithmic = torch.cat([torch.arange(16, 32)] if causal else [torch.arange(8, 16), torch.arange(24, 32)])
+    assert 0.012 < steps[exact].std().item() < 0.03  # 0.02 in bias units
+    torch.testing.assert_close(steps[logarithmic], torch.full_like(steps[logarithmic], -1.0), atol=0.1, rtol=0)
+    bias = encoding.bias_table(CPU).detach()
+    assert bias[exact].abs().max() < 0.2
+
+
+def test_t5_never_reached_buckets_stay_below_the_farthest_trained_one():
+    """Train a decoder on 12-token blocks: the loss reaches distances 0..10 (buckets 0..10 of 32). The bias of every
+    bucket training never reaches stays at or below the farthest trained bucket's, in every head (issue 16: stored as
+    values, the unreached buckets kept their initial ~0 while the trained far ones fell, here to -0.5 and -1.3, so
+    every key past the training length gained)."""
+    torch.manual_seed(0)
+    config = make_config("gpt2", "t5", n_layer=1, n_head=2, initializer_range=0.02)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(60):
+        ids = torch.randint(3, 60, (16, 12))
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    bias = model.transformer.position_encoding.bias_table(CPU).detach()
+    # Buckets 11..15 (exact distances) keep the farthest trained bias plus their initial steps, N(0, 0.02) each.
+    assert (bias[11:] <= bias[10] + 0.1).all(), (bias[11:] - bias[10]).max()
 
 
 POSITION_ONLY = ["t5", "alibi", "kerple", "fire"]
