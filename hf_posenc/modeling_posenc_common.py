@@ -18,6 +18,7 @@ from .configuration_posenc import resolve_attention_normalizer, resolve_position
 from .posenc_attention import build_attention_mask, build_dense_mask, choose_backend, position_bias_needs_grad
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
+from .score_bias_encodings import refuse_old_t5_table
 
 
 def attention_dims(config, causal: bool) -> AttentionDims:
@@ -234,6 +235,11 @@ class PosEncPreTrainedMixin:
             module.init_weights(self.config.initializer_range)
         if isinstance(module, AttentionNormalizer) and module.toeplitz_gate is not None:
             init.ones_(module.toeplitz_gate)  # a fresh gated model equals the ungated one
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """Transformers' key adjustments, then a clear error for a ``t5`` table saved in the old layout."""
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        refuse_old_t5_table(self, loading_info.unexpected_keys)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)

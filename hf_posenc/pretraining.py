@@ -194,7 +194,7 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
         if scheme == "t5":
             for name, module in model.named_modules():
                 if isinstance(module, T5Bias):  # T5's values, on top of the scheme's falling far steps
-                    steps = module.initial_steps().expand_as(module.relative_attention_bias.weight)
+                    steps = module.initial_steps().expand_as(module.relative_attention_steps.weight)
                     falling = t5_bias_from_steps(steps, bidirectional=not module.dims.causal) * module.table_scale
                     module.store_bias(falling + torch.randn_like(falling) * std)
                     changed.append(f"{name} bias ~ N(0, {std:.4f}) + its initial steps")

@@ -66,12 +66,35 @@ def t5_steps_from_bias(bias: torch.Tensor, *, bidirectional: bool) -> torch.Tens
     return torch.cat([torch.diff(bias[:half], dim=0, prepend=first), torch.diff(bias[half:], dim=0, prepend=bias[:1])])
 
 
+OLD_T5_TABLE = "relative_attention_bias.weight"  # t5's table as values / table_scale, saved before the steps
+
+
+def refuse_old_t5_table(model: nn.Module, unexpected_keys: set[str]) -> None:
+    """Raise if a checkpoint holds a ``t5`` table in the old layout (values, not steps) for a :class:`T5Bias` of
+    ``model``: ``from_pretrained`` would skip it and draw the steps anew, a silently different model."""
+    modules = dict(model.named_modules())
+    old = sorted(
+        key
+        for key in unexpected_keys
+        if key.endswith("." + OLD_T5_TABLE) and isinstance(modules.get(key.removesuffix("." + OLD_T5_TABLE)), T5Bias)
+    )
+    if old:
+        raise ValueError(
+            f"This checkpoint stores the 't5' table as bias values ({', '.join(old)}), the layout hf_posenc saved "
+            "before it stored steps (relative_attention_steps); from_pretrained cannot convert it. Build the model "
+            "from its config and load the weights with load_state_dict, which converts the values to steps exactly: "
+            "model = cls(AutoConfig.from_pretrained(folder)); "
+            "model.load_state_dict(safetensors.torch.load_file(f'{folder}/model.safetensors')); then save_pretrained "
+            "it again."
+        )
+
+
 class T5Bias(RelativeScoreBias):
     """T5 bucketed relative bias: ``b_ij += beta_h[bucket(i - j)]``, one table shared by all layers.
 
     Bidirectional buckets in an encoder, causal (``i - j >= 0`` only) in a decoder. Source: Raffel et al. 2020;
-    kexue.fm/archives/8130 "T5式". Parameters: ``relative_attention_bias`` ``(num_buckets, heads)``, the table's
-    steps outward from distance 0: ``beta = s * t5_bias_from_steps(relative_attention_bias)`` (each bucket is the
+    kexue.fm/archives/8130 "T5式". Parameters: ``relative_attention_steps`` ``(num_buckets, heads)``, the table's
+    steps outward from distance 0: ``beta = s * t5_bias_from_steps(relative_attention_steps)`` (each bucket is the
     bucket before it, one step nearer, plus its own step).
 
     ``s = table_scale`` (default ``sqrt(head_dim)``, as x-transformers): Adam moves every parameter by about the
@@ -89,7 +112,9 @@ class T5Bias(RelativeScoreBias):
     steps of the buckets it reaches; the others keep falling. Same benchmark, loss at 64 / 128 / 256 / 512 bytes
     after training at 64: values 1.663 / 2.009 / 2.802 / 3.082, steps 1.626 / 1.592 / 1.593 / 1.593.
 
-    A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`).
+    A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`). A model
+    saved by hf_posenc before the steps stored ``values / s`` as ``relative_attention_bias``: ``load_state_dict``
+    converts that key to steps exactly; ``from_pretrained`` refuses it (:func:`refuse_old_t5_table`).
     """
 
     name = "t5"
@@ -114,7 +139,7 @@ class T5Bias(RelativeScoreBias):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.relative_attention_bias = nn.Embedding(spec["num_buckets"], dims.num_heads)
+        self.relative_attention_steps = nn.Embedding(spec["num_buckets"], dims.num_heads)
         self.table_scale = spec["table_scale"] or math.sqrt(dims.head_dim)
 
     def initial_steps(self) -> torch.Tensor:
@@ -126,7 +151,7 @@ class T5Bias(RelativeScoreBias):
         return (logarithmic.float() * self.far_step / self.table_scale)[:, None]
 
     def init_weights(self, initializer_range):
-        weight = self.relative_attention_bias.weight
+        weight = self.relative_attention_steps.weight
         noise = torch.randn(weight.shape) * (initializer_range / self.table_scale)
         init.copy_(weight, noise + self.initial_steps())
 
@@ -134,10 +159,20 @@ class T5Bias(RelativeScoreBias):
         """Write bias values ``(num_buckets, heads)`` (a T5 checkpoint's table, or an init drawn as values)."""
         steps = t5_steps_from_bias(values, bidirectional=not self.dims.causal) / self.table_scale
         with torch.no_grad():
-            self.relative_attention_bias.weight.copy_(steps)
+            self.relative_attention_steps.weight.copy_(steps)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """An old table (values / s under ``relative_attention_bias``) is loaded as its steps: the same bias."""
+        old_key = prefix + OLD_T5_TABLE
+        if old_key in state_dict:
+            values = state_dict.pop(old_key)
+            state_dict[prefix + "relative_attention_steps.weight"] = t5_steps_from_bias(
+                values, bidirectional=not self.dims.causal
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def bias_table(self, device):
-        steps = self.relative_attention_bias.weight
+        steps = self.relative_attention_steps.weight
         return t5_bias_from_steps(steps, bidirectional=not self.dims.causal) * self.table_scale
 
     def distance_bias(self, distance, head, table):

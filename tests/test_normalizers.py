@@ -310,7 +310,7 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
     if name == "gated":
         torch.nn.init.normal_(layer.toeplitz_gate, 1.0, 0.5)
     t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": 1.0}, dims)
-    torch.nn.init.normal_(t5.relative_attention_bias.weight)
+    torch.nn.init.normal_(t5.relative_attention_steps.weight)
     visible = (query_positions[:, None, :, None] >= key_positions[:, None, None, :]) if causal else None
     bias = t5.prepare(query_positions, key_positions, "eager")["score_bias"]
     inputs = {"backend": "eager", "query_positions": query_positions, "key_positions": key_positions, "position": {}}
@@ -438,7 +438,7 @@ def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradi
     dims = AttentionDims(hidden_size=32, num_heads=2, head_dim=16, max_positions=16, causal=True)
     layer = ATTENTION_NORMALIZERS[name](resolve_attention_normalizer(name), dims).double()
     t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 8, "max_distance": 16, "table_scale": 1.0}, dims)
-    torch.nn.init.normal_(t5.relative_attention_bias.weight)
+    torch.nn.init.normal_(t5.relative_attention_steps.weight)
     t5 = t5.double()
     positions = torch.arange(7)[None]
     visible = (positions[:, None, :, None] >= positions[:, None, None, :]) & (positions >= 2)[:, None, None, :]
@@ -457,7 +457,7 @@ def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradi
         inputs.update(query_positions=positions, key_positions=positions)
         output, _ = positional_attention(*qkv, inputs, t5, layer, None, **kwargs)
         output[:, 2:].pow(2).sum().backward()  # queries 0, 1 see no key: output 0 on both paths
-        table = t5.relative_attention_bias.weight
+        table = t5.relative_attention_steps.weight
         gradients[backend] = [output.detach(), table.grad] + [tensor.grad for tensor in qkv]
         for tensor in [*qkv, table]:
             tensor.grad = None

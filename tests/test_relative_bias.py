@@ -83,7 +83,7 @@ def test_t5_attention_weights_match_a_hand_written_reference():
     model = make_model("bert", "t5")
     ids = random_ids(1, 6)
     encoding = model.bert.position_encoding
-    steps = encoding.relative_attention_bias.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
+    steps = encoding.relative_attention_steps.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
 
     def bias(h, i, j):
         # The stored table holds steps outward from distance 0: sum them up to the bucket, in its direction.

@@ -207,9 +207,9 @@ def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_wit
 @pytest.mark.parametrize(
     ("model_type", "class_name", "table"),
     [
-        ("bert", "BertForMaskedLM", "bert.position_encoding.relative_attention_bias.weight"),
-        ("gpt2", "GPT2LMHeadModel", "transformer.position_encoding.relative_attention_bias.weight"),
-        ("llama", "LlamaForCausalLM", "model.position_encoding.relative_attention_bias.weight"),
+        ("bert", "BertForMaskedLM", "bert.position_encoding.relative_attention_steps.weight"),
+        ("gpt2", "GPT2LMHeadModel", "transformer.position_encoding.relative_attention_steps.weight"),
+        ("llama", "LlamaForCausalLM", "model.position_encoding.relative_attention_steps.weight"),
     ],
 )
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from conftest import make_config, make_model, random_ids
@@ -157,7 +158,7 @@ def test_t5_table_scale_multiplies_the_stored_table():
     assert default.table_scale == 4.0  # sqrt(head_dim)
     unscaled = scheme("t5", False, head_dim=16, table_scale=1.0)
     with torch.no_grad():
-        unscaled.relative_attention_bias.weight.copy_(default.relative_attention_bias.weight * 4.0)
+        unscaled.relative_attention_steps.weight.copy_(default.relative_attention_steps.weight * 4.0)
     positions = list(range(12))
     torch.testing.assert_close(dense_bias(default, positions), dense_bias(unscaled, positions))
 
@@ -190,8 +191,8 @@ def test_t5_bias_is_the_sum_of_the_steps_out_to_its_bucket(causal):
 def test_t5_bias_table_is_table_scale_times_the_summed_steps(causal):
     encoding = scheme("t5", causal, head_dim=16)  # table_scale 4
     with torch.no_grad():
-        encoding.relative_attention_bias.weight.normal_()
-    expected = 4.0 * t5_bias_by_hand(encoding.relative_attention_bias.weight, causal)
+        encoding.relative_attention_steps.weight.normal_()
+    expected = 4.0 * t5_bias_by_hand(encoding.relative_attention_steps.weight, causal)
     torch.testing.assert_close(encoding.bias_table(CPU), expected)
 
 
@@ -203,7 +204,7 @@ def test_t5_checkpoint_values_convert_to_steps():
         encoding = scheme("t5", causal, head_dim=16)
         encoding.store_bias(values)
         torch.testing.assert_close(
-            encoding.relative_attention_bias.weight * 4.0, t5_bias_by_hand_inverse(values, causal)
+            encoding.relative_attention_steps.weight * 4.0, t5_bias_by_hand_inverse(values, causal)
         )
         torch.testing.assert_close(encoding.bias_table(CPU), values)
 
@@ -217,6 +218,37 @@ def t5_bias_by_hand_inverse(values, causal):
     return steps
 
 
+def old_t5_folder(model, folder):
+    """``model`` saved as hf_posenc saved ``t5`` before the steps: its bias values / table_scale under
+    ``relative_attention_bias`` (old bias = table_scale * stored value, per bucket). Returns the stored values."""
+    model.save_pretrained(folder)
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    (key,) = [k for k in weights if k.endswith("relative_attention_steps.weight")]
+    values = torch.randn_like(weights.pop(key))
+    weights[key.replace("relative_attention_steps", "relative_attention_bias")] = values
+    safetensors.torch.save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return values
+
+
+@pytest.mark.parametrize("model_type", ["bert", "gpt2"])
+def test_t5_old_checkpoint_loads_exactly_with_load_state_dict(tmp_path, model_type):
+    model = make_model(model_type, "t5")
+    values = old_t5_folder(model, tmp_path)
+    fresh = make_model(model_type, "t5", seed=1)
+    loaded = fresh.load_state_dict(safetensors.torch.load_file(tmp_path / "model.safetensors"), strict=False)
+    assert loaded.unexpected_keys == [] and all("position_encoding" not in key for key in loaded.missing_keys)
+    encoding = fresh.base_model.position_encoding
+    torch.testing.assert_close(encoding.bias_table(CPU), encoding.table_scale * values)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "gpt2"])
+def test_t5_old_checkpoint_is_refused_by_from_pretrained(tmp_path, model_type):
+    old_t5_folder(make_model(model_type, "t5"), tmp_path)
+    auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
+    with pytest.raises(ValueError, match="relative_attention_bias.*load_state_dict"):
+        auto.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("model_type", ["bert", "gpt2"])
 def test_t5_initial_bias_is_small_over_exact_distances_and_falls_one_nat_per_log_bucket(model_type):
     """Steps start at N(0, initializer_range / table_scale), minus 1 / table_scale at each logarithmic bucket."""
@@ -228,7 +260,7 @@ def test_t5_initial_bias_is_small_over_exact_distances_and_falls_one_nat_per_log
     encoding = model.base_model.position_encoding
     assert encoding.table_scale == 4.0
     causal = model_type == "gpt2"
-    steps = encoding.relative_attention_bias.weight.detach() * 4.0
+    steps = encoding.relative_attention_steps.weight.detach() * 4.0
     exact = torch.cat([torch.arange(16)] if causal else [torch.arange(8), torch.arange(16, 24)])
     logarithmic = torch.cat([torch.arange(16, 32)] if causal else [torch.arange(8, 16), torch.arange(24, 32)])
     assert 0.012 < steps[exact].std().item() < 0.03  # 0.02 in bias units

@@ -128,7 +128,7 @@ def test_bert_heads_train_with_their_losses():
     out = qa(ids, start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))
     assert out.start_logits.shape == (2, 6) and out.loss > 0
     out.loss.backward()
-    assert qa.bert.position_encoding.relative_attention_bias.weight.grad.abs().sum() > 0
+    assert qa.bert.position_encoding.relative_attention_steps.weight.grad.abs().sum() > 0
 
 
 def test_bert_pretraining_next_sentence_and_multiple_choice_heads_train_with_their_losses():
@@ -153,7 +153,7 @@ def test_bert_pretraining_next_sentence_and_multiple_choice_heads_train_with_the
     with pytest.raises(ValueError, match=r"input_ids \(batch, num_choices, seq\).*got shape \(2, 6\)"):
         choice(ids)
     out.loss.backward()
-    assert choice.bert.position_encoding.relative_attention_bias.weight.grad.abs().sum() > 0
+    assert choice.bert.position_encoding.relative_attention_steps.weight.grad.abs().sum() > 0
 
 
 def test_bert_lm_head_needs_is_decoder():
