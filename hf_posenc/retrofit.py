@@ -7,7 +7,8 @@ The model keeps its class; its modules are patched:
 * a forward pre-hook on the base model does, once per forward, what a PosEnc model does before its layers: resolve
   the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``),
   keep key positions with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through
-  the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention`. The stock forward
+  the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
+  positions are the consecutive default ones, so that a relative bias is built once per distance). The stock forward
   then runs on these ``inputs_embeds`` (its own position table is gone: BERT's embeddings module passes them through,
   GPT-2's ``wpe`` adds nothing), and Transformers hands two keyword arguments down to every attention layer: the
   attention inputs and the scheme;
@@ -221,6 +222,12 @@ class StockFamily:
     def remove_stock_positions(self, base: nn.Module) -> None:
         """Take the input-side positions out of the stock forward (the scheme's ``embed`` replaces them)."""
 
+    def default_positions_are_consecutive(self, base: nn.Module, input_ids: torch.Tensor | None) -> bool:
+        """Whether :meth:`default_position_ids` are ``past .. past + seq - 1`` in every row (a static fact, passed
+        to :func:`prepare_attention` as ``default_positions``, which lets a relative scheme build its bias once per
+        distance)."""
+        return True
+
     def default_position_ids(self, base, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
         return resolve_position_ids(None, inputs_embeds, past_length)
 
@@ -261,8 +268,12 @@ class BertFamily(StockFamily):
         del base.embeddings.position_embeddings
         base.embeddings.__class__ = retrofit_class(type(base.embeddings), RetrofitBertEmbeddings)
 
+    def default_positions_are_consecutive(self, base, input_ids):
+        # RoBERTa numbers the real tokens of each row, so padding breaks the run.
+        return input_ids is None or self.position_offset(base) == 0
+
     def default_position_ids(self, base, input_ids, inputs_embeds, past_length):
-        if input_ids is None or self.position_offset(base) == 0:
+        if self.default_positions_are_consecutive(base, input_ids):
             return resolve_position_ids(None, inputs_embeds, past_length)
         # RoBERTa: the k-th non-padding token (k = 1, 2, ...) is at position past + k - 1; padding at 0.
         real = (input_ids != base.embeddings.padding_idx).long()
@@ -398,7 +409,8 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, args: tuple, kwa
     elif cache is not None:
         raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got past_key_values.")
     past_length = cache.get_seq_length() if cache is not None else 0
-    if call.get("position_ids") is None:
+    default_positions = call.get("position_ids") is None
+    if default_positions:
         position_ids = family.default_position_ids(base, input_ids, inputs_embeds, past_length)
     else:
         position_ids = resolve_position_ids(call["position_ids"], inputs_embeds, past_length)
@@ -419,6 +431,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, args: tuple, kwa
         past_key_values=cache,
         position_cache=position_cache,
         output_attentions=config.output_attentions if output_attentions is None else output_attentions,
+        default_positions=default_positions and family.default_positions_are_consecutive(base, input_ids),
     )
     # The mask lives in the attention inputs; None spares the stock forward building its own.
     call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=None)

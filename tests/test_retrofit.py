@@ -205,6 +205,39 @@ def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_wit
 
 
 @pytest.mark.parametrize(
+    ("model_type", "class_name", "per_distance"),
+    [
+        ("bert", "BertForMaskedLM", True),
+        ("gpt2", "GPT2LMHeadModel", True),
+        ("llama", "LlamaForCausalLM", True),
+        ("roberta", "RobertaForMaskedLM", False),  # its default positions count real tokens: not a run
+    ],
+)
+def test_t5_bias_is_built_per_distance_with_the_default_positions(
+    saved_stock, monkeypatch, model_type, class_name, per_distance
+):
+    """No position ids: the stock positions are ``0 .. seq - 1``, so the bias is built once per distance (not per
+    pair), and the output is that of the same positions given."""
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), "t5")
+    perturb_position_parameters(patched)
+    calls = []
+    built = hf_posenc.position_interface.RelativeScoreBias.per_distance_bias
+    monkeypatch.setattr(
+        hf_posenc.position_interface.RelativeScoreBias,
+        "per_distance_bias",
+        lambda self, *args: calls.append(1) or built(self, *args),
+    )
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None]  # no padding in ``ids``: RoBERTa's default positions too
+    with torch.no_grad():
+        default = patched(ids).logits
+        assert len(calls) == int(per_distance)
+        given = patched(ids, position_ids=positions).logits
+    assert len(calls) == int(per_distance)  # given positions: the bias per pair
+    torch.testing.assert_close(default, given, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
     ("model_type", "class_name", "table"),
     [
         ("bert", "BertForMaskedLM", "bert.position_encoding.relative_attention_steps.weight"),
