@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -13,6 +14,17 @@ from .options import resolve_spec
 from .position_encodings import POSITION_ENCODINGS
 
 
+def without_filled_in_length(value: Any, max_position_embeddings: int) -> Any:
+    """``value`` without its ``max_positions`` where that equals ``max_position_embeddings`` and the other options
+    leave it unused (``multiplicative`` with ``table="sinusoidal"``): configs saved before such a value was refused
+    hold the one filled in here, which had no effect. Any other unused value is left to be refused."""
+    if not isinstance(value, Mapping) or value.get("max_positions") != max_position_embeddings:
+        return value
+    rest = {key: option for key, option in value.items() if key != "max_positions"}
+    spec = resolve_spec("position_encoding", rest, POSITION_ENCODINGS)
+    return rest if "max_positions" in POSITION_ENCODINGS[spec["type"]].unused_options(spec) else value
+
+
 def resolve_position_encoding(
     value: Any, max_position_embeddings: int, causal: bool, hidden_size: int
 ) -> dict[str, Any]:
@@ -20,7 +32,9 @@ def resolve_position_encoding(
     ``max_positions`` option is None (``learned``, ``multiplicative``, ``hierarchical``) gets
     ``max_position_embeddings`` rows, unless the other options leave it unused. A scheme with no form for the
     family, or options that do not fit the sizes, raise ``ValueError``."""
-    spec = resolve_spec("position_encoding", value, POSITION_ENCODINGS)
+    spec = resolve_spec(
+        "position_encoding", without_filled_in_length(value, max_position_embeddings), POSITION_ENCODINGS
+    )
     scheme = POSITION_ENCODINGS[spec["type"]]
     scheme.check_family(spec, causal)
     scheme.check_sizes(spec, hidden_size, max_position_embeddings)

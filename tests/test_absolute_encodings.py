@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cmath
+import json
 import math
 import subprocess
 import sys
@@ -356,6 +357,33 @@ def test_multiplicative_refuses_max_positions_with_the_sinusoidal_table():
     assert config.position_encoding["max_positions"] is None
     assert make_config("gpt2", config.position_encoding).position_encoding == config.position_encoding  # reloads
     assert make_config("gpt2", "multiplicative").position_encoding["max_positions"] == 40
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_multiplicative_sinusoidal_config_saved_with_the_filled_in_length_loads(tmp_path, family):
+    """Configs saved before the refusal hold ``max_positions`` = the model's length (40 here), filled in though it
+    had no effect: they load, without it; a different value is still refused."""
+    make_config(family, "learned").save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["position_encoding"] = {
+        "type": "multiplicative",
+        "table": "sinusoidal",
+        "max_positions": 40,
+        "base": 10000.0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.position_encoding == {
+        "type": "multiplicative",
+        "table": "sinusoidal",
+        "max_positions": None,
+        "base": 10000.0,
+    }
+    transformers.AutoModel.from_config(config)
+    saved["position_encoding"]["max_positions"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"option 'max_positions'=64 has no effect here"):
+        transformers.AutoConfig.from_pretrained(tmp_path)
 
 
 FLOAT_OPTIONS = [
