@@ -73,19 +73,22 @@ def refuse_old_t5_table(model: nn.Module, unexpected_keys: set[str]) -> None:
     """Raise if a checkpoint holds a ``t5`` table in the old layout (values, not steps) for a :class:`T5Bias` of
     ``model``: ``from_pretrained`` would skip it and draw the steps anew, a silently different model."""
     modules = dict(model.named_modules())
-    old = sorted(
-        key
-        for key in unexpected_keys
-        if key.endswith("." + OLD_T5_TABLE) and isinstance(modules.get(key.removesuffix("." + OLD_T5_TABLE)), T5Bias)
-    )
+    prefix = f"{model.base_model_prefix}."  # a head's checkpoint loaded into the base model, or the reverse
+
+    def loads_into_t5(key: str) -> bool:
+        owner = key.removesuffix("." + OLD_T5_TABLE)
+        names = (owner, owner.removeprefix(prefix), prefix + owner)
+        return key.endswith("." + OLD_T5_TABLE) and any(isinstance(modules.get(name), T5Bias) for name in names)
+
+    old = sorted(filter(loads_into_t5, unexpected_keys))
     if old:
         raise ValueError(
             f"This checkpoint stores the 't5' table as bias values ({', '.join(old)}), the layout hf_posenc saved "
             "before it stored steps (relative_attention_steps); from_pretrained cannot convert it. Build the model "
             "from its config and load the weights with load_state_dict, which converts the values to steps exactly: "
             "model = cls(AutoConfig.from_pretrained(folder)); "
-            "model.load_state_dict(safetensors.torch.load_file(f'{folder}/model.safetensors')); then save_pretrained "
-            "it again."
+            "model.load_state_dict(safetensors.torch.load_file(f'{folder}/model.safetensors'), strict=False) "
+            "(strict=False: tied output weights are not in the file); then save_pretrained it again."
         )
 
 
