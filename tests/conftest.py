@@ -92,11 +92,18 @@ def perturb_position_parameters(model: torch.nn.Module) -> None:
             if isinstance(m, torch.nn.Linear)
             for p, _ in m.named_parameters(recurse=False)
         }
+        t5_tables = {
+            f"{name}.relative_attention_steps.weight": m
+            for name, m in model.named_modules()
+            if hasattr(m, "store_bias")
+        }
         for name, param in model.named_parameters():
             if ".position_encoding." not in f".{name}" and ".position_term." not in name:
                 continue
             if name.endswith(ITERATED_MATRICES):
                 param.normal_(0.0, param.shape[-1] ** -0.5)
+            elif name in t5_tables:  # t5 stores steps: N(0, 1) bias values, not a random walk
+                t5_tables[name].store_bias(torch.empty_like(param).normal_(0.0, 1.0))
             elif name not in linear:
                 param.normal_(0.0, 1.0)
 

@@ -208,7 +208,9 @@ def test_bfloat16_matches_float32(family, scheme, normalizer):
         reference = model(ids).logits
         low = model.to(torch.bfloat16)(ids).logits
     assert low.dtype == torch.bfloat16
-    torch.testing.assert_close(low.float(), reference, atol=0.1, rtol=0.05)
+    # bf16 keeps 8 bits of mantissa: unnormalised weights (exp, relu2) carry its rounding into the logits, where
+    # other random draws of these tiny models reached 0.11-0.22 on up to 1% of the logits (exp, relu2 with t5).
+    torch.testing.assert_close(low.float(), reference, atol=0.2, rtol=0.05)
 
 
 @pytest.mark.parametrize("scheme", ["t5", "rope"])
