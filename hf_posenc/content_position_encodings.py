@@ -421,6 +421,7 @@ class TUPE(PositionEncoding):
     name = "tupe"
     description = "TUPE-R: untied (p_i U_Q)(p_j U_K) shared by all layers + T5-bucketed bias; [CLS] untying"
     backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # the (q, k) untied table's read: C++ compile error at a second length (torch 2.13)
     options = {
         "max_positions": Option(
             None, (int,), "absolute table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"

@@ -170,6 +170,8 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         backends: the attention backends that can run it (``supported_backends`` may narrow it by option).
         cache_states: names of the per-token states it keeps across decoding steps (see :class:`PositionCache`).
         has_layer_term: ``layer_term`` gives each attention layer a :class:`LayerPositionTerm`.
+        flex_compiles_on_cpu: False where compiled FlexAttention on CPU (torch 2.13) cannot compile the scheme's
+            ``score_mod`` (the CPU flex request then runs SDPA, logged).
 
     Instance attribute ``content_scale``: a factor on the layer's ``q.k`` scaling (TUPE's and DeBERTa's
     ``1/sqrt(d (1 + number of position terms))``); 1 for most schemes.
@@ -180,6 +182,7 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     families: tuple[str, ...] = FAMILIES
     backends: tuple[str, ...] = BACKENDS
     cache_states: tuple[str, ...] = ()
+    flex_compiles_on_cpu: bool = True
     has_layer_term: bool = False
     content_scale: float = 1.0
 

@@ -449,6 +449,7 @@ def uncompiled_flex_models(monkeypatch, family: str, calls: list):
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
     monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(hf_posenc.content_position_encodings.TUPE, "flex_compiles_on_cpu", True)
     return make_model(family, "tupe", attn="eager"), make_model(family, "tupe", attn="flex_attention")
 
 
@@ -481,6 +482,22 @@ def test_tupe_flex_reads_small_tables_and_the_untied_table_once_per_batch():
     tables = encoding.prepare(torch.arange(10)[None], torch.arange(10)[None].expand(3, -1), "flex_attention", True)
     assert set(tables) == {"untied", "per_distance_bias"}
     assert tables["untied"].shape == (1, HEADS, 10, 10) and tables["per_distance_bias"].shape == (HEADS, 24)
+
+
+def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
+    """Compiled CPU FlexAttention cannot compile tupe's score_mod at a second length (torch 2.13): SDPA, logged; CUDA
+    keeps flex."""
+    posenc_attention._log_flex_refusal.cache_clear()
+    spec = make_config("bert", "tupe").position_encoding
+    softmax = resolve_attention_normalizer("softmax")
+    with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
+        assert (
+            posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+            == "sdpa"
+        )
+        cuda = torch.device("cuda")
+        assert posenc_attention.choose_backend("flex_attention", spec, softmax, cuda, head_dim=32) == "flex_attention"
+    assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
