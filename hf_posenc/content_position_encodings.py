@@ -416,6 +416,12 @@ class TUPE(PositionEncoding):
     [CLS] to others) and its column (from others to [CLS]) become learned per-head values ``theta_1``, ``theta_2``.
     The reference implementation (guolinke/TUPE ``TransformerSentenceEncoder``) does the same with spare table rows
     and buckets; this is the paper's form. A decoder has no [CLS]: ``cls_untying=True`` there is an error.
+
+    Paths: eager and SDPA add one ``score_bias`` (``(1, heads, q, k)`` on the model's default positions, the bucket
+    bias computed once per distance and expanded by :func:`toeplitz`; per pair otherwise); FlexAttention's
+    ``score_mod`` reads the untied table (one matmul, ``(batch|1, heads, q, k)``: a score_mod cannot sum over
+    ``head_dim``), the per-distance bucket bias (or the bucket of ``i - j`` per pair) and ``theta_1``, ``theta_2``.
+    Compiled CPU FlexAttention cannot compile that ``score_mod`` (torch 2.13), so CPU flex requests run SDPA.
     """
 
     name = "tupe"
