@@ -15,12 +15,20 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .options import Option
-from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
-from .relative_tables import skew
+from .position_interface import (
+    AttentionDims,
+    AttentionInputs,
+    LayerPositionTerm,
+    PositionEncoding,
+    position_lookup,
+    toeplitz_distances,
+)
+from .relative_tables import skew, toeplitz
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -408,11 +416,18 @@ class TUPE(PositionEncoding):
     [CLS] to others) and its column (from others to [CLS]) become learned per-head values ``theta_1``, ``theta_2``.
     The reference implementation (guolinke/TUPE ``TransformerSentenceEncoder``) does the same with spare table rows
     and buckets; this is the paper's form. A decoder has no [CLS]: ``cls_untying=True`` there is an error.
+
+    Paths: eager and SDPA add one ``score_bias`` (``(1, heads, q, k)`` on the model's default positions, the bucket
+    bias computed once per distance and expanded by :func:`toeplitz`; per pair otherwise); FlexAttention's
+    ``score_mod`` reads the untied table (one matmul, ``(batch|1, heads, q, k)``: a score_mod cannot sum over
+    ``head_dim``), the per-distance bucket bias (or the bucket of ``i - j`` per pair) and ``theta_1``, ``theta_2``.
+    Compiled CPU FlexAttention cannot compile that ``score_mod`` (torch 2.13), so CPU flex requests run SDPA.
     """
 
     name = "tupe"
     description = "TUPE-R: untied (p_i U_Q)(p_j U_K) shared by all layers + T5-bucketed bias; [CLS] untying"
-    backends = ("eager", "sdpa")
+    backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # the (q, k) untied table's read: C++ compile error at a second length (torch 2.13)
     options = {
         "max_positions": Option(
             None, (int,), "absolute table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
@@ -472,24 +487,76 @@ class TUPE(PositionEncoding):
         states = projection(self.LayerNorm(self.table(positions)))
         return states.view(*positions.shape, self.dims.num_heads, self.dims.head_dim).transpose(1, 2)
 
-    def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        head_dim = self.dims.head_dim
-        position_query = self.projected_positions(query_positions, self.query) * (2 * head_dim) ** -0.5
+    def untied_term(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """``(p_i U_Q)(p_j U_K)^T / sqrt(2d)``: ``(batch|1, heads, q_len, kv_len)``, one matmul of the projected
+        positions."""
+        position_query = self.projected_positions(query_positions, self.query) * (2 * self.dims.head_dim) ** -0.5
         position_key = self.projected_positions(key_positions, self.key)
-        bias = torch.matmul(position_query, position_key.transpose(-1, -2))  # (batch|1, heads, q_len, kv_len)
-        buckets = t5_relative_bucket(
-            relative_distances(query_positions, key_positions),
+        return torch.matmul(position_query, position_key.transpose(-1, -2))
+
+    def bucket_bias(self, distance: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """``b_h[bucket(i - j)]`` of the distances ``distance`` for the heads ``head``, elementwise, broadcasting
+        (T5's buckets: :func:`t5_relative_bucket`)."""
+        bucket = t5_relative_bucket(
+            distance,
             bidirectional=not self.dims.causal,
             num_buckets=self.spec["num_buckets"],
             max_distance=self.spec["max_distance"],
         )
-        bias = bias + self.relative_attention_bias(buckets).permute(0, 3, 1, 2)
-        if self.cls_untying:
-            from_cls = (query_positions == 0)[:, None, :, None]
-            to_cls = (key_positions == 0)[:, None, None, :]
-            bias = torch.where(to_cls, self.others_to_cls[:, None, None].to(bias.dtype), bias)
-            bias = torch.where(from_cls, self.cls_to_others[:, None, None].to(bias.dtype), bias)
-        return {"score_bias": bias}
+        return self.relative_attention_bias.weight[bucket, head]
+
+    def untie_cls(
+        self, bias: torch.Tensor, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor
+    ) -> torch.Tensor:
+        """``bias`` with [CLS] (position 0) untied, elementwise, broadcasting: ``theta_1`` on its row (itself
+        included), ``theta_2`` on its column; ``bias`` unchanged without ``cls_untying``."""
+        if not self.cls_untying:
+            return bias
+        bias = torch.where(key_position == 0, self.others_to_cls[head].to(bias.dtype), bias)
+        return torch.where(query_position == 0, self.cls_to_others[head].to(bias.dtype), bias)
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        """The untied term as a table, once per forward; the bucketed bias once per distance on consecutive
+        positions (expanded by :func:`toeplitz` for eager and SDPA), else per pair. Consecutive positions with one
+        query row are the same in every row, so the bias is ``(1, heads, q_len, kv_len)``, shared by the batch.
+        FlexAttention gets the untied table, the per-distance bias (padded to a multiple of 8 columns) if any, and
+        the [CLS] values, read by :meth:`score_mod`."""
+        if consecutive and query_positions.shape[0] == 1:
+            key_positions = key_positions[:1]
+        untied = self.untied_term(query_positions, key_positions)
+        heads = torch.arange(self.dims.num_heads, device=query_positions.device)
+        if consecutive:
+            per_distance = self.bucket_bias(toeplitz_distances(query_positions, key_positions)[None], heads[:, None])
+            if backend == "flex_attention":
+                return {"untied": untied, "per_distance_bias": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
+            bias = untied + toeplitz(per_distance, query_positions.shape[-1], key_positions.shape[-1])[None]
+        elif backend == "flex_attention":
+            return {"untied": untied}
+        else:
+            bias = untied + self.bucket_bias(
+                relative_distances(query_positions, key_positions)[:, None], heads[:, None, None]
+            )
+        query_position, key_position = query_positions[:, None, :, None], key_positions[:, None, None, :]
+        return {"score_bias": self.untie_cls(bias, query_position, key_position, heads[:, None, None])}
+
+    def score_mod(self, tables, query_positions, key_positions):
+        """The bias per (query, key) from :meth:`prepare`'s tables: the untied table's entry, the per-distance
+        bucket bias (or the bucket of ``i - j`` per pair), then the [CLS] values."""
+        untied, per_distance = tables["untied"], tables.get("per_distance_bias")
+        last_key = untied.shape[-1] - 1
+        query_position, key_position = position_lookup(query_positions), position_lookup(key_positions)
+        shared = untied.shape[0] == 1  # one layout for the whole batch
+
+        def tupe_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            query, key = query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx)
+            bias = untied[0 if shared else batch_idx, head_idx, q_idx, kv_idx]
+            if per_distance is None:
+                bias = bias + self.bucket_bias(query - key, head_idx)
+            else:
+                bias = bias + per_distance[head_idx, q_idx - kv_idx + last_key]
+            return score + self.untie_cls(bias, query, key, head_idx).to(score.dtype)
+
+        return tupe_score_mod
 
 
 class CoPETerm(LayerPositionTerm):

@@ -63,11 +63,13 @@ def flex_refusal(
     attention_dropout: bool,
     query_length: int,
     given_mask: torch.Tensor | BlockMask | None,
+    compiles_on_cpu: bool = True,
 ) -> str | None:
     """Why FlexAttention cannot run this forward, or None if it can. The rules, in order: no attention dropout; a
     one-token decoding step gains nothing from it and would compile once per cache length; a user's 4-D tensor mask
     runs on eager or SDPA; compiled FlexAttention on CPU (torch 2.13) has no backward, takes float32, float16 and
-    bfloat16 only, is wrong for ``head_dim`` below :data:`FLEX_CPU_MIN_HEAD_DIM`, and returns no log-sum-exp, which
+    bfloat16 only, is wrong for ``head_dim`` below :data:`FLEX_CPU_MIN_HEAD_DIM`, cannot compile some schemes'
+    ``score_mod`` (``compiles_on_cpu``: the scheme's ``flex_compiles_on_cpu``), and returns no log-sum-exp, which
     normalizers with ``flex_needs_lse`` are computed from (``needs_lse``). ``head_dim`` None: not known to the caller
     (the models always pass it)."""
     if attention_dropout:
@@ -85,6 +87,11 @@ def flex_refusal(
             return (
                 f"compiled FlexAttention on CPU computes wrong numbers for head_dim {head_dim} < "
                 f"{FLEX_CPU_MIN_HEAD_DIM} (torch 2.13)"
+            )
+        if not compiles_on_cpu:
+            return (
+                "compiled FlexAttention on CPU (torch 2.13) emits C++ that does not compile for this scheme's "
+                "score_mod once a second length makes the shapes dynamic"
             )
     if needs_lse and not flex_returns_lse(device):
         return "compiled FlexAttention on CPU returns no log-sum-exp, which this normalizer is computed from"
@@ -143,11 +150,19 @@ def choose_backend(
         raise ValueError(
             f"attn_implementation {requested!r} is not supported by hf_posenc; valid choices: {BACKEND_REQUESTS}."
         )
-    scheme_backends = POSITION_ENCODINGS[position_encoding["type"]].supported_backends(position_encoding)
+    scheme_class = POSITION_ENCODINGS[position_encoding["type"]]
+    scheme_backends = scheme_class.supported_backends(position_encoding)
     normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     refusal = flex_refusal(
-        device, dtype, head_dim, normalizer_class.flex_needs_lse, attention_dropout, query_length, given_mask
+        device,
+        dtype,
+        head_dim,
+        normalizer_class.flex_needs_lse,
+        attention_dropout,
+        query_length,
+        given_mask,
+        scheme_class.flex_compiles_on_cpu,
     )
     if isinstance(given_mask, BlockMask):
         if refusal is not None or "flex_attention" not in set(scheme_backends) & set(normalizer_backends):

@@ -170,6 +170,8 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         backends: the attention backends that can run it (``supported_backends`` may narrow it by option).
         cache_states: names of the per-token states it keeps across decoding steps (see :class:`PositionCache`).
         has_layer_term: ``layer_term`` gives each attention layer a :class:`LayerPositionTerm`.
+        flex_compiles_on_cpu: False where compiled FlexAttention on CPU (torch 2.13) cannot compile the scheme's
+            ``score_mod`` (the CPU flex request then runs SDPA, logged).
 
     Instance attribute ``content_scale``: a factor on the layer's ``q.k`` scaling (TUPE's and DeBERTa's
     ``1/sqrt(d (1 + number of position terms))``); 1 for most schemes.
@@ -180,6 +182,7 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     families: tuple[str, ...] = FAMILIES
     backends: tuple[str, ...] = BACKENDS
     cache_states: tuple[str, ...] = ()
+    flex_compiles_on_cpu: bool = True
     has_layer_term: bool = False
     content_scale: float = 1.0
 
@@ -321,11 +324,8 @@ class RelativeScoreBias(PositionEncoding):
         """``(heads, q_len + kv_len - 1)``: column ``s`` holds the bias of the local distance ``s - (kv_len - 1)``
         (:mod:`relative_tables`' convention) for consecutive positions, i.e. of the distance ``s - (kv_len - 1) +
         query_positions[0, 0] - key_positions[0, 0]``; no host sync."""
-        q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
-        offset = query_positions[0, 0] - key_positions[0, 0]
-        distance = torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
         heads = torch.arange(self.dims.num_heads, device=query_positions.device)
-        return self.distance_bias(distance[None, :], heads[:, None], table)
+        return self.distance_bias(toeplitz_distances(query_positions, key_positions)[None, :], heads[:, None], table)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         table = self.bias_table(query_positions.device)
@@ -348,7 +348,7 @@ class RelativeScoreBias(PositionEncoding):
 
             return per_distance_score_mod
         table = tables["bias_table"]
-        query_position, key_position = _position_lookup(query_positions), _position_lookup(key_positions)
+        query_position, key_position = position_lookup(query_positions), position_lookup(key_positions)
 
         def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             query, key = query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx)
@@ -357,7 +357,16 @@ class RelativeScoreBias(PositionEncoding):
         return score_mod
 
 
-def _position_lookup(positions: torch.Tensor) -> Callable:
+def toeplitz_distances(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """``(q_len + kv_len - 1,)``: the distance ``i - j`` of each column of a per-distance table
+    (:mod:`relative_tables`' convention) for consecutive positions ``(batch|1, q_len)``, ``(batch|1, kv_len)``:
+    ``s - (kv_len - 1) + query_positions[0, 0] - key_positions[0, 0]``; no host sync."""
+    q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+    offset = query_positions[0, 0] - key_positions[0, 0]
+    return torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
+
+
+def position_lookup(positions: torch.Tensor) -> Callable:
     """``(batch_idx, idx) -> position`` for a FlexAttention ``score_mod``; ``(1, seq)`` positions serve every row."""
     if positions.shape[0] == 1:
         shared = positions[0]

@@ -170,6 +170,7 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
     monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 7:] = 0

@@ -13,11 +13,13 @@ import textwrap
 import pytest
 import torch
 from conftest import make_config, make_model, random_ids
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
 
 import hf_posenc
+from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import Softmax
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import deberta_log_bucket
@@ -391,6 +393,132 @@ def test_tupe_positions_past_its_table_raise():
     model = make_model("bert", {"type": "tupe", "max_positions": 8})
     with pytest.raises(ValueError, match=r"tupe: positions must be in 0..7 \(its absolute table has 8 rows\)"):
         model(random_ids(1, 9))
+
+
+@pytest.mark.parametrize(("family", "first_query"), [("bert", 0), ("gpt2", 0), ("gpt2", 4)])
+def test_tupe_bias_on_consecutive_positions_equals_the_per_pair_path_values_and_grads(family, first_query):
+    """Consecutive positions (keys as a cache gives them, one row per batch element): the bucket bias per distance
+    expanded by Toeplitz, one ``(1, heads, q, k)`` bias, against the per-pair path's ``(batch, heads, q, k)``."""
+    _, encoding, _ = scheme_and_term(family, {"type": "tupe", "num_buckets": 8, "max_distance": 16})
+    query_positions = torch.arange(first_query, 9)[None]
+    key_positions = torch.arange(9)[None].expand(3, -1)
+    weights = torch.randn(3, HEADS, 9 - first_query, 9, generator=torch.Generator().manual_seed(1))
+    parameters = [p for p in encoding.parameters() if p.requires_grad]
+    results = []
+    for consecutive in (True, False):
+        bias = encoding.prepare(query_positions, key_positions, "eager", consecutive=consecutive)["score_bias"]
+        results.append((bias.expand(3, -1, -1, -1), *torch.autograd.grad((bias * weights).sum(), parameters)))
+        assert bias.shape == ((1 if consecutive else 3), HEADS, 9 - first_query, 9)
+    for fast, per_pair in zip(*results, strict=True):
+        torch.testing.assert_close(fast, per_pair, atol=ATOL, rtol=1e-4)
+
+
+def test_tupe_model_folds_one_bias_shared_by_the_batch(monkeypatch):
+    """Through the model (default positions, batch 3, padding): the bias ``prepare`` hands over is ``(1, heads,
+    q, k)`` on SDPA, and the output equals eager's."""
+    outputs, shapes = {}, []
+    ids = random_ids(3, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 7:] = 0
+    for attn in ("eager", "sdpa"):
+        model = make_model("bert", "tupe", attn=attn)
+        encoding = model.base_model.position_encoding
+        prepare = encoding.prepare
+
+        def recording_prepare(*args, prepare=prepare, **kwargs):
+            tables = prepare(*args, **kwargs)
+            shapes.append(tuple(tables["score_bias"].shape))
+            return tables
+
+        monkeypatch.setattr(encoding, "prepare", recording_prepare)
+        with torch.no_grad():
+            outputs[attn] = model(ids, attention_mask=attention_mask).logits
+    assert shapes == [(1, HEADS, 10, 10)] * 2
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs["sdpa"][visible], outputs["eager"][visible], atol=ATOL, rtol=1e-4)
+
+
+def uncompiled_flex_models(monkeypatch, family: str, calls: list):
+    """``tupe`` on eager and on flex (uncompiled FlexAttention standing in for the compiled kernel: same semantics,
+    any head width; each call recorded in ``calls``), with the same weights."""
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(kwargs["score_mod"])
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(hf_posenc.content_position_encodings.TUPE, "flex_compiles_on_cpu", True)
+    return make_model(family, "tupe", attn="eager"), make_model(family, "tupe", attn="flex_attention")
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("positions", ["default", "given"])
+def test_tupe_flex_score_mod_equals_eager(family, positions, monkeypatch):
+    """Default positions (per-distance bucket table, one untied table for the batch) and given positions that
+    differ per row, with a gap and [CLS] (position 0) only in the first row (the per-pair path)."""
+    calls = []
+    eager, flex = uncompiled_flex_models(monkeypatch, family, calls)
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 6:] = 0
+    position_ids = None
+    if positions == "given":
+        position_ids = torch.stack([torch.cat([torch.arange(4), torch.arange(6, 11)]), torch.arange(2, 11)])
+    outputs = []
+    for model in (eager, flex):
+        with torch.no_grad():
+            outputs.append(model(ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+    assert len(calls) == flex.config.num_hidden_layers and calls[0].__name__ == "tupe_score_mod"
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
+
+
+def test_tupe_flex_reads_small_tables_and_the_untied_table_once_per_batch():
+    """On consecutive positions flex gets the untied table shared by the batch and the per-distance bucket bias
+    (padded to a multiple of 8 columns); no dense bias."""
+    _, encoding, _ = scheme_and_term("bert", "tupe")
+    tables = encoding.prepare(torch.arange(10)[None], torch.arange(10)[None].expand(3, -1), "flex_attention", True)
+    assert set(tables) == {"untied", "per_distance_bias"}
+    assert tables["untied"].shape == (1, HEADS, 10, 10) and tables["per_distance_bias"].shape == (HEADS, 24)
+
+
+def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
+    """Compiled CPU FlexAttention cannot compile tupe's score_mod at a second length (torch 2.13): SDPA, logged; CUDA
+    keeps flex."""
+    posenc_attention._log_flex_refusal.cache_clear()
+    spec = make_config("bert", "tupe").position_encoding
+    softmax = resolve_attention_normalizer("softmax")
+    with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
+        assert (
+            posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+            == "sdpa"
+        )
+        cuda = torch.device("cuda")
+        assert posenc_attention.choose_backend("flex_attention", spec, softmax, cuda, head_dim=32) == "flex_attention"
+    assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_tupe_compiled_flex_equals_eager_values_and_grads_on_cuda(family):
+    """Compiled FlexAttention on CUDA (heads of 32): loss and every parameter's gradient against eager."""
+    wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
+    ids = random_ids(2, 24).cuda()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 20:] = 0
+    results = []
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, "tupe", attn=attn, **wide).cuda().train()
+        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
+    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-4, rtol=1e-4)
+    assert flex_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
 # ---- CoPE (gates, contextual positions, interpolation) ----
