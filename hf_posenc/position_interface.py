@@ -329,7 +329,11 @@ class RelativeScoreBias(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         table = self.bias_table(query_positions.device)
-        if consecutive and self.relative:
+        # Inductor's CPU FlexAttention template (torch 2.13) cannot recompile with symbolic sizes a score_mod that
+        # reads a captured table whose size follows the length (C++ error "cur_qSplitSize8 was not declared"): on
+        # CPU, flex reads the fixed-size table per pair instead.
+        flex_on_cpu = backend == "flex_attention" and query_positions.device.type == "cpu"
+        if consecutive and self.relative and not flex_on_cpu:
             per_distance = self.per_distance_bias(query_positions, key_positions, table)
             if backend == "flex_attention":
                 return {"per_distance_bias": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}

@@ -130,12 +130,17 @@ def test_relu_mlp_of_scalars_in_chunks_equals_the_mlp_in_values_and_gradients():
 @pytest.mark.parametrize("layout", ["plain", "cache"])
 @pytest.mark.parametrize("name", SHIFT_INVARIANT)
 def test_flex_score_mod_reading_the_padded_table_equals_eager(name, layout):
-    """Uncompiled FlexAttention on CPU with the score_mod of ``prepare(..., consecutive=True)``: its table is padded
-    to a multiple of 8 columns, and the scores equal eager softmax with the per-pair bias."""
+    """Uncompiled FlexAttention on CPU with the score_mod reading the per-distance table as ``prepare(...,
+    consecutive=True)`` builds it off CPU (padded to a multiple of 8 columns): the scores equal eager softmax with the
+    per-pair bias. On CPU ``prepare`` gives flex the fixed-size table (inductor's CPU template cannot recompile a
+    length-sized one)."""
     encoding = scheme(name, causal=False)
     query_positions, key_positions = (p[None] for p in LAYOUTS[layout])
-    tables = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)
-    assert tables["per_distance_bias"].shape[-1] % 8 == 0
+    on_cpu = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)
+    assert set(on_cpu) == {"bias_table"}
+    table = encoding.bias_table(query_positions.device)
+    per_distance = encoding.per_distance_bias(query_positions, key_positions, table)
+    tables = {"per_distance_bias": torch.nn.functional.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
     score_mod = encoding.score_mod(tables, query_positions, key_positions)
     torch.manual_seed(0)
     q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
