@@ -81,38 +81,10 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(batch), int(tokens)
 
 
-def posenc_model(family: str, size: Size, max_len: int, scheme: str, normalizer: str, attn: str | None):
-    common = dict(position_encoding=scheme, attention_normalizer=normalizer, vocab_size=size.vocab)
+def architecture(family: str, size: Size, max_len: int) -> dict:
+    """The stock config fields of the benchmarked shape (dropout off), shared by the stock and the PosEnc model."""
     if family == "bert":
-        config = hf_posenc.PosEncBertConfig(
-            hidden_size=size.hidden,
-            num_attention_heads=size.heads,
-            num_hidden_layers=size.layers,
-            intermediate_size=size.ffn,
-            max_position_embeddings=max_len,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **common,
-        )
-        return transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=attn)
-    config = hf_posenc.PosEncGPT2Config(
-        n_embd=size.hidden,
-        n_head=size.heads,
-        n_layer=size.layers,
-        n_inner=size.ffn,
-        n_positions=max_len,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        **common,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-
-
-def stock_model(family: str, size: Size, max_len: int):
-    if family == "bert":
-        config = transformers.BertConfig(
+        return dict(
             vocab_size=size.vocab,
             hidden_size=size.hidden,
             num_attention_heads=size.heads,
@@ -122,8 +94,7 @@ def stock_model(family: str, size: Size, max_len: int):
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
         )
-        return transformers.BertForMaskedLM(config)
-    config = transformers.GPT2Config(
+    return dict(
         vocab_size=size.vocab,
         n_embd=size.hidden,
         n_head=size.heads,
@@ -135,6 +106,21 @@ def stock_model(family: str, size: Size, max_len: int):
         attn_pdrop=0.0,
         use_cache=False,
     )
+
+
+def posenc_model(family: str, size: Size, max_len: int, scheme: str, normalizer: str, attn: str | None):
+    fields = dict(architecture(family, size, max_len), position_encoding=scheme, attention_normalizer=normalizer)
+    if family == "bert":
+        config = hf_posenc.PosEncBertConfig(**fields)
+        return transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=attn)
+    config = hf_posenc.PosEncGPT2Config(**fields)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def stock_model(family: str, size: Size, max_len: int):
+    if family == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(**architecture(family, size, max_len)))
+    config = transformers.GPT2Config(**architecture(family, size, max_len))
     return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
 
 
