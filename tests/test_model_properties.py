@@ -127,14 +127,18 @@ def test_eager_sdpa_flex_agree(family, scheme, normalizer):
         torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), RELATIVE_COMBOS)
-def test_relative_schemes_are_shift_invariant(family, scheme, normalizer):
-    model = make_model(family, scheme, normalizer)
+def logits_before_and_after_a_shift(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the same ids at positions 0..8 and at 13..21."""
     ids = random_ids(2, 9)
     positions = torch.arange(9)[None]
     with torch.no_grad():
-        base = model(ids, position_ids=positions).logits
-        shifted = model(ids, position_ids=positions + 13).logits
+        return model(ids, position_ids=positions).logits, model(ids, position_ids=positions + 13).logits
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), RELATIVE_COMBOS)
+def test_relative_schemes_are_shift_invariant(family, scheme, normalizer):
+    model = make_model(family, scheme, normalizer)
+    base, shifted = logits_before_and_after_a_shift(model)
     torch.testing.assert_close(shifted, base, atol=ATOL, rtol=1e-4)
 
 
@@ -143,11 +147,7 @@ def test_options_that_make_a_scheme_absolute_are_seen_by_a_shift(family, positio
     """rope with ``apply_to_value`` or ``dynamic`` scaling is flagged absolute, and a shift does change it."""
     assert [spec for f, spec in ABSOLUTE_VARIANTS if f == family] == OPTION_VARIANTS[:2]
     model = make_model(family, position_encoding)
-    ids = random_ids(2, 9)
-    positions = torch.arange(9)[None]
-    with torch.no_grad():
-        base = model(ids, position_ids=positions).logits
-        shifted = model(ids, position_ids=positions + 13).logits
+    base, shifted = logits_before_and_after_a_shift(model)
     assert (shifted - base).abs().max() > 1e-3
 
 
@@ -155,11 +155,7 @@ def test_options_that_make_a_scheme_absolute_are_seen_by_a_shift(family, positio
 def test_absolute_schemes_see_the_shift(family, scheme):
     """The control for the test above: absolute schemes must change when positions move."""
     model = make_model(family, scheme)
-    ids = random_ids(2, 9)
-    positions = torch.arange(9)[None]
-    with torch.no_grad():
-        base = model(ids, position_ids=positions).logits
-        shifted = model(ids, position_ids=positions + 13).logits
+    base, shifted = logits_before_and_after_a_shift(model)
     assert (shifted - base).abs().max() > 1e-3
 
 
