@@ -43,52 +43,54 @@ from .modeling_posenc_gpt2 import PosEncGPT2ForSequenceClassification, PosEncGPT
 from .retrofit import load_stock_model
 
 
+BERT_POSITIONS = "embeddings.position_embeddings.weight"
+
 STOCK_TO_POSENC: dict[type, tuple[type, type, str]] = {
     # stock class: (PosEnc class, PosEnc config class, name of the stock position table's parameter)
-    BertModel: (PosEncBertModel, PosEncBertConfig, "embeddings.position_embeddings.weight"),
-    BertForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    BertModel: (PosEncBertModel, PosEncBertConfig, BERT_POSITIONS),
+    BertForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, BERT_POSITIONS),
     BertForSequenceClassification: (
         PosEncBertForSequenceClassification,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
     BertForTokenClassification: (
         PosEncBertForTokenClassification,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
     BertForQuestionAnswering: (
         PosEncBertForQuestionAnswering,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
-    BertForPreTraining: (PosEncBertForPreTraining, PosEncBertConfig, "embeddings.position_embeddings.weight"),
-    BertLMHeadModel: (PosEncBertLMHeadModel, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    BertForPreTraining: (PosEncBertForPreTraining, PosEncBertConfig, BERT_POSITIONS),
+    BertLMHeadModel: (PosEncBertLMHeadModel, PosEncBertConfig, BERT_POSITIONS),
     BertForNextSentencePrediction: (
         PosEncBertForNextSentencePrediction,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
-    BertForMultipleChoice: (PosEncBertForMultipleChoice, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    BertForMultipleChoice: (PosEncBertForMultipleChoice, PosEncBertConfig, BERT_POSITIONS),
     GPT2Model: (PosEncGPT2Model, PosEncGPT2Config, "wpe.weight"),
     GPT2LMHeadModel: (PosEncGPT2LMHeadModel, PosEncGPT2Config, "wpe.weight"),
     GPT2ForSequenceClassification: (PosEncGPT2ForSequenceClassification, PosEncGPT2Config, "wpe.weight"),
-    RobertaModel: (PosEncBertModel, PosEncBertConfig, "embeddings.position_embeddings.weight"),
-    RobertaForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, "embeddings.position_embeddings.weight"),
+    RobertaModel: (PosEncBertModel, PosEncBertConfig, BERT_POSITIONS),
+    RobertaForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, BERT_POSITIONS),
     RobertaForSequenceClassification: (
         PosEncBertForSequenceClassification,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
     RobertaForTokenClassification: (
         PosEncBertForTokenClassification,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
     RobertaForQuestionAnswering: (
         PosEncBertForQuestionAnswering,
         PosEncBertConfig,
-        "embeddings.position_embeddings.weight",
+        BERT_POSITIONS,
     ),
 }
 
