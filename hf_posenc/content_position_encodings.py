@@ -11,12 +11,9 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130, s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .options import Option
@@ -25,10 +22,11 @@ from .position_interface import (
     AttentionInputs,
     LayerPositionTerm,
     PositionEncoding,
+    ValueRows,
     position_lookup,
     toeplitz_distances,
 )
-from .relative_tables import skew, toeplitz
+from .relative_tables import in_query_chunks, skew, sorted_gather, toeplitz
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -64,32 +62,6 @@ def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
 
 
-CHUNK_ELEMENTS = 2**23
-"""Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
-memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
-allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
-
-
-def in_query_chunks(
-    chunk_term: Callable[[int, int], torch.Tensor], scores_shape: tuple[int, ...], chunk: int | None = None
-) -> torch.Tensor:
-    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term built from ``chunk_term(start, stop)``, its
-    rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill :data:`CHUNK_ELEMENTS`). With
-    gradients each chunk is checkpointed (its intermediates, the ``(batch, heads, chunk, rows)`` products, gates and
-    indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
-    ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
-    batch, heads, q_len, kv_len = scores_shape
-    chunk = chunk or max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
-    chunks = []
-    for start in range(0, q_len, chunk):
-        stop = min(start + chunk, q_len)
-        if torch.is_grad_enabled():
-            chunks.append(checkpoint(chunk_term, start, stop, use_reentrant=False))
-        else:
-            chunks.append(chunk_term(start, stop))
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
-
-
 def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
     """NEZHA's fixed relative table (Wei et al. 2019, eq. in section 3.2): the row of distance ``d = j - i`` in
     ``[-k, k]`` is ``R[d, 2i] = sin(d / 10000^(2i/dim))``, ``R[d, 2i+1] = cos(d / 10000^(2i/dim))``; returns the
@@ -101,6 +73,21 @@ def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :dim]
 
 
+def read_rows(table: torch.Tensor, index: torch.Tensor, sorted_index: bool) -> torch.Tensor:
+    """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: :func:`~hf_posenc.relative_tables.sorted_gather` (a
+    backward by runs) when the index is non-decreasing along the keys, else :func:`gather_rows`."""
+    return sorted_gather(table, index) if sorted_index else gather_rows(table, index)
+
+
+def pair_index(tables: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, bool]:
+    """The per-pair row index ``prepare`` stored as ``name`` (any positions) or ``sorted_<name>`` (consecutive
+    positions: non-decreasing along the keys), and whether it is sorted. The key says it, since the tables that reach
+    a layer hold tensors only."""
+    if f"sorted_{name}" in tables:
+        return tables[f"sorted_{name}"], True
+    return tables[name], False
+
+
 class ShawTerm(LayerPositionTerm):
     """One layer's Shaw tables ``R^K``, ``R^V`` ``(2k + 1, head_dim)``, shared by the heads (learned), or none
     (sinusoidal: the fixed table comes from ``prepare``)."""
@@ -108,6 +95,7 @@ class ShawTerm(LayerPositionTerm):
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
         self.use_value = spec["use_value"]
+        self.max_distance = spec["max_distance"]
         rows = 2 * spec["max_distance"] + 1
         self.key_table = self.value_table = None
         if spec["table"] == "learned":
@@ -121,22 +109,35 @@ class ShawTerm(LayerPositionTerm):
             return fixed, fixed
         return self.key_table.weight, self.value_table.weight if self.value_table is not None else None
 
-    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+    def row_scores(self, query: torch.Tensor, attention_inputs: AttentionInputs, scaling: float) -> torch.Tensor:
+        """``q R^K`` scaled, ``(batch, heads, q_len, 2k + 1)``: the scale goes on the small table, not on the
+        ``(q_len, kv_len)`` result."""
         key_table, _ = self.tables(attention_inputs)
-        # The scale goes on the (2k + 1)-row table, not on the (q_len, kv_len) result: one pass fewer.
-        row_scores = torch.matmul(query, key_table.to(query.dtype).T * scaling)  # (batch, heads, q_len, 2k + 1)
-        return gather_rows(row_scores, attention_inputs["position"]["shaw_index"])
+        return torch.matmul(query, key_table.to(query.dtype).T * scaling)
 
-    def value_term(self, weights, attention_inputs):
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        index, sorted_index = pair_index(attention_inputs["position"], "shaw_index")
+        return read_rows(self.row_scores(query, attention_inputs, scaling), index, sorted_index)
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+        row_scores = self.row_scores(query, attention_inputs, scaling)
+        query_position = position_lookup(attention_inputs["query_positions"])
+        key_position = position_lookup(attention_inputs["key_positions"])
+        k = self.max_distance
+
+        def shaw_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            distance = key_position(batch_idx, kv_idx) - query_position(batch_idx, q_idx)
+            row = distance.clamp(-k, k) + k
+            return score + row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
+
+        return shaw_score_mod
+
+    def value_rows(self, attention_inputs):
         if not self.use_value:
             return None
         _, value_table = self.tables(attention_inputs)
-        index = attention_inputs["position"]["shaw_index"]
-        # sum_j a_ij R^V[idx(i, j)] = sum_r (sum_{j: idx(i, j) = r} a_ij) R^V[r]: weights summed per row first.
-        batch, heads, q_len, kv_len = weights.shape
-        per_row = weights.new_zeros(batch, heads, q_len, value_table.shape[0])
-        per_row = per_row.scatter_add(-1, index[:, None].expand(batch, heads, q_len, kv_len), weights)
-        return torch.matmul(per_row, value_table.to(weights.dtype))
+        index, sorted_index = pair_index(attention_inputs["position"], "shaw_index")
+        return ValueRows(value_table, index, sorted_index)
 
 
 class Shaw(PositionEncoding):
@@ -147,19 +148,22 @@ class Shaw(PositionEncoding):
     with ``R^K``, ``R^V`` tables of ``2k + 1`` rows of ``head_dim`` shared by the heads and learned per layer (as
     tensor2tensor's ``dot_product_attention_relative``; init N(0, initializer_range) as Transformers' former BERT
     ``relative_key``), or NEZHA's fixed sinusoids of the clipped distance (``table="sinusoidal"``, no parameters;
-    Wei et al. 2019). The key term is ``q R^T`` ``(batch, heads, q_len, 2k + 1)`` gathered at each pair's row; the
-    value term sums the weights per row, ``(batch, heads, q_len, 2k + 1)``, times ``R^V``. The seed writes
-    ``clip(i - j)``: the same tables, rows reversed.
+    Wei et al. 2019). The key term is ``q R^T`` ``(batch, heads, q_len, 2k + 1)`` read at each pair's row (a gather
+    whose backward sums runs of keys on consecutive positions; on flex, inside the ``score_mod``); the value term
+    sums the weights per row, ``(batch, heads, q_len, 2k + 1)``, times ``R^V``: on eager from its weights, on SDPA
+    from the weights recomputed in chunks of queries (SDPA returns neither the weights nor their log-sum-exp). The
+    seed writes ``clip(i - j)``: the same tables, rows reversed.
     """
 
     name = "shaw"
     description = "Shaw et al. 2018: q.R^K and sum_j a_ij R^V of clip(j-i); NEZHA with table='sinusoidal'"
     relative = True
     has_layer_term = True
-    backends = ("eager", "sdpa")
+    backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # reads a length-sized table per pair: see TUPE (torch 2.13's CPU template)
     options = {
         "max_distance": Option(16, (int,), "clip distance k (tables of 2k+1 rows)", lambda v: v >= 1, "an int >= 1"),
-        "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V (eager only)"),
+        "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V (eager and SDPA)"),
         "table": Option(
             "learned",
             (str,),
@@ -171,8 +175,13 @@ class Shaw(PositionEncoding):
 
     @classmethod
     def supported_backends(cls, spec):
-        # The value term needs the weights, which only eager materialises.
-        return ("eager",) if spec["use_value"] else cls.backends
+        # The value term needs the weights summed per row: eager has them, SDPA recomputes them in chunks; flex would
+        # need its log-sum-exp and a second pass (not built).
+        return ("eager", "sdpa") if spec["use_value"] else cls.backends
+
+    @classmethod
+    def has_value_term(cls, spec):
+        return spec["use_value"]
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
@@ -180,8 +189,10 @@ class Shaw(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         k = self.spec["max_distance"]
+        if consecutive:  # the same distances in every row: one index serves the batch
+            query_positions, key_positions = query_positions[:1], key_positions[:1]
         index = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
-        tables = {"shaw_index": index}
+        tables = {"sorted_shaw_index" if consecutive else "shaw_index": index}
         if self.spec["table"] == "sinusoidal":
             tables["shaw_table"] = shaw_sinusoidal_table(k, self.dims.head_dim).to(query_positions.device)
         return tables

@@ -34,7 +34,8 @@ from transformers.utils import logging
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
-from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection
+from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection, ValueRows
+from .relative_tables import in_query_chunks, sum_sorted_runs
 
 
 logger = logging.get_logger(__name__)
@@ -178,6 +179,10 @@ def choose_backend(
             continue
         if backend not in scheme_backends or backend not in normalizer_backends:
             continue
+        if backend == "sdpa" and attention_dropout and scheme_class.has_value_term(position_encoding):
+            if not torch.compiler.is_compiling():
+                _log_value_term_dropout(position_encoding["type"])
+            continue
         if backend == "flex_attention" and refusal is not None:
             if requested == "flex_attention" and not torch.compiler.is_compiling():
                 _log_flex_refusal(position_encoding["type"], attention_normalizer["type"], refusal)
@@ -211,6 +216,14 @@ def flex_returns_lse(device: torch.device) -> bool:
 @cache
 def _log_flex_refusal(encoding: str, normalizer: str, reason: str) -> None:
     logger.warning(f"hf_posenc: {encoding} + {normalizer} does not run on the requested flex_attention: {reason}.")
+
+
+@cache
+def _log_value_term_dropout(encoding: str) -> None:
+    logger.info(
+        f"hf_posenc: {encoding}'s value term reads the attention weights, which SDPA recomputes without its attention "
+        "dropout: training with attention dropout runs eager."
+    )
 
 
 @cache
@@ -333,7 +346,70 @@ def build_dense_mask(
     return {"mask": additive, "visible": visible, "row_has_key": row_has_key}
 
 
-def _eager(query, key, value, attention_inputs, normalizer, score_term, value_term, scaling, dropout, training):
+def weights_per_row(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tensor:
+    """``(batch, heads, q_len, kv_len)`` weights summed per row of the value table, ``(batch, heads, q_len, rows)``:
+    by runs when the index is sorted along the keys, else scattered."""
+    rows = value_rows.table.shape[0]
+    if value_rows.sorted_index:
+        return sum_sorted_runs(weights, value_rows.index, rows)
+    batch, heads, q_len, kv_len = weights.shape
+    index = value_rows.index[:, None].expand(batch, heads, q_len, kv_len)
+    return weights.new_zeros(batch, heads, q_len, rows).scatter_add(-1, index, weights)
+
+
+def value_rows_term(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tensor:
+    """``sum_j a_ij table[index_ij] = sum_r (sum_{j: index_ij = r} a_ij) table[r]``: ``(batch, heads, q_len,
+    head_dim)``, the weights summed per row first (no ``(q_len, kv_len, head_dim)`` tensor)."""
+    per_row = weights_per_row(weights, value_rows)
+    return torch.matmul(per_row, value_rows.table.to(per_row.dtype))
+
+
+def recomputed_value_rows_term(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scaling: float,
+    causal: bool,
+    value_rows: ValueRows,
+) -> torch.Tensor:
+    """:func:`value_rows_term` of the softmax weights an SDPA call computed without returning them: the weights
+    recomputed from q, k and SDPA's ``attn_mask`` (additive float, boolean or None with ``causal``) in chunks of
+    queries (:func:`in_query_chunks`, checkpointed with gradients), in at least float32, and summed per row, so only
+    ``(batch, heads, chunk, kv_len)`` tensors exist at a time. The result ``(batch, heads, q_len, head_dim)`` is in
+    the query's dtype."""
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    key_t = key.to(compute_dtype).transpose(-1, -2)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+
+    def chunk_per_row(start: int, stop: int) -> torch.Tensor:
+        scores = torch.matmul(query[..., start:stop, :].to(compute_dtype), key_t) * scaling
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask[..., start:stop, :], torch.finfo(compute_dtype).min)
+        elif attn_mask is not None:
+            scores = scores + attn_mask[..., start:stop, :].to(compute_dtype)
+        elif causal and q_len > 1:  # SDPA's is_causal: key j visible from query i when j <= i + kv_len - q_len
+            rows = torch.arange(start, stop, device=query.device)[:, None] + (kv_len - q_len)
+            scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows, float("-inf"))
+        weights = scores.softmax(-1)
+        return weights_per_row(weights, value_rows._replace(index=value_rows.index[:, start:stop]))
+
+    per_row = in_query_chunks(chunk_per_row, (*query.shape[:-1], kv_len))
+    return torch.matmul(per_row, value_rows.table.to(per_row.dtype)).to(query.dtype)
+
+
+def chain_score_mods(first: Callable | None, second: Callable | None) -> Callable | None:
+    """One FlexAttention ``score_mod`` adding both terms (the scheme's position-only one, the layer's content one);
+    None when neither exists."""
+    if first is None or second is None:
+        return first or second
+
+    def chained_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        return second(first(score, batch_idx, head_idx, q_idx, kv_idx), batch_idx, head_idx, q_idx, kv_idx)
+
+    return chained_score_mod
+
+
+def _eager(query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training):
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
@@ -346,9 +422,8 @@ def _eager(query, key, value, attention_inputs, normalizer, score_term, value_te
         weights = weights * attention_inputs["row_has_key"]
     weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
     output = torch.matmul(weights, value)
-    value_term = value_term(weights, attention_inputs) if value_term is not None else None
-    if value_term is not None:
-        output = output + value_term
+    if value_rows is not None:
+        output = output + value_rows_term(weights, value_rows)
     return output, weights
 
 
@@ -360,7 +435,7 @@ def _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training) -> boo
     return needs_grad and query.device.type == "cpu" and not (training and dropout > 0)
 
 
-def _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal):
+def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal):
     attn_mask = attention_inputs["mask"]
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
     if score_term is not None:
@@ -382,6 +457,8 @@ def _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, tra
             scale=scaling,
             is_causal=attn_mask is None and causal and query.shape[-2] > 1,
         )
+    if value_rows is not None:
+        output = output + recomputed_value_rows_term(query, key, attn_mask, scaling, causal, value_rows)
     if attention_inputs["row_has_key"] is not None:
         output = output * attention_inputs["row_has_key"]
     return output
@@ -413,10 +490,10 @@ def positional_attention(
     ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
     scaling = scaling * encoding.content_scale
-    score_term = value_term = None
+    score_term = value_rows = None
     if position_term is not None:
         score_term = partial(position_term.score_term, scaling=scaling, project_query_key=project_query_key)
-        value_term = position_term.value_term
+        value_rows = position_term.value_rows(attention_inputs)
     tables = attention_inputs["position"]
     query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
@@ -428,13 +505,16 @@ def positional_attention(
     backend = attention_inputs["backend"]
     if backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
+        if position_term is not None:
+            layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
+            score_mod = chain_score_mods(score_mod, layer_mod)
         region = f"{encoding.name}+{normalizer.name}"
         attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding))
         output = normalizer.flex_output(attend, query, key, value, score_mod, attention_inputs["mask"], scaling)
     elif backend == "sdpa":
-        output = _sdpa(query, key, value, attention_inputs, score_term, scaling, dropout, training, causal)
+        output = _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal)
     else:
         output, weights = _eager(
-            query, key, value, attention_inputs, normalizer, score_term, value_term, scaling, dropout, training
+            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training
         )
     return output.transpose(1, 2).contiguous(), weights

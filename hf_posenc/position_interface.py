@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -127,6 +127,17 @@ QueryKeyProjection = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ``((heads, rows, head_dim), (heads, rows, head_dim))``, biases included (DeBERTa's ``share_att_key``)."""
 
 
+class ValueRows(NamedTuple):
+    """A value term ``o_i += sum_j a_ij table[index[i, j]]`` (Shaw's ``R^V``): ``table`` ``(rows, head_dim)``,
+    ``index`` ``(batch|1, q_len, kv_len)``; ``sorted_index``: the index is non-decreasing along the keys (consecutive
+    positions), so the weights are summed per row by runs (:func:`~hf_posenc.relative_tables.sum_sorted_runs`)
+    rather than scattered."""
+
+    table: torch.Tensor
+    index: torch.Tensor
+    sorted_index: bool
+
+
 class LayerPositionTerm(nn.Module):
     """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, CoPE), owned by each
     attention layer. It holds that layer's parameters; parameters shared by all layers reach it through the
@@ -148,9 +159,23 @@ class LayerPositionTerm(nn.Module):
         """
         return None
 
-    def value_term(self, weights: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor | None:
-        """A ``(batch, heads, q_len, head_dim)`` term added to the attention output, from the normalized weights
-        ``(batch, heads, q_len, kv_len)``, or None."""
+    def score_mod(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_inputs: AttentionInputs,
+        scaling: float,
+        project_query_key: QueryKeyProjection,
+    ) -> Callable | None:
+        """:meth:`score_term` as a FlexAttention ``score_mod`` (flex only; the scheme lists ``"flex_attention"`` in
+        its backends): small per-layer tables computed from q and k (``(batch, heads, q_len, rows)`` by one matmul)
+        read per (query, key) inside the kernel, nothing ``(q_len, kv_len)``-sized. None: no score term."""
+        return None
+
+    def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:
+        """The term added to the attention output, ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``), as a table and a
+        per-pair row index, or None. The attention computes it from the weights summed per row, on every backend
+        that lists the scheme (eager: from its weights; SDPA: recomputed in chunks of queries)."""
         return None
 
     def init_weights(self, initializer_range: float) -> None:
@@ -224,6 +249,13 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
         """The backends that can run the scheme with these options."""
         return cls.backends
+
+    @classmethod
+    def has_value_term(cls, spec: dict[str, Any]) -> bool:
+        """Whether the layer term adds a term computed from the attention weights (:meth:`LayerPositionTerm.value_rows`)
+        with these options. SDPA recomputes those weights, which cannot follow its attention dropout: training with
+        attention dropout then runs eager."""
+        return False
 
     @classmethod
     def layer_term(cls, spec: dict[str, Any], dims: AttentionDims, layer_idx: int) -> LayerPositionTerm | None:

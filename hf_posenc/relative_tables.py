@@ -15,8 +15,11 @@ the farthest key to the left of the last query. With absolute positions ``i + p`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def _sum_diagonals(grad: torch.Tensor) -> torch.Tensor:
@@ -68,3 +71,105 @@ def skew(rows: torch.Tensor, kv_len: int) -> torch.Tensor:
     flat = padded.reshape(*rows.shape[:-2], q_len * (width + 1))
     shifted = flat[..., q_len - 1 : q_len - 1 + q_len * width].view(*rows.shape[:-2], q_len, width)
     return shifted[..., :kv_len]
+
+
+def _run_bounds(index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(batch|1, q_len, kv_len)`` index, non-decreasing along keys -> ``(batch|1, q_len, rows + 1)``: entry ``r``
+    is the first key whose index is at least ``r``, so the keys that read row ``r`` are ``bounds[r] .. bounds[r + 1]
+    - 1`` (a run, possibly empty)."""
+    targets = torch.arange(rows + 1, device=index.device, dtype=index.dtype)
+    return torch.searchsorted(index.contiguous(), targets.expand(*index.shape[:-1], rows + 1).contiguous())
+
+
+def _sum_runs(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out[..., i, r] = sum_{j: index[i, j] = r} values[..., i, j]`` for an index non-decreasing along keys: each
+    row's keys form a run, summed as the difference of a cumulative sum (in at least float32) at its two ends."""
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    cumulative = F.pad(values.to(dtype).cumsum(-1), (1, 0))  # (..., q_len, kv_len + 1), entry j: sum of keys < j
+    bounds = _run_bounds(index, rows)[:, None].expand(*values.shape[:-1], rows + 1)
+    return cumulative.gather(-1, bounds).diff(dim=-1).to(values.dtype)
+
+
+class _SortedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        batch, heads, q_len, _ = table.shape
+        return table.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        table, index = inputs
+        ctx.save_for_backward(index)
+        ctx.rows = table.shape[-1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return sum_sorted_runs(grad, index, ctx.rows), None
+
+
+class _SumSortedRuns(torch.autograd.Function):
+    @staticmethod
+    def forward(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        return _sum_runs(values, index, rows)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, index, _ = inputs
+        ctx.save_for_backward(index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return sorted_gather(grad, index), None, None
+
+
+def _check_pair_index(index: torch.Tensor) -> None:
+    if index.dim() != 3:
+        raise ValueError(f"a pair index is (batch|1, q_len, kv_len); got shape {tuple(index.shape)}.")
+
+
+def sorted_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: a table of rows per query ``(batch, heads, q_len,
+    rows)`` read at each (query, key) pair's row, for an ``index`` ``(batch|1, q_len, kv_len)`` that is
+    non-decreasing along the keys (a clipped or bucketed distance ``j - i`` on increasing key positions). The keys
+    reading one row are then a run, so the backward sums runs (:func:`sum_sorted_runs`: a cumulative sum and two
+    small gathers) instead of scattering every pair's gradient into a few rows (atomic adds on the same addresses on
+    a GPU). The index is not checked (that would read the data): the caller guarantees the order."""
+    _check_pair_index(index)
+    return _SortedGather.apply(table, index)
+
+
+def sum_sorted_runs(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The adjoint of :func:`sorted_gather`: ``out[b, h, i, r] = sum_{j: index[b, i, j] = r} values[b, h, i, j]``,
+    ``(batch, heads, q_len, kv_len) -> (batch, heads, q_len, rows)``, for an index non-decreasing along the keys (the
+    attention weights summed per relative row, as Shaw's value term needs). Dense: a cumulative sum over the keys in
+    at least float32, read at the two ends of each run; its backward is :func:`sorted_gather`."""
+    _check_pair_index(index)
+    return _SumSortedRuns.apply(values, index, rows)
+
+
+CHUNK_ELEMENTS = 2**23
+"""Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
+memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
+allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
+
+
+def in_query_chunks(
+    chunk_term: Callable[[int, int], torch.Tensor], scores_shape: tuple[int, ...], chunk: int | None = None
+) -> torch.Tensor:
+    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term built from ``chunk_term(start, stop)``, its
+    rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill :data:`CHUNK_ELEMENTS`). With
+    gradients each chunk is checkpointed (its intermediates, the ``(batch, heads, chunk, rows)`` products, gates and
+    indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
+    ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
+    batch, heads, q_len, kv_len = scores_shape
+    chunk = chunk or max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
+    chunks = []
+    for start in range(0, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(chunk_term, start, stop, use_reentrant=False))
+        else:
+            chunks.append(chunk_term(start, stop))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)

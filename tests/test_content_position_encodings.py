@@ -19,12 +19,12 @@ from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
 
 import hf_posenc
-from hf_posenc import posenc_attention
+from hf_posenc import posenc_attention, relative_tables
 from hf_posenc.attention_normalizers import Softmax
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
-from hf_posenc.posenc_attention import build_dense_mask, positional_attention
+from hf_posenc.posenc_attention import build_dense_mask, positional_attention, value_rows_term
 from hf_posenc.score_bias_encodings import t5_relative_bucket
 
 
@@ -53,8 +53,8 @@ def qkv(batch: int = 2, q_len: int = 3, kv_len: int = 7, seed: int = 0):
     )
 
 
-def attention_inputs(encoding, query_positions, key_positions, visible=None):
-    tables = encoding.prepare(query_positions, key_positions, "eager")
+def attention_inputs(encoding, query_positions, key_positions, visible=None, consecutive=False):
+    tables = encoding.prepare(query_positions, key_positions, "eager", consecutive)
     inputs = {"backend": "eager", "query_positions": query_positions, "key_positions": key_positions}
     mask = None if visible is None else visible[:, None]
     inputs.update(build_dense_mask(mask, tables.pop("score_bias", None), torch.float32, keep_boolean=False))
@@ -88,26 +88,33 @@ def run_attention(attention_module, encoding, query, key, value, inputs):
 # ---- Shaw (seed eqs. (4)-(6)) ----
 
 
+@pytest.mark.parametrize("positions", ["given", "consecutive"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_shaw_key_and_value_terms_equal_the_loop(family):
+def test_shaw_key_and_value_terms_equal_the_loop(family, positions):
+    """Given positions (a gap, cached keys, rows that differ: gathered and scattered) and the model's consecutive
+    positions (the sorted index: read and summed by runs)."""
     k = 2
     _, encoding, attention = scheme_and_term(family, {"type": "shaw", "max_distance": k})
     term = attention.position_term
     query, key, value = qkv()
-    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    query_positions, key_positions = QUERY_POSITIONS, KEY_POSITIONS
+    if positions == "consecutive":
+        query_positions, key_positions = torch.arange(3)[None].expand(2, -1), torch.arange(7)[None].expand(2, -1)
+    inputs = attention_inputs(encoding, query_positions, key_positions, consecutive=positions == "consecutive")
+    assert ("sorted_shaw_index" in inputs["position"]) is (positions == "consecutive")
     weights = torch.rand(2, HEADS, 3, 7)
     key_table, value_table = term.key_table.weight, term.value_table.weight
     expected_key, expected_value = torch.zeros(2, HEADS, 3, 7), torch.zeros(2, HEADS, 3, HEAD_DIM)
     for b in range(2):
         for i in range(3):
             for j in range(7):
-                row = max(-k, min(k, int(KEY_POSITIONS[b, j] - QUERY_POSITIONS[b, i]))) + k  # clip(j - i)
+                row = max(-k, min(k, int(key_positions[b, j] - query_positions[b, i]))) + k  # clip(j - i)
                 for h in range(HEADS):
                     expected_key[b, h, i, j] = query[b, h, i] @ key_table[row] * 0.5
                     expected_value[b, h, i] += weights[b, h, i, j] * value_table[row]
     with torch.no_grad():
         torch.testing.assert_close(term.score_term(query, key, inputs, 0.5, None), expected_key)
-        torch.testing.assert_close(term.value_term(weights, inputs), expected_value)
+        torch.testing.assert_close(value_rows_term(weights, term.value_rows(inputs)), expected_value)
 
 
 def test_shaw_attention_equals_equations_4_and_5():
@@ -143,13 +150,17 @@ def test_nezha_table_is_the_sinusoid_of_the_clipped_distance():
             assert table[row, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
-@pytest.mark.parametrize(("use_value", "backend"), [(True, "eager"), (False, "sdpa")])
-def test_shaw_value_term_needs_eager(use_value, backend):
-    model = make_model("gpt2", {"type": "shaw", "use_value": use_value}, attn="sdpa")
+@pytest.mark.parametrize(
+    ("use_value", "dropout", "backend"),
+    [(True, 0.0, "sdpa"), (False, 0.0, "sdpa"), (True, 0.1, "eager"), (False, 0.1, "sdpa")],
+)
+def test_shaw_runs_on_sdpa_and_on_eager_only_with_attention_dropout_and_its_value_term(use_value, dropout, backend):
+    """SDPA recomputes the weights for the value term, without SDPA's dropout mask: training with attention dropout
+    and the value term runs eager (the weights dropped once, for v and R^V alike)."""
+    model = make_model("gpt2", {"type": "shaw", "use_value": use_value}, attn="sdpa", attn_pdrop=dropout).train()
     seen = []
     model.transformer.h[0].register_forward_pre_hook(lambda module, args: seen.extend(args))
-    with torch.no_grad():
-        model(random_ids(1, 5))
+    model(random_ids(1, 5))
     assert [leaf for leaf in seen if isinstance(leaf, str)] == [backend]
 
 
@@ -762,7 +773,6 @@ def test_cope_in_chunks_of_queries_equals_one_chunk_values_and_grads():
 @pytest.mark.parametrize("contiguous", [True, False], ids=["skew", "gather"])
 @pytest.mark.parametrize("spec", ["xlnet", "deberta", {"type": "deberta", "att_type": "p2c", "share_att_key": False}])
 def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec, contiguous, monkeypatch):
-    from hf_posenc import content_position_encodings
 
     _, encoding, attention = scheme_and_term("bert", spec)
     query, key, _ = qkv(q_len=5, kv_len=7)
@@ -774,7 +784,7 @@ def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec,
     parameters = [p for p in attention.position_term.parameters()] + [p for p in attention.parameters()][:2]
     results = []
     for elements in (2**23, 2 * HEADS * 7 * 2):  # one chunk, chunks of 2 queries
-        monkeypatch.setattr(content_position_encodings, "CHUNK_ELEMENTS", elements)
+        monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", elements)
         leaves = [t.clone().requires_grad_() for t in (query, key)]
         score = attention.position_term.score_term(*leaves, inputs, 0.3, attention.project_query_key)
         results.append(
