@@ -22,6 +22,7 @@ from .position_interface import (
     AttentionInputs,
     LayerPositionTerm,
     PositionEncoding,
+    QueryKeyProjection,
     ValueRows,
     position_lookup,
     toeplitz_distances,
@@ -189,13 +190,15 @@ class Shaw(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         k = self.spec["max_distance"]
+        tables = {}
+        if self.spec["table"] == "sinusoidal":
+            tables["shaw_table"] = shaw_sinusoidal_table(k, self.dims.head_dim).to(query_positions.device)
+        if backend == "flex_attention":  # the score_mod computes each pair's row from the positions
+            return tables
         if consecutive:  # the same distances in every row: one index serves the batch
             query_positions, key_positions = query_positions[:1], key_positions[:1]
         index = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
-        tables = {"sorted_shaw_index" if consecutive else "shaw_index": index}
-        if self.spec["table"] == "sinusoidal":
-            tables["shaw_table"] = shaw_sinusoidal_table(k, self.dims.head_dim).to(query_positions.device)
-        return tables
+        return {**tables, "sorted_shaw_index" if consecutive else "shaw_index": index}
 
 
 def transformer_xl_sinusoids(distances: torch.Tensor, dim: int) -> torch.Tensor:
@@ -222,16 +225,23 @@ class TransformerXLTerm(LayerPositionTerm):
         init.normal_(self.content_bias, mean=0.0, std=initializer_range)
         init.normal_(self.position_bias, mean=0.0, std=initializer_range)
 
-    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        tables = attention_inputs["position"]
+    def row_tables(
+        self, query: torch.Tensor, key: torch.Tensor, tables: dict[str, torch.Tensor], scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a layer reads per pair: ``q + v`` ``(batch, heads, q_len, head_dim)`` and the scaled, projected
+        distance rows ``(heads, head_dim, rows)`` (terms 2 and 4: ``(q_i + v) . W_{K,R} R_{i-j}``), and ``u . k_j``
+        scaled, ``(batch, heads, 1, kv_len)`` (term 3, the same for every query). The scale goes on the small factors,
+        not on a ``(q_len, kv_len)`` result."""
         sinusoids = tables["xl_sinusoids"].to(self.position_key.weight.dtype)
         rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
-        # Terms 2 and 4: (x_i W_Q + v) W_{K,R} R_{i-j}, against every distance row, then gathered. The scale goes on
-        # the small factors, not on the (q_len, kv_len) result.
-        rows = (rows * scaling).transpose(-1, -2)
-        query = query + self.position_bias[:, None].to(query.dtype)
-        # Term 3: u W_K x_j, the same for every query.
+        rows = (rows * scaling).transpose(-1, -2).to(query.dtype)
+        shifted_query = query + self.position_bias[:, None].to(query.dtype)
         content_scores = torch.matmul(key, self.content_bias[..., None].to(key.dtype) * scaling).transpose(-1, -2)
+        return shifted_query, rows, content_scores
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        query, rows, content_scores = self.row_tables(query, key, tables, scaling)
         kv_len, index = key.shape[-2], tables.get("xl_index")
 
         def chunk_scores(start: int, stop: int) -> torch.Tensor:
@@ -243,6 +253,22 @@ class TransformerXLTerm(LayerPositionTerm):
             return position_scores + content_scores
 
         return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        query, rows, content_scores = self.row_tables(query, key, tables, scaling)
+        row_scores = torch.matmul(query, rows)  # (batch, heads, q_len, rows): one matmul per layer
+        index, last_key = tables.get("xl_index"), key.shape[-2] - 1
+
+        def xlnet_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            if index is None:  # contiguous positions: the skew's column i - j + kv_len - 1
+                row = q_idx - kv_idx + last_key
+            else:
+                row = index[0 if index.shape[0] == 1 else batch_idx, q_idx, kv_idx]
+            term = row_scores[batch_idx, head_idx, q_idx, row] + content_scores[batch_idx, head_idx, 0, kv_idx]
+            return score + term.to(score.dtype)
+
+        return xlnet_score_mod
 
 
 class TransformerXL(PositionEncoding):
@@ -265,7 +291,8 @@ class TransformerXL(PositionEncoding):
     description = "Transformer-XL/XLNet: q.k + q.W_KR R_(i-j) + u.k + v.W_KR R_(i-j), sinusoidal R, u, v per layer"
     relative = True
     has_layer_term = True
-    backends = ("eager", "sdpa")
+    backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # reads a length-sized table per pair: see TUPE (torch 2.13's CPU template)
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
@@ -298,6 +325,18 @@ def deberta_log_bucket(distances: torch.Tensor, position_buckets: int, max_relat
     return torch.where(distances.abs() <= mid, distances, (log_bucket * distances.sign()).to(distances.dtype))
 
 
+def deberta_relative_index(
+    distances: torch.Tensor, position_buckets: int, max_relative_positions: int
+) -> torch.Tensor:
+    """DeBERTa's row of the distances ``i - j``: ``clamp(bucket(i - j) + span, 0, 2 span - 1)`` with ``span =
+    position_buckets`` (log buckets, :func:`deberta_log_bucket`) or ``max_relative_positions`` (no buckets);
+    elementwise, so it also runs inside a FlexAttention ``score_mod``."""
+    span = position_buckets or max_relative_positions
+    if position_buckets > 0:
+        distances = deberta_log_bucket(distances, position_buckets, max_relative_positions)
+    return (distances + span).clamp(0, 2 * span - 1)
+
+
 class DeBERTaTerm(LayerPositionTerm):
     """One layer's position projections of the shared relative embeddings: its own q/k projections
     (``share_att_key``, DeBERTa-v3) or ``pos_key_proj`` (c2p) / ``pos_query_proj`` (p2c), named as in Transformers."""
@@ -306,6 +345,7 @@ class DeBERTaTerm(LayerPositionTerm):
         super().__init__()
         self.att_type = spec["att_type"].split("|")
         self.share_att_key = spec["share_att_key"]
+        self.position_buckets, self.max_relative_positions = spec["position_buckets"], spec["max_relative_positions"]
         self.num_heads, self.head_dim = dims.num_heads, dims.head_dim
         if not self.share_att_key:
             if "c2p" in self.att_type:
@@ -316,12 +356,16 @@ class DeBERTaTerm(LayerPositionTerm):
     def heads(self, states: torch.Tensor) -> torch.Tensor:
         return states.view(-1, self.num_heads, self.head_dim).transpose(0, 1)
 
-    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        tables = attention_inputs["position"]
-        embeddings, index = tables["deberta_embeddings"].to(query.dtype), tables["deberta_index"]
+    def row_tables(
+        self, key: torch.Tensor, embeddings: torch.Tensor, scaling: float, project_query_key: QueryKeyProjection
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scaled position keys ``K^r`` as ``(heads, head_dim, 2 span)`` (c2p: a query's row scores are one
+        matmul) and the keys' scores against the position queries ``Q^r``, ``(batch, heads, kv_len, 2 span)`` (p2c);
+        None for a term ``att_type`` leaves out. The scale goes on the (2 span)-row tables, not on a ``(q_len,
+        kv_len)`` result."""
+        embeddings = embeddings.to(key.dtype)
         if self.share_att_key:
             position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
-        # The scale goes on the (2 span)-row projections, not on the (q_len, kv_len) result: one pass fewer.
         query_rows = key_rows = None
         if "c2p" in self.att_type:
             if not self.share_att_key:
@@ -330,17 +374,50 @@ class DeBERTaTerm(LayerPositionTerm):
         if "p2c" in self.att_type:
             if not self.share_att_key:
                 position_query = self.heads(self.pos_query_proj(embeddings))
-            key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)  # (batch, heads, kv_len, 2 span)
+            key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)
+        return query_rows, key_rows
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        index, sorted_index = pair_index(tables, "deberta_index")
+        query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
+        last_row = tables["deberta_embeddings"].shape[0] - 1
+        if sorted_index and query_rows is not None:
+            # idx(i, j) falls as j grows: read the rows reversed at last_row - idx, which rises along the keys.
+            query_rows, query_index = query_rows.flip(-1), last_row - index
+        else:
+            query_index = index
 
         def chunk_scores(start: int, stop: int) -> torch.Tensor:
             score = 0.0
             if query_rows is not None:  # c2p_ij = q_i . K^r[idx(i, j)]
-                score = gather_rows(torch.matmul(query[..., start:stop, :], query_rows), index[:, start:stop])
-            if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, gathered with the transposed index
-                score = score + gather_rows(key_rows, index[:, start:stop].transpose(-1, -2)).transpose(-1, -2)
+                row_scores = torch.matmul(query[..., start:stop, :], query_rows)
+                score = read_rows(row_scores, query_index[:, start:stop], sorted_index)
+            if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, read with the transposed index
+                key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
+                score = score + read_rows(key_rows, key_index, sorted_index).transpose(-1, -2)
             return score
 
         return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
+        query_row_scores = None if query_rows is None else torch.matmul(query, query_rows)  # (b, h, q_len, 2 span)
+        query_position = position_lookup(attention_inputs["query_positions"])
+        key_position = position_lookup(attention_inputs["key_positions"])
+        buckets, largest = self.position_buckets, self.max_relative_positions
+
+        def deberta_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
+            row = deberta_relative_index(distance, buckets, largest)
+            if query_row_scores is not None:
+                score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
+            if key_rows is not None:
+                score = score + key_rows[batch_idx, head_idx, kv_idx, row].to(score.dtype)
+            return score
+
+        return deberta_score_mod
 
 
 class DeBERTa(PositionEncoding):
@@ -363,7 +440,8 @@ class DeBERTa(PositionEncoding):
     description = "DeBERTa-v2/v3 disentangled attention: c2p + p2c over log-bucketed relative embeddings"
     relative = True
     has_layer_term = True
-    backends = ("eager", "sdpa")
+    backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # reads length-sized tables per pair: see TUPE (torch 2.13's CPU template)
     options = {
         "att_type": Option(
             "c2p|p2c",
@@ -404,15 +482,19 @@ class DeBERTa(PositionEncoding):
         self.LayerNorm = nn.LayerNorm(dims.hidden_size, eps=1e-7)  # DeBERTa's layer_norm_eps
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        distances = relative_distances(query_positions, key_positions)
-        if self.spec["position_buckets"] > 0:
-            distances = deberta_log_bucket(
-                distances, self.spec["position_buckets"], self.spec["max_relative_positions"]
-            )
-        return {
-            "deberta_index": (distances + self.span).clamp(0, 2 * self.span - 1),
-            "deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight),
-        }
+        """The shared relative embeddings after their LayerNorm and the per-pair row index, stored as
+        ``sorted_deberta_index`` on consecutive positions (one row for the batch; read by runs)."""
+        tables = {"deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight)}
+        if backend == "flex_attention":  # the score_mod computes each pair's row from the positions
+            return tables
+        if consecutive:
+            query_positions, key_positions = query_positions[:1], key_positions[:1]
+        index = deberta_relative_index(
+            relative_distances(query_positions, key_positions),
+            self.spec["position_buckets"],
+            self.spec["max_relative_positions"],
+        )
+        return {**tables, "sorted_deberta_index" if consecutive else "deberta_index": index}
 
 
 class TUPE(PositionEncoding):

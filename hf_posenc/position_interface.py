@@ -252,9 +252,9 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 
     @classmethod
     def has_value_term(cls, spec: dict[str, Any]) -> bool:
-        """Whether the layer term adds a term computed from the attention weights (:meth:`LayerPositionTerm.value_rows`)
-        with these options. SDPA recomputes those weights, which cannot follow its attention dropout: training with
-        attention dropout then runs eager."""
+        """Whether the layer term adds a term computed from the attention weights
+        (:meth:`LayerPositionTerm.value_rows`) with these options. SDPA recomputes those weights, which cannot follow
+        its attention dropout: training with attention dropout then runs eager."""
         return False
 
     @classmethod

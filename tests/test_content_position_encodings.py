@@ -259,13 +259,19 @@ def test_deberta_relative_index_equals_transformers_build_relative_position(spec
 
 @pytest.mark.parametrize("att_type", ["c2p|p2c", "c2p", "p2c"])
 @pytest.mark.parametrize("share_att_key", [True, False])
-def test_deberta_c2p_and_p2c_equal_the_loop(att_type, share_att_key):
+@pytest.mark.parametrize("positions", ["given", "consecutive"])
+def test_deberta_c2p_and_p2c_equal_the_loop(att_type, share_att_key, positions):
+    """Given positions (gathered per pair) and consecutive ones (the sorted index, read by runs, c2p reversed)."""
     spec = dict(type="deberta", att_type=att_type, share_att_key=share_att_key, position_buckets=4)
     spec["max_relative_positions"] = 8
     _, encoding, attention = scheme_and_term("gpt2", spec)
     term = attention.position_term
-    query, key, _ = qkv()
-    inputs = attention_inputs(encoding, QUERY_POSITIONS, KEY_POSITIONS)
+    query, key, _ = qkv(q_len=9, kv_len=9) if positions == "consecutive" else qkv()
+    query_positions, key_positions = QUERY_POSITIONS, KEY_POSITIONS
+    if positions == "consecutive":
+        query_positions = key_positions = torch.arange(9)[None].expand(2, -1)
+    inputs = attention_inputs(encoding, query_positions, key_positions, consecutive=positions == "consecutive")
+    assert ("sorted_deberta_index" in inputs["position"]) is (positions == "consecutive")
     with torch.no_grad():
         embeddings = encoding.LayerNorm(encoding.rel_embeddings.weight)  # (2 span, hidden)
         if share_att_key:
@@ -274,11 +280,12 @@ def test_deberta_c2p_and_p2c_equal_the_loop(att_type, share_att_key):
             projected_key = term.pos_key_proj(embeddings) if "c2p" in att_type else None
             projected_query = term.pos_query_proj(embeddings) if "p2c" in att_type else None
     scale = 1 / math.sqrt(HEAD_DIM * (1 + len(att_type.split("|"))))
-    expected = torch.zeros(2, HEADS, 3, 7)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    expected = torch.zeros(2, HEADS, q_len, kv_len)
     for b in range(2):
-        for i in range(3):
-            for j in range(7):
-                distance = int(QUERY_POSITIONS[b, i] - KEY_POSITIONS[b, j])
+        for i in range(q_len):
+            for j in range(kv_len):
+                distance = int(query_positions[b, i] - key_positions[b, j])
                 if abs(distance) > 2:  # mid = 2: sign(d) (2 + ceil(log(|d| / 2) / log(7 / 2) * 1))
                     distance = int(math.copysign(2 + math.ceil(math.log(abs(distance) / 2) / math.log(3.5)), distance))
                 row = min(max(distance + 4, 0), 7)
@@ -449,9 +456,9 @@ def test_tupe_model_folds_one_bias_shared_by_the_batch(monkeypatch):
     torch.testing.assert_close(outputs["sdpa"][visible], outputs["eager"][visible], atol=ATOL, rtol=1e-4)
 
 
-def uncompiled_flex_models(monkeypatch, family: str, calls: list):
-    """``tupe`` on eager and on flex (uncompiled FlexAttention standing in for the compiled kernel: same semantics,
-    any head width; each call recorded in ``calls``), with the same weights."""
+def uncompiled_flex_models(monkeypatch, family: str, calls: list, spec="tupe"):
+    """The scheme ``spec`` on eager and on flex (uncompiled FlexAttention standing in for the compiled kernel: same
+    semantics, any head width; each call recorded in ``calls``), with the same weights."""
 
     def uncompiled_flex(*args, **kwargs):
         calls.append(kwargs["score_mod"])
@@ -460,8 +467,43 @@ def uncompiled_flex_models(monkeypatch, family: str, calls: list):
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
     monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(hf_posenc.content_position_encodings.TUPE, "flex_compiles_on_cpu", True)
-    return make_model(family, "tupe", attn="eager"), make_model(family, "tupe", attn="flex_attention")
+    name = spec if isinstance(spec, str) else spec["type"]
+    monkeypatch.setattr(hf_posenc.POSITION_ENCODINGS[name], "flex_compiles_on_cpu", True)
+    return make_model(family, spec, attn="eager"), make_model(family, spec, attn="flex_attention")
+
+
+FLEX_CONTENT_SCHEMES = [
+    ("bert", {"type": "shaw", "use_value": False, "max_distance": 3}),
+    ("gpt2", {"type": "shaw", "use_value": False, "table": "sinusoidal", "max_distance": 3}),
+    ("bert", "xlnet"),
+    ("gpt2", "xlnet"),
+    ("bert", {"type": "deberta", "position_buckets": 8, "max_relative_positions": 16}),
+    ("gpt2", {"type": "deberta", "share_att_key": False, "position_buckets": 4, "max_relative_positions": 8}),
+    ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}),
+]
+
+
+@pytest.mark.parametrize("positions", ["default", "given"])
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
+def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeypatch):
+    """Each layer's content term read per (query, key) inside FlexAttention's score_mod, against eager: default
+    positions and given positions that differ per row with a gap, a padded row; buckets and clipping that bite."""
+    calls = []
+    eager, flex = uncompiled_flex_models(monkeypatch, family, calls, spec)
+    ids = random_ids(2, 12)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 9:] = 0
+    position_ids = None
+    if positions == "given":
+        position_ids = torch.stack([torch.cat([torch.arange(4), torch.arange(9, 17)]), torch.arange(2, 14)])
+    outputs = []
+    for model in (eager, flex):
+        with torch.no_grad():
+            outputs.append(model(ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+    name = spec if isinstance(spec, str) else spec["type"]
+    assert len(calls) == flex.config.num_hidden_layers and calls[0].__name__ == f"{name}_score_mod"
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
