@@ -27,7 +27,7 @@ from .position_interface import (
     position_lookup,
     toeplitz_distances,
 )
-from .relative_tables import in_query_chunks, skew, sorted_gather, toeplitz
+from .relative_tables import gather_rows, in_query_chunks, read_rows, run_starts, skew, sorted_gather, toeplitz
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -56,13 +56,6 @@ def contiguous_positions(query_positions: torch.Tensor, key_positions: torch.Ten
     return bool(contiguous)
 
 
-def gather_rows(row_scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out[b, h, i, j] = row_scores[b, h, i, index[b, i, j]]``: scores against a table of rows ``(batch, heads,
-    q_len, rows)`` read at each (query, key) pair's row, ``index`` ``(batch|1, q_len, kv_len)``."""
-    batch, heads, q_len, _ = row_scores.shape
-    return row_scores.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
-
-
 def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
     """NEZHA's fixed relative table (Wei et al. 2019, eq. in section 3.2): the row of distance ``d = j - i`` in
     ``[-k, k]`` is ``R[d, 2i] = sin(d / 10000^(2i/dim))``, ``R[d, 2i+1] = cos(d / 10000^(2i/dim))``; returns the
@@ -74,19 +67,10 @@ def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :dim]
 
 
-def read_rows(table: torch.Tensor, index: torch.Tensor, sorted_index: bool) -> torch.Tensor:
-    """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: :func:`~hf_posenc.relative_tables.sorted_gather` (a
-    backward by runs) when the index is non-decreasing along the keys, else :func:`gather_rows`."""
-    return sorted_gather(table, index) if sorted_index else gather_rows(table, index)
-
-
-def pair_index(tables: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, bool]:
-    """The per-pair row index ``prepare`` stored as ``name`` (any positions) or ``sorted_<name>`` (consecutive
-    positions: non-decreasing along the keys), and whether it is sorted. The key says it, since the tables that reach
-    a layer hold tensors only."""
-    if f"sorted_{name}" in tables:
-        return tables[f"sorted_{name}"], True
-    return tables[name], False
+def pair_index(tables: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-pair row index ``prepare`` stored as ``name`` and its run starts ``<name>_starts``, stored on
+    consecutive positions only (where the index rises along the keys), else None."""
+    return tables[name], tables.get(f"{name}_starts")
 
 
 class ShawTerm(LayerPositionTerm):
@@ -117,8 +101,14 @@ class ShawTerm(LayerPositionTerm):
         return torch.matmul(query, key_table.to(query.dtype).T * scaling)
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        index, sorted_index = pair_index(attention_inputs["position"], "shaw_index")
-        return read_rows(self.row_scores(query, attention_inputs, scaling), index, sorted_index)
+        index, starts = pair_index(attention_inputs["position"], "shaw_index")
+        row_scores = self.row_scores(query, attention_inputs, scaling)
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            chunk_starts = None if starts is None else starts[:, start:stop]
+            return read_rows(row_scores[..., start:stop, :], index[:, start:stop], chunk_starts)
+
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
 
     def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
         row_scores = self.row_scores(query, attention_inputs, scaling)
@@ -137,8 +127,8 @@ class ShawTerm(LayerPositionTerm):
         if not self.use_value:
             return None
         _, value_table = self.tables(attention_inputs)
-        index, sorted_index = pair_index(attention_inputs["position"], "shaw_index")
-        return ValueRows(value_table, index, sorted_index)
+        index, starts = pair_index(attention_inputs["position"], "shaw_index")
+        return ValueRows(value_table, index, starts)
 
 
 class Shaw(PositionEncoding):
@@ -197,8 +187,10 @@ class Shaw(PositionEncoding):
             return tables
         if consecutive:  # the same distances in every row: one index serves the batch
             query_positions, key_positions = query_positions[:1], key_positions[:1]
-        index = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
-        return {**tables, "sorted_shaw_index" if consecutive else "shaw_index": index}
+        tables["shaw_index"] = (-relative_distances(query_positions, key_positions)).clamp(-k, k) + k
+        if consecutive:  # clip(j - i) rises along the keys: read and summed by runs
+            tables["shaw_index_starts"] = run_starts(tables["shaw_index"], 2 * k + 1)
+        return tables
 
 
 def transformer_xl_sinusoids(distances: torch.Tensor, dim: int) -> torch.Tensor:
@@ -379,23 +371,27 @@ class DeBERTaTerm(LayerPositionTerm):
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["position"]
-        index, sorted_index = pair_index(tables, "deberta_index")
+        index = tables["deberta_index"]
+        query_starts, key_starts = tables.get("deberta_c2p_starts"), tables.get("deberta_p2c_starts")
         query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
         last_row = tables["deberta_embeddings"].shape[0] - 1
-        if sorted_index and query_rows is not None:
-            # idx(i, j) falls as j grows: read the rows reversed at last_row - idx, which rises along the keys.
-            query_rows, query_index = query_rows.flip(-1), last_row - index
-        else:
-            query_index = index
+        if query_starts is not None and query_rows is not None:
+            query_rows = query_rows.flip(-1)  # idx falls along the keys: read the rows reversed at last_row - idx
 
         def chunk_scores(start: int, stop: int) -> torch.Tensor:
             score = 0.0
             if query_rows is not None:  # c2p_ij = q_i . K^r[idx(i, j)]
                 row_scores = torch.matmul(query[..., start:stop, :], query_rows)
-                score = read_rows(row_scores, query_index[:, start:stop], sorted_index)
+                if query_starts is None:
+                    score = gather_rows(row_scores, index[:, start:stop])
+                else:
+                    chunk_index, chunk_starts = last_row - index[:, start:stop], query_starts[:, start:stop]
+                    score = sorted_gather(row_scores, chunk_index, chunk_starts)
             if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, read with the transposed index
                 key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
-                score = score + read_rows(key_rows, key_index, sorted_index).transpose(-1, -2)
+                chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)
+                p2c = read_rows(key_rows, key_index, chunk_starts).transpose(-1, -2)
+                score = p2c if query_rows is None else score.add_(p2c)  # in place: one chunk-sized sum
             return score
 
         return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
@@ -483,7 +479,7 @@ class DeBERTa(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         """The shared relative embeddings after their LayerNorm and the per-pair row index, stored as
-        ``sorted_deberta_index`` on consecutive positions (one row for the batch; read by runs)."""
+        with, on consecutive positions (one row for the batch), the run starts its reads by runs need."""
         tables = {"deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight)}
         if backend == "flex_attention":  # the score_mod computes each pair's row from the positions
             return tables
@@ -494,7 +490,12 @@ class DeBERTa(PositionEncoding):
             self.spec["position_buckets"],
             self.spec["max_relative_positions"],
         )
-        return {**tables, "sorted_deberta_index" if consecutive else "deberta_index": index}
+        tables["deberta_index"] = index
+        if consecutive:  # idx(i - j) falls along the keys (c2p reads it reversed) and rises along the queries (p2c)
+            rows = 2 * self.span
+            tables["deberta_c2p_starts"] = run_starts(rows - 1 - index, rows)
+            tables["deberta_p2c_starts"] = run_starts(index.transpose(-1, -2), rows)
+        return tables
 
 
 class TUPE(PositionEncoding):

@@ -10,12 +10,19 @@ tensors per layer (measured: 212 MiB for one 4-head layer at 2048 tokens, agains
 
 ``P = softmax(scale q k^T + M)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``,
 ``dq = scale dS k``, ``dk = scale dS^T q``, ``dM = dS`` (summed over the dimensions ``M`` broadcasts).
+
+The backward runs in chunks of queries (``relative_tables.CHUNK_ELEMENTS`` of ``P`` at a time), so besides
+``dM`` (the mask's gradient, ``(q_len, kv_len)``-sized by nature) it holds two chunk-sized tensors, not two
+``(q_len, kv_len)`` ones.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .position_interface import ValueRows
+from .relative_tables import query_chunk_size, read_rows, sum_rows
 
 
 def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -24,39 +31,94 @@ def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
+def _chunk_weights(query: torch.Tensor, key_t: torch.Tensor, bias: torch.Tensor, scale: float, rows: slice):
+    """``softmax(scale q k^T + bias)`` of the queries ``rows``, in place on the one chunk-sized tensor."""
+    scores = torch.matmul(query[..., rows, :], key_t).mul_(scale)
+    return scores.add_(bias[..., rows, :]).softmax(-1)
+
+
+def _chunk_value_rows(value_rows: ValueRows, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return value_rows.index[:, rows], None if value_rows.starts is None else value_rows.starts[:, rows]
+
+
 class _AttentionWithLearnedBias(torch.autograd.Function):
     @staticmethod
-    def forward(query, key, value, bias, scale):
-        return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+    def forward(query, key, value, bias, scale, table, index, starts):
+        # Detached: CPU SDPA picks its math kernel for a mask that requires grad, even with grad mode off as here.
+        output = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias.detach(), scale=scale)
+        if table is None:
+            return output
+        value_rows = ValueRows(table, index, starts)
+        # The value term: the weights recomputed a chunk of queries at a time, summed per row, times the table.
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        query_, key_t, table = query.to(dtype), key.to(dtype).transpose(-1, -2), value_rows.table.to(dtype)
+        term = torch.empty(output.shape, dtype=dtype, device=output.device)
+        for rows in _query_chunks(query, key):
+            weights = _chunk_weights(query_, key_t, bias, scale, rows)
+            per_row = sum_rows(weights, *_chunk_value_rows(value_rows, rows), table.shape[0])
+            term[..., rows, :] = torch.matmul(per_row, table)
+        return output + term.to(output.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        query, key, value, bias, scale = inputs
-        ctx.save_for_backward(query, key, value, bias, output)
+        query, key, value, bias, scale, table, index, starts = inputs
+        ctx.save_for_backward(query, key, value, bias, output, table, index, starts)
         ctx.scale = scale
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, bias, output = ctx.saved_tensors
+        query, key, value, bias, output, table, index, starts = ctx.saved_tensors
+        value_rows = None if table is None else ValueRows(table, index, starts)
         dtype = torch.promote_types(query.dtype, torch.float32)
         query_, key_, value_ = query.to(dtype), key.to(dtype), value.to(dtype)
-        grad_output_ = grad_output.to(dtype)
-        weights = torch.matmul(query_, key_.transpose(-1, -2)).mul_(ctx.scale).add_(bias)  # (batch, heads, q, kv)
-        weights = weights.sub_(weights.logsumexp(-1, keepdim=True)).exp_()
-        grad_value = torch.matmul(weights.transpose(-1, -2), grad_output_)
-        row_dot = (grad_output_ * output.to(dtype)).sum(-1, keepdim=True)  # rowsum(dO O) = sum_j P_ij dP_ij
-        grad_scores = torch.matmul(grad_output_, value_.transpose(-1, -2)).sub_(row_dot).mul_(weights)
-        del weights
-        grad_query = torch.matmul(grad_scores, key_).mul_(ctx.scale)
-        grad_key = torch.matmul(grad_scores.transpose(-1, -2), query_).mul_(ctx.scale)
-        grad_bias = _sum_to_shape(grad_scores, bias.shape).to(bias.dtype) if ctx.needs_input_grad[3] else None
-        return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), grad_bias, None
+        key_t, grad_output_ = key_.transpose(-1, -2), grad_output.to(dtype)
+        # rowsum(dO O) = sum_j P_ij dP_ij, with O the whole output (the value term included).
+        row_dot = (grad_output_ * output.to(dtype)).sum(-1, keepdim=True)
+        grad_query = torch.empty_like(query_)
+        grad_key, grad_value = torch.zeros_like(key_), torch.zeros_like(value_)
+        grad_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if ctx.needs_input_grad[3] else None
+        if value_rows is not None:
+            table_ = table.to(dtype)
+            grad_table = torch.zeros_like(table_)
+            output_rows = torch.matmul(grad_output_, table_.T)  # dO_i . table[r]: (batch, heads, q_len, rows)
+        for rows in _query_chunks(query, key):  # only (batch, heads, chunk, kv_len) weights exist at a time
+            weights = _chunk_weights(query_, key_t, bias, ctx.scale, rows)
+            grad_value += torch.matmul(weights.transpose(-1, -2), grad_output_[..., rows, :])
+            grad_scores = torch.matmul(grad_output_[..., rows, :], value_.transpose(-1, -2))
+            if value_rows is not None:  # dP_ij also has dO_i . table[index_ij]; dtable[r] = sum_i m_ir dO_i
+                chunk_index, chunk_starts = _chunk_value_rows(value_rows, rows)
+                grad_scores += read_rows(output_rows[..., rows, :], chunk_index, chunk_starts)
+                per_row = sum_rows(weights, chunk_index, chunk_starts, table.shape[0])
+                grad_table += torch.matmul(per_row.flatten(0, -2).T, grad_output_[..., rows, :].flatten(0, -2))
+            grad_scores = grad_scores.sub_(row_dot[..., rows, :]).mul_(weights)
+            del weights
+            grad_query[..., rows, :] = torch.matmul(grad_scores, key_).mul_(ctx.scale)
+            grad_key += torch.matmul(grad_scores.transpose(-1, -2), query_[..., rows, :]).mul_(ctx.scale)
+            if grad_bias is not None:
+                grad_bias[..., rows, :] = _sum_to_shape(grad_scores, bias[..., rows, :].shape)
+        grad_table = grad_table.to(table.dtype) if value_rows is not None and ctx.needs_input_grad[5] else None
+        grads = grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), grad_bias, None
+        return *grads, grad_table, None, None
+
+
+def _query_chunks(query: torch.Tensor, key: torch.Tensor) -> list[slice]:
+    batch, heads, q_len, kv_len = *query.shape[:-1], key.shape[-2]
+    chunk = query_chunk_size(batch, heads, kv_len)
+    return [slice(start, start + chunk) for start in range(0, q_len, chunk)]
 
 
 def attention_with_learned_bias(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    value_rows: ValueRows | None = None,
 ) -> torch.Tensor:
     """``softmax(scale q k^T + bias) v`` for ``(batch, heads, q_len, head_dim)`` q, k, v and a float ``bias``
-    ``(batch|1, heads|1, q_len, kv_len)`` that requires grad (``finfo.min`` on masked keys), no dropout: SDPA's
-    fused forward, the backward recomputed from q, k, v and the bias (module docstring)."""
-    return _AttentionWithLearnedBias.apply(query, key, value, bias, scale)
+    ``(batch|1, heads|1, q_len, kv_len)`` (``finfo.min`` on masked keys), no dropout, plus with ``value_rows`` the
+    value term ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``): SDPA's fused forward (the value term from the weights
+    recomputed in chunks of queries and summed per row), the backward recomputed from q, k, v and the bias in chunks
+    of queries (module docstring)."""
+    table, index, starts = value_rows if value_rows is not None else (None, None, None)
+    return _AttentionWithLearnedBias.apply(query, key, value, bias, scale, table, index, starts)

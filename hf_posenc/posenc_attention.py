@@ -35,7 +35,7 @@ from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection, ValueRows
-from .relative_tables import in_query_chunks, sum_sorted_runs
+from .relative_tables import sum_rows
 
 
 logger = logging.get_logger(__name__)
@@ -346,55 +346,29 @@ def build_dense_mask(
     return {"mask": additive, "visible": visible, "row_has_key": row_has_key}
 
 
-def weights_per_row(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tensor:
-    """``(batch, heads, q_len, kv_len)`` weights summed per row of the value table, ``(batch, heads, q_len, rows)``:
-    by runs when the index is sorted along the keys, else scattered."""
-    rows = value_rows.table.shape[0]
-    if value_rows.sorted_index:
-        return sum_sorted_runs(weights, value_rows.index, rows)
-    batch, heads, q_len, kv_len = weights.shape
-    index = value_rows.index[:, None].expand(batch, heads, q_len, kv_len)
-    return weights.new_zeros(batch, heads, q_len, rows).scatter_add(-1, index, weights)
-
-
 def value_rows_term(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tensor:
     """``sum_j a_ij table[index_ij] = sum_r (sum_{j: index_ij = r} a_ij) table[r]``: ``(batch, heads, q_len,
-    head_dim)``, the weights summed per row first (no ``(q_len, kv_len, head_dim)`` tensor)."""
-    per_row = weights_per_row(weights, value_rows)
-    return torch.matmul(per_row, value_rows.table.to(per_row.dtype))
+    head_dim)``, the weights summed per row first (by runs on consecutive positions, else scattered; no ``(q_len,
+    kv_len, head_dim)`` tensor)."""
+    table = value_rows.table
+    per_row = sum_rows(weights, value_rows.index, value_rows.starts, table.shape[0])
+    return torch.matmul(per_row, table.to(per_row.dtype))
 
 
-def recomputed_value_rows_term(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    scaling: float,
-    causal: bool,
-    value_rows: ValueRows,
+def additive_mask(
+    attn_mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`value_rows_term` of the softmax weights an SDPA call computed without returning them: the weights
-    recomputed from q, k and SDPA's ``attn_mask`` (additive float, boolean or None with ``causal``) in chunks of
-    queries (:func:`in_query_chunks`, checkpointed with gradients), in at least float32, and summed per row, so only
-    ``(batch, heads, chunk, kv_len)`` tensors exist at a time. The result ``(batch, heads, q_len, head_dim)`` is in
-    the query's dtype."""
-    compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    key_t = key.to(compute_dtype).transpose(-1, -2)
+    """SDPA's ``attn_mask`` (None with ``is_causal`` when ``causal``, boolean, or already additive) as an additive
+    float mask in the query's dtype: ``finfo.min`` where a key is hidden, 0 elsewhere."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return attn_mask
     q_len, kv_len = query.shape[-2], key.shape[-2]
-
-    def chunk_per_row(start: int, stop: int) -> torch.Tensor:
-        scores = torch.matmul(query[..., start:stop, :].to(compute_dtype), key_t) * scaling
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask[..., start:stop, :], torch.finfo(compute_dtype).min)
-        elif attn_mask is not None:
-            scores = scores + attn_mask[..., start:stop, :].to(compute_dtype)
-        elif causal and q_len > 1:  # SDPA's is_causal: key j visible from query i when j <= i + kv_len - q_len
-            rows = torch.arange(start, stop, device=query.device)[:, None] + (kv_len - q_len)
-            scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows, float("-inf"))
-        weights = scores.softmax(-1)
-        return weights_per_row(weights, value_rows._replace(index=value_rows.index[:, start:stop]))
-
-    per_row = in_query_chunks(chunk_per_row, (*query.shape[:-1], kv_len))
-    return torch.matmul(per_row, value_rows.table.to(per_row.dtype)).to(query.dtype)
+    if attn_mask is None:  # key j visible from query i when j <= i + kv_len - q_len (SDPA's is_causal), or all
+        positions = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        visible = torch.arange(kv_len, device=query.device) <= positions if causal and q_len > 1 else None
+        attn_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device) if visible is None else visible
+    zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    return zeros.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
 
 
 def chain_score_mods(first: Callable | None, second: Callable | None) -> Callable | None:
@@ -445,7 +419,10 @@ def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, 
             attn_mask = score_term.to(query.dtype).masked_fill(~attn_mask, torch.finfo(query.dtype).min)
         else:
             attn_mask = attn_mask + score_term.to(attn_mask.dtype)
-    if _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training):
+    if value_rows is not None:  # training with attention dropout ran eager (choose_backend)
+        bias = additive_mask(attn_mask, causal, query, key)
+        output = attention_with_learned_bias(query, key, value, bias, scaling, value_rows)
+    elif _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training):
         output = attention_with_learned_bias(query, key, value, attn_mask, scaling)
     else:
         output = nn.functional.scaled_dot_product_attention(
@@ -457,8 +434,6 @@ def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, 
             scale=scaling,
             is_causal=attn_mask is None and causal and query.shape[-2] > 1,
         )
-    if value_rows is not None:
-        output = output + recomputed_value_rows_term(query, key, attn_mask, scaling, causal, value_rows)
     if attention_inputs["row_has_key"] is not None:
         output = output * attention_inputs["row_has_key"]
     return output

@@ -129,13 +129,13 @@ QueryKeyProjection = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 class ValueRows(NamedTuple):
     """A value term ``o_i += sum_j a_ij table[index[i, j]]`` (Shaw's ``R^V``): ``table`` ``(rows, head_dim)``,
-    ``index`` ``(batch|1, q_len, kv_len)``; ``sorted_index``: the index is non-decreasing along the keys (consecutive
-    positions), so the weights are summed per row by runs (:func:`~hf_posenc.relative_tables.sum_sorted_runs`)
-    rather than scattered."""
+    ``index`` ``(batch|1, q_len, kv_len)``; ``starts``: on consecutive positions, where the index rises along the
+    keys, its :func:`~hf_posenc.relative_tables.run_starts`, so the weights are summed per row by runs
+    (:func:`~hf_posenc.relative_tables.sum_sorted_runs`) rather than scattered; None otherwise."""
 
     table: torch.Tensor
     index: torch.Tensor
-    sorted_index: bool
+    starts: torch.Tensor | None
 
 
 class LayerPositionTerm(nn.Module):

@@ -73,86 +73,100 @@ def skew(rows: torch.Tensor, kv_len: int) -> torch.Tensor:
     return shifted[..., :kv_len]
 
 
-def _run_bounds(index: torch.Tensor, rows: int) -> torch.Tensor:
-    """``(batch|1, q_len, kv_len)`` index, non-decreasing along keys -> ``(batch|1, q_len, rows + 1)``: entry ``r``
-    is the first key whose index is at least ``r``, so the keys that read row ``r`` are ``bounds[r] .. bounds[r + 1]
-    - 1`` (a run, possibly empty)."""
+def run_starts(index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(batch|1, q_len, kv_len)`` index into a table of ``rows`` rows, non-decreasing along the keys ->
+    ``(batch|1, q_len, rows + 1)``: entry ``r`` is the first key whose index is at least ``r``, so the keys that read
+    row ``r`` are the run ``starts[r] .. starts[r + 1] - 1`` (possibly empty). Computed once per forward (a
+    ``searchsorted`` per query row) and shared by every layer; what :func:`sorted_gather` and
+    :func:`sum_sorted_runs` read instead of scattering."""
     targets = torch.arange(rows + 1, device=index.device, dtype=index.dtype)
     return torch.searchsorted(index.contiguous(), targets.expand(*index.shape[:-1], rows + 1).contiguous())
 
 
-def _sum_runs(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """``out[..., i, r] = sum_{j: index[i, j] = r} values[..., i, j]`` for an index non-decreasing along keys: each
-    row's keys form a run, summed as the difference of a cumulative sum (in at least float32) at its two ends."""
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    cumulative = F.pad(values.to(dtype).cumsum(-1), (1, 0))  # (..., q_len, kv_len + 1), entry j: sum of keys < j
-    bounds = _run_bounds(index, rows)[:, None].expand(*values.shape[:-1], rows + 1)
-    return cumulative.gather(-1, bounds).diff(dim=-1).to(values.dtype)
+def _sum_runs(values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``out[b, h, i, r] = sum_{j in run r of row i} values[b, h, i, j]``: the difference of a cumulative sum over the
+    keys (in at least float32) at the two ends of each run, ``(batch, heads, q_len, rows)``."""
+    cumulative = values.cumsum(-1, dtype=torch.promote_types(values.dtype, torch.float32))  # entry j: keys 0..j
+    # The keys before a run's first key b sum to cumulative[b - 1], or 0 for b = 0 (no padded copy of the sums).
+    before = starts - 1
+    expanded = (*values.shape[:-1], starts.shape[-1])
+    totals = cumulative.gather(-1, before.clamp(min=0)[:, None].expand(expanded))
+    totals = totals.masked_fill_((before < 0)[:, None].expand(expanded), 0.0)
+    return totals.diff(dim=-1).to(values.dtype)
 
 
 class _SortedGather(torch.autograd.Function):
     @staticmethod
-    def forward(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, _ = table.shape
         return table.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        table, index = inputs
-        ctx.save_for_backward(index)
-        ctx.rows = table.shape[-1]
+        _, index, starts = inputs
+        ctx.save_for_backward(index, starts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return sum_sorted_runs(grad, index, ctx.rows), None
+        index, starts = ctx.saved_tensors
+        return sum_sorted_runs(grad, index, starts), None, None
 
 
 class _SumSortedRuns(torch.autograd.Function):
     @staticmethod
-    def forward(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-        return _sum_runs(values, index, rows)
+    def forward(values: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        return _sum_runs(values, starts)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, index, _ = inputs
-        ctx.save_for_backward(index)
+        _, index, starts = inputs
+        ctx.save_for_backward(index, starts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return sorted_gather(grad, index), None, None
+        index, starts = ctx.saved_tensors
+        return sorted_gather(grad, index, starts), None, None
 
 
-def _check_pair_index(index: torch.Tensor) -> None:
-    if index.dim() != 3:
-        raise ValueError(f"a pair index is (batch|1, q_len, kv_len); got shape {tuple(index.shape)}.")
+def _check_runs(index: torch.Tensor, starts: torch.Tensor) -> None:
+    if index.dim() != 3 or starts.dim() != 3 or index.shape[:2] != starts.shape[:2]:
+        raise ValueError(
+            f"a pair index (batch|1, q_len, kv_len) and its run starts (batch|1, q_len, rows + 1) share their first "
+            f"two sizes; got {tuple(index.shape)} and {tuple(starts.shape)}."
+        )
 
 
-def sorted_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def sorted_gather(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: a table of rows per query ``(batch, heads, q_len,
     rows)`` read at each (query, key) pair's row, for an ``index`` ``(batch|1, q_len, kv_len)`` that is
-    non-decreasing along the keys (a clipped or bucketed distance ``j - i`` on increasing key positions). The keys
-    reading one row are then a run, so the backward sums runs (:func:`sum_sorted_runs`: a cumulative sum and two
-    small gathers) instead of scattering every pair's gradient into a few rows (atomic adds on the same addresses on
-    a GPU). The index is not checked (that would read the data): the caller guarantees the order."""
-    _check_pair_index(index)
-    return _SortedGather.apply(table, index)
+    non-decreasing along the keys (a clipped or bucketed distance ``j - i`` on increasing key positions), with its
+    :func:`run_starts`. The keys reading one row are then a run, so the backward sums runs (:func:`sum_sorted_runs`:
+    a cumulative sum and a small gather) instead of scattering every pair's gradient into a few rows (atomic adds on
+    the same addresses on a GPU). The order is not checked (that would read the data): the caller guarantees it."""
+    _check_runs(index, starts)
+    return _SortedGather.apply(table, index, starts)
 
 
-def sum_sorted_runs(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+def sum_sorted_runs(values: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """The adjoint of :func:`sorted_gather`: ``out[b, h, i, r] = sum_{j: index[b, i, j] = r} values[b, h, i, j]``,
-    ``(batch, heads, q_len, kv_len) -> (batch, heads, q_len, rows)``, for an index non-decreasing along the keys (the
-    attention weights summed per relative row, as Shaw's value term needs). Dense: a cumulative sum over the keys in
-    at least float32, read at the two ends of each run; its backward is :func:`sorted_gather`."""
-    _check_pair_index(index)
-    return _SumSortedRuns.apply(values, index, rows)
+    ``(batch, heads, q_len, kv_len) -> (batch, heads, q_len, rows)`` (``rows = starts.shape[-1] - 1``), for an index
+    non-decreasing along the keys and its :func:`run_starts` (the attention weights summed per relative row, as
+    Shaw's value term needs). Dense: a cumulative sum over the keys in at least float32, read at the ends of each
+    run; its backward is :func:`sorted_gather`."""
+    _check_runs(index, starts)
+    return _SumSortedRuns.apply(values, index, starts)
 
 
 CHUNK_ELEMENTS = 2**23
 """Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
 memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
 allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
+
+
+def query_chunk_size(batch: int, heads: int, kv_len: int) -> int:
+    """Queries per chunk so that a ``(batch, heads, chunk, kv_len)`` tensor holds at most :data:`CHUNK_ELEMENTS`
+    elements (at least one query)."""
+    return max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
 
 
 def in_query_chunks(
@@ -164,7 +178,7 @@ def in_query_chunks(
     indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
     ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
     batch, heads, q_len, kv_len = scores_shape
-    chunk = chunk or max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
+    chunk = chunk or query_chunk_size(batch, heads, kv_len)
     chunks = []
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)
@@ -173,3 +187,26 @@ def in_query_chunks(
         else:
             chunks.append(chunk_term(start, stop))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: a table of rows per query ``(batch, heads, q_len,
+    rows)`` read at each (query, key) pair's row, ``index`` ``(batch|1, q_len, kv_len)`` in any order."""
+    batch, heads, q_len, _ = table.shape
+    return table.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+
+
+def read_rows(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """:func:`sorted_gather` (a backward by runs) when the index rises along the keys and comes with its
+    :func:`run_starts`, else :func:`gather_rows` (whose backward scatters)."""
+    return gather_rows(table, index) if starts is None else sorted_gather(table, index, starts)
+
+
+def sum_rows(values: torch.Tensor, index: torch.Tensor, starts: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """The adjoint of :func:`read_rows`: ``out[b, h, i, r] = sum_{j: index[b, i, j] = r} values[b, h, i, j]``,
+    ``(batch, heads, q_len, rows)``: by runs (:func:`sum_sorted_runs`) with ``starts``, else scattered."""
+    if starts is not None:
+        return sum_sorted_runs(values, index, starts)
+    batch, heads, q_len, kv_len = values.shape
+    expanded = index[:, None].expand(batch, heads, q_len, kv_len)
+    return values.new_zeros(batch, heads, q_len, rows).scatter_add(-1, expanded, values)

@@ -101,7 +101,7 @@ def test_shaw_key_and_value_terms_equal_the_loop(family, positions):
     if positions == "consecutive":
         query_positions, key_positions = torch.arange(3)[None].expand(2, -1), torch.arange(7)[None].expand(2, -1)
     inputs = attention_inputs(encoding, query_positions, key_positions, consecutive=positions == "consecutive")
-    assert ("sorted_shaw_index" in inputs["position"]) is (positions == "consecutive")
+    assert ("shaw_index_starts" in inputs["position"]) is (positions == "consecutive")
     weights = torch.rand(2, HEADS, 3, 7)
     key_table, value_table = term.key_table.weight, term.value_table.weight
     expected_key, expected_value = torch.zeros(2, HEADS, 3, 7), torch.zeros(2, HEADS, 3, HEAD_DIM)
@@ -271,7 +271,7 @@ def test_deberta_c2p_and_p2c_equal_the_loop(att_type, share_att_key, positions):
     if positions == "consecutive":
         query_positions = key_positions = torch.arange(9)[None].expand(2, -1)
     inputs = attention_inputs(encoding, query_positions, key_positions, consecutive=positions == "consecutive")
-    assert ("sorted_deberta_index" in inputs["position"]) is (positions == "consecutive")
+    assert ("deberta_c2p_starts" in inputs["position"]) is (positions == "consecutive")
     with torch.no_grad():
         embeddings = encoding.LayerNorm(encoding.rel_embeddings.weight)  # (2 span, hidden)
         if share_att_key:
@@ -574,6 +574,28 @@ def test_tupe_compiled_flex_equals_eager_values_and_grads_on_cuda(family):
         torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
+def test_content_score_mod_compiled_on_cuda_equals_eager_values_and_grads(family, spec):
+    """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient (the row
+    tables' gradients flow back through the score_mod's captured tensors) against eager."""
+    wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
+    ids = random_ids(2, 24).cuda()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 20:] = 0
+    results = []
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, spec, attn=attn, **wide).cuda().train()
+        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
+    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-4, rtol=1e-4)
+    assert flex_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
 # ---- CoPE (gates, contextual positions, interpolation) ----
 
 
@@ -746,10 +768,13 @@ def test_convert_keeps_the_stock_weights_and_initialises_the_layer_terms(scheme)
 # ---- the fast paths against the eager reference ----
 
 
-def test_attention_with_learned_bias_equals_softmax_attention_values_and_grads():
-    """SDPA's forward with the bias detached and the recomputed backward, against autograd through the formula;
-    a bias broadcast over the batch, masked keys at finfo.min."""
+@pytest.mark.parametrize("chunk_queries", [5, 2], ids=["one-chunk", "chunks-of-2"])
+def test_attention_with_learned_bias_equals_softmax_attention_values_and_grads(chunk_queries, monkeypatch):
+    """SDPA's forward with the bias detached and the recomputed backward (in one chunk, and in chunks of 2 of the 5
+    queries), against autograd through the formula; a bias broadcast over the batch, masked keys at finfo.min."""
     from hf_posenc.learned_bias_attention import attention_with_learned_bias
+
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 2 * 3 * 6 * chunk_queries)
 
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
@@ -769,6 +794,52 @@ def test_attention_with_learned_bias_equals_softmax_attention_values_and_grads()
         results.append((output, *torch.autograd.grad((output * grad_output).sum(), inputs)))
     for expected, actual in zip(*results, strict=True):
         torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("sorted_index", [True, False], ids=["runs", "scatter"])
+@pytest.mark.parametrize("mask", ["additive", "boolean", "causal"])
+def test_sdpa_with_the_value_term_equals_the_formula_values_and_grads(mask, sorted_index, monkeypatch):
+    """SDPA's path for Shaw's value term: SDPA's output plus the weights recomputed in chunks of 2 queries and summed
+    per row times the table, the backward recomputed in chunks, against autograd through
+    ``softmax(s) v + sum_j a_ij table[index_ij]``; SDPA's mask additive with a learned part, boolean, or none with
+    is_causal (made additive by ``additive_mask``); gradients of q, k, v, the learned mask and the table."""
+    from hf_posenc.learned_bias_attention import attention_with_learned_bias
+    from hf_posenc.posenc_attention import additive_mask
+    from hf_posenc.position_interface import ValueRows
+
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 2 * HEADS * 7 * 2)
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = qkv(q_len=5, kv_len=7, seed=4)
+    table = torch.randn(5, HEAD_DIM, generator=generator)
+    index = (torch.arange(7)[None, :] - torch.arange(5)[:, None] - 2).clamp(-2, 2)[None] + 2  # queries at 2..6
+    starts = relative_tables.run_starts(index, 5) if sorted_index else None
+    if not sorted_index:
+        index = index.expand(2, -1, -1).clone()
+    visible = torch.rand(2, 1, 5, 7, generator=generator) > 0.3
+    visible[..., 0] = True
+    learned = torch.randn(2, HEADS, 5, 7, generator=generator)
+    if mask == "causal":  # queries 0..4 are the last 5 of 7 keys' positions: key j visible when j <= i + 2
+        visible = (torch.arange(7)[None, :] <= torch.arange(5)[:, None] + 2).expand(2, 1, 5, 7)
+    results = []
+    for fused in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (query, key, value, learned, table)]
+        rows = ValueRows(leaves[4], index, starts)
+        if mask == "additive":
+            sdpa_mask = leaves[3].masked_fill(~visible, torch.finfo(torch.float32).min)
+        else:
+            sdpa_mask = visible if mask == "boolean" else None
+        if fused:
+            bias = additive_mask(sdpa_mask, mask == "causal", leaves[0], leaves[1])
+            output = attention_with_learned_bias(*leaves[:3], bias, 0.4, rows)
+        else:
+            scores = torch.matmul(leaves[0], leaves[1].transpose(-1, -2)) * 0.4
+            scores = scores + leaves[3] if mask == "additive" else scores
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            output = torch.matmul(weights, leaves[2]) + value_rows_term(weights, rows)
+        grads = torch.autograd.grad(output.square().sum(), leaves, allow_unused=True, materialize_grads=True)
+        results.append((output, *grads))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("family", "spec"), CONTENT_SCHEMES)

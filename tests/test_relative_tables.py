@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_posenc.relative_tables import skew, toeplitz
+from hf_posenc.relative_tables import run_starts, skew, sorted_gather, sum_sorted_runs, toeplitz
 
 
 SHAPES = [(1, 1), (1, 5), (4, 1), (3, 7), (6, 6), (9, 4)]
@@ -48,3 +48,58 @@ def test_a_table_of_the_wrong_width_is_refused():
         toeplitz(torch.zeros(5), 3, 4)
     with pytest.raises(ValueError, match="have 6 columns; got 5"):
         skew(torch.zeros(3, 5), 4)
+
+
+def clipped_index(q_len: int, kv_len: int, clip: int, query_start: int = 0) -> torch.Tensor:
+    """Shaw's row ``clip(j - i, -k, k) + k`` of every (i, j), by hand: rises along the keys, with runs at both ends
+    and rows no key reads when the clip is wide."""
+    rows = [[max(-clip, min(clip, j - i - query_start)) + clip for j in range(kv_len)] for i in range(q_len)]
+    return torch.tensor(rows)[None]
+
+
+INDEXES = [
+    clipped_index(3, 7, 2),
+    clipped_index(5, 5, 1, query_start=2),
+    clipped_index(4, 3, 6),
+    clipped_index(1, 9, 3),
+]
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_sorted_gather_equals_an_index_gather_in_values_and_gradients(index):
+    """The backward sums runs of keys (a cumulative sum) instead of scattering: same gradients as ``gather``,
+    including rows that no key reads and runs at the clipped ends."""
+    torch.manual_seed(0)
+    rows = int(index.max()) + 3  # rows past the index: their gradient is 0
+    table = torch.randn(2, 3, index.shape[1], rows, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 3, *index.shape[1:], dtype=torch.float64)
+    gathered = table.gather(-1, index[:, None].expand(2, 3, *index.shape[1:]))
+    read = sorted_gather(table, index, run_starts(index, rows))
+    torch.testing.assert_close(read, gathered, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad((read * upstream).sum(), table)
+    (expected,) = torch.autograd.grad((gathered * upstream).sum(), table)
+    torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_sum_sorted_runs_equals_a_scatter_add_in_values_and_gradients(index):
+    torch.manual_seed(0)
+    rows = int(index.max()) + 2
+    values = torch.randn(2, 3, *index.shape[1:], dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 3, index.shape[1], rows, dtype=torch.float64)
+    expected = torch.zeros(2, 3, index.shape[1], rows, dtype=torch.float64)
+    expected = expected.scatter_add(-1, index[:, None].expand(2, 3, *index.shape[1:]), values)
+    summed = sum_sorted_runs(values, index, run_starts(index, rows))
+    torch.testing.assert_close(summed, expected)
+    (grad,) = torch.autograd.grad((summed * upstream).sum(), values)
+    (expected_grad,) = torch.autograd.grad((expected * upstream).sum(), values)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_sum_sorted_runs_of_bfloat16_weights_sums_in_float32():
+    """2048 weights of 1/2048 in bfloat16: a bfloat16 running sum would stall far below 1 (its spacing near 1 is
+    2^-7); the runs are summed in float32, so the one row every key reads holds 1."""
+    weights = torch.full((1, 1, 1, 2048), 1 / 2048, dtype=torch.bfloat16)
+    index = torch.zeros(1, 1, 2048, dtype=torch.long)
+    summed = sum_sorted_runs(weights, index, run_starts(index, 1))
+    assert summed.dtype == torch.bfloat16 and summed.item() == 1.0
