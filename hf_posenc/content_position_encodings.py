@@ -351,10 +351,9 @@ class DeBERTaTerm(LayerPositionTerm):
     def row_tables(
         self, key: torch.Tensor, embeddings: torch.Tensor, scaling: float, project_query_key: QueryKeyProjection
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The scaled position keys ``K^r`` as ``(heads, head_dim, 2 span)`` (c2p: a query's row scores are one
-        matmul) and the keys' scores against the position queries ``Q^r``, ``(batch, heads, kv_len, 2 span)`` (p2c);
-        None for a term ``att_type`` leaves out. The scale goes on the (2 span)-row tables, not on a ``(q_len,
-        kv_len)`` result."""
+        """The scaled position keys ``K^r`` and position queries ``Q^r`` as ``(heads, head_dim, 2 span)`` tables
+        (c2p: a query's row scores are ``q K^r``; p2c: a key's are ``k Q^r``, one matmul each); None for a term
+        ``att_type`` leaves out. The scale goes on the (2 span)-row tables, not on a ``(q_len, kv_len)`` result."""
         embeddings = embeddings.to(key.dtype)
         if self.share_att_key:
             position_query, position_key = project_query_key(embeddings)  # (heads, 2 span, head_dim)
@@ -366,7 +365,7 @@ class DeBERTaTerm(LayerPositionTerm):
         if "p2c" in self.att_type:
             if not self.share_att_key:
                 position_query = self.heads(self.pos_query_proj(embeddings))
-            key_rows = torch.matmul(key, position_query.transpose(-1, -2) * scaling)
+            key_rows = position_query.transpose(-1, -2) * scaling
         return query_rows, key_rows
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
@@ -390,7 +389,9 @@ class DeBERTaTerm(LayerPositionTerm):
             if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, read with the transposed index
                 key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
                 chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)
-                p2c = read_rows(key_rows, key_index, chunk_starts).transpose(-1, -2)
+                # Recomputed per chunk (checkpointed), so no (batch, heads, kv_len, 2 span) table is kept per layer.
+                key_scores = torch.matmul(key, key_rows)
+                p2c = read_rows(key_scores, key_index, chunk_starts).transpose(-1, -2)
                 score = p2c if query_rows is None else score.add_(p2c)  # in place: one chunk-sized sum
             return score
 
@@ -400,6 +401,7 @@ class DeBERTaTerm(LayerPositionTerm):
         tables = attention_inputs["position"]
         query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
         query_row_scores = None if query_rows is None else torch.matmul(query, query_rows)  # (b, h, q_len, 2 span)
+        key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (b, h, kv_len, 2 span)
         query_position = position_lookup(attention_inputs["query_positions"])
         key_position = position_lookup(attention_inputs["key_positions"])
         buckets, largest = self.position_buckets, self.max_relative_positions
@@ -409,8 +411,8 @@ class DeBERTaTerm(LayerPositionTerm):
             row = deberta_relative_index(distance, buckets, largest)
             if query_row_scores is not None:
                 score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
-            if key_rows is not None:
-                score = score + key_rows[batch_idx, head_idx, kv_idx, row].to(score.dtype)
+            if key_row_scores is not None:
+                score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
             return score
 
         return deberta_score_mod
