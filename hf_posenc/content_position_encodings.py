@@ -142,8 +142,9 @@ class Shaw(PositionEncoding):
     Wei et al. 2019). The key term is ``q R^T`` ``(batch, heads, q_len, 2k + 1)`` read at each pair's row (a gather
     whose backward sums runs of keys on consecutive positions; on flex, inside the ``score_mod``); the value term
     sums the weights per row, ``(batch, heads, q_len, 2k + 1)``, times ``R^V``: on eager from its weights, on SDPA
-    from the weights recomputed in chunks of queries (SDPA returns neither the weights nor their log-sum-exp). The
-    seed writes ``clip(i - j)``: the same tables, rows reversed.
+    inside :func:`~hf_posenc.learned_bias_attention.attention_with_learned_bias`, from the weights recomputed in
+    chunks of queries (SDPA returns neither the weights nor their log-sum-exp). The seed writes ``clip(i - j)``: the
+    same tables, rows reversed.
     """
 
     name = "shaw"

@@ -14,6 +14,11 @@ tensors per layer (measured: 212 MiB for one 4-head layer at 2048 tokens, agains
 The backward runs in chunks of queries (``relative_tables.CHUNK_ELEMENTS`` of ``P`` at a time), so besides
 ``dM`` (the mask's gradient, ``(q_len, kv_len)``-sized by nature) it holds two chunk-sized tensors, not two
 ``(q_len, kv_len)`` ones.
+
+With a value term ``o_i += sum_j P_ij T[idx_ij]`` (:class:`~hf_posenc.position_interface.ValueRows`, Shaw's ``R^V``)
+the forward adds it from ``P`` recomputed per chunk and summed per row (``m = sum_rows(P)``, then ``m T``), and the
+backward adds its share: ``dP_ij += dO_i . T[idx_ij]`` and ``dT = sum m^T dO``, with ``O`` the whole output in
+``rowsum(dO O)``.
 """
 
 from __future__ import annotations
