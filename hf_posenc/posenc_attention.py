@@ -305,10 +305,18 @@ def _warn_unfused_flex(region: str, grad_enabled: bool) -> None:
     )
 
 
-def flex_kernel_options(device: torch.device, encoding: PositionEncoding) -> dict[str, Any]:
-    """``kernel_options`` for FlexAttention: :data:`FLEX_CUDA_KERNEL_OPTIONS` on CUDA when the position tables need
-    gradients (the measured case), torch's defaults otherwise."""
-    if device.type == "cuda" and position_bias_needs_grad(encoding):
+def flex_kernel_options(
+    device: torch.device, encoding: PositionEncoding, position_term: LayerPositionTerm | None = None
+) -> dict[str, Any]:
+    """``kernel_options`` for FlexAttention: :data:`FLEX_CUDA_KERNEL_OPTIONS` on CUDA when the tables a ``score_mod``
+    reads need gradients (the measured case: the scheme's position-only bias in training, or a layer's content-term
+    row tables, built from q and k, whenever gradients are on), torch's defaults otherwise."""
+    layer_tables_need_grad = (
+        position_term is not None
+        and type(position_term).score_mod is not LayerPositionTerm.score_mod
+        and torch.is_grad_enabled()
+    )
+    if device.type == "cuda" and (position_bias_needs_grad(encoding) or layer_tables_need_grad):
         return {"kernel_options": FLEX_CUDA_KERNEL_OPTIONS}
     return {}
 
@@ -484,7 +492,7 @@ def positional_attention(
             layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
             score_mod = chain_score_mods(score_mod, layer_mod)
         region = f"{encoding.name}+{normalizer.name}"
-        attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding))
+        attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding, position_term))
         output = normalizer.flex_output(attend, query, key, value, score_mod, attention_inputs["mask"], scaling)
     elif backend == "sdpa":
         output = _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal)

@@ -574,6 +574,19 @@ def test_tupe_compiled_flex_equals_eager_values_and_grads_on_cuda(family):
         torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
+def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gradients():
+    """A layer's content row tables are built from q and k, so with gradients on they need gradients whatever the
+    scheme's own parameters: on CUDA FlexAttention then gets the measured kernel options (issue 17), off CUDA or
+    without gradients torch's defaults."""
+    _, encoding, attention = scheme_and_term("bert", {"type": "shaw", "use_value": False, "table": "sinusoidal"})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    options = {"kernel_options": posenc_attention.FLEX_CUDA_KERNEL_OPTIONS}
+    assert posenc_attention.flex_kernel_options(cuda, encoding, attention.position_term) == options
+    assert posenc_attention.flex_kernel_options(cpu, encoding, attention.position_term) == {}
+    with torch.no_grad():
+        assert posenc_attention.flex_kernel_options(cuda, encoding, attention.position_term) == {}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
 @pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
 def test_content_score_mod_compiled_on_cuda_equals_eager_values_and_grads(family, spec):
