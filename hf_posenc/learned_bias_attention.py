@@ -16,8 +16,9 @@ The backward runs in chunks of queries (``relative_tables.CHUNK_ELEMENTS`` of ``
 ``(q_len, kv_len)`` ones.
 
 With a value term ``o_i += sum_j P_ij T[idx_ij]`` (:class:`~hf_posenc.position_interface.ValueRows`, Shaw's ``R^V``)
-the forward adds it from ``P`` recomputed per chunk and summed per row (``m = sum_rows(P)``, then ``m T``), and the
-backward adds its share: ``dP_ij += dO_i . T[idx_ij]`` and ``dT = sum m^T dO``, with ``O`` the whole output in
+the forward needs ``P`` anyway: it computes it a chunk of queries at a time, in at least float32, and gives
+``P v + m T`` (``m = sum_rows(P)``, the weights summed per row) instead of SDPA's output; the backward adds the value
+term's share: ``dP_ij += dO_i . T[idx_ij]`` and ``dT = sum m^T dO``, with ``O`` the whole output in
 ``rowsum(dO O)``.
 """
 
@@ -49,20 +50,25 @@ def _chunk_value_rows(value_rows: ValueRows, rows: slice) -> tuple[torch.Tensor,
 class _AttentionWithLearnedBias(torch.autograd.Function):
     @staticmethod
     def forward(query, key, value, bias, scale, table, index, starts):
-        # Detached: CPU SDPA picks its math kernel for a mask that requires grad, even with grad mode off as here.
-        output = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias.detach(), scale=scale)
         if table is None:
-            return output
+            # Detached: CPU SDPA picks its math kernel for a mask that requires grad, even with grad mode off here.
+            return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias.detach(), scale=scale)
+        # With a value term the weights are needed anyway: each chunk of queries computes them once, and its output
+        # P v + (P summed per row) table, rather than SDPA's fused pass plus a second pass for the weights.
         value_rows = ValueRows(table, index, starts)
-        # The value term: the weights recomputed a chunk of queries at a time, summed per row, times the table.
         dtype = torch.promote_types(query.dtype, torch.float32)
-        query_, key_t, table = query.to(dtype), key.to(dtype).transpose(-1, -2), value_rows.table.to(dtype)
-        term = torch.empty(output.shape, dtype=dtype, device=output.device)
+        query_, key_t, value_, table_ = (
+            query.to(dtype),
+            key.to(dtype).transpose(-1, -2),
+            value.to(dtype),
+            table.to(dtype),
+        )
+        output = torch.empty(query.shape[:-1] + value.shape[-1:], dtype=dtype, device=query.device)
         for rows in _query_chunks(query, key):
             weights = _chunk_weights(query_, key_t, bias, scale, rows)
             per_row = sum_rows(weights, *_chunk_value_rows(value_rows, rows), table.shape[0])
-            term[..., rows, :] = torch.matmul(per_row, table)
-        return output + term.to(output.dtype)
+            output[..., rows, :] = torch.matmul(weights, value_).add_(torch.matmul(per_row, table_))
+        return output.to(query.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -122,8 +128,8 @@ def attention_with_learned_bias(
 ) -> torch.Tensor:
     """``softmax(scale q k^T + bias) v`` for ``(batch, heads, q_len, head_dim)`` q, k, v and a float ``bias``
     ``(batch|1, heads|1, q_len, kv_len)`` (``finfo.min`` on masked keys), no dropout, plus with ``value_rows`` the
-    value term ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``): SDPA's fused forward (the value term from the weights
-    recomputed in chunks of queries and summed per row), the backward recomputed from q, k, v and the bias in chunks
-    of queries (module docstring)."""
+    value term ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``). Forward: SDPA's fused kernel, or with a value term
+    the weights a chunk of queries at a time (they are needed for it). Backward: recomputed from q, k, v and the bias
+    in chunks of queries (module docstring)."""
     table, index, starts = value_rows if value_rows is not None else (None, None, None)
     return _AttentionWithLearnedBias.apply(query, key, value, bias, scale, table, index, starts)
