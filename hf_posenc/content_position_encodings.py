@@ -374,9 +374,6 @@ class DeBERTaTerm(LayerPositionTerm):
         index = tables["deberta_index"]
         query_starts, key_starts = tables.get("deberta_c2p_starts"), tables.get("deberta_p2c_starts")
         query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
-        last_row = tables["deberta_embeddings"].shape[0] - 1
-        if query_starts is not None and query_rows is not None:
-            query_rows = query_rows.flip(-1)  # idx falls along the keys: read the rows reversed at last_row - idx
 
         def chunk_scores(start: int, stop: int) -> torch.Tensor:
             score = 0.0
@@ -384,9 +381,9 @@ class DeBERTaTerm(LayerPositionTerm):
                 row_scores = torch.matmul(query[..., start:stop, :], query_rows)
                 if query_starts is None:
                     score = gather_rows(row_scores, index[:, start:stop])
-                else:
-                    chunk_index, chunk_starts = last_row - index[:, start:stop], query_starts[:, start:stop]
-                    score = sorted_gather(row_scores, chunk_index, chunk_starts)
+                else:  # idx falls along the keys: runs of the reversed index
+                    chunk_starts = query_starts[:, start:stop]
+                    score = sorted_gather(row_scores, index[:, start:stop], chunk_starts, descending=True)
             if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, read with the transposed index
                 key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
                 chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -97,19 +98,21 @@ def _sum_runs(values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
 
 class _SortedGather(torch.autograd.Function):
     @staticmethod
-    def forward(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        batch, heads, q_len, _ = table.shape
-        return table.gather(-1, index[:, None].expand(batch, heads, q_len, index.shape[-1]))
+    def forward(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, descending: bool) -> torch.Tensor:
+        return gather_rows(table, index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, index, starts = inputs
-        ctx.save_for_backward(index, starts)
+        _, _, starts, descending = inputs
+        ctx.save_for_backward(starts)
+        ctx.descending = descending
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        index, starts = ctx.saved_tensors
-        return sum_sorted_runs(grad, index, starts), None, None
+        (starts,) = ctx.saved_tensors
+        grad_table = _sum_runs(grad, starts)
+        return grad_table.flip(-1) if ctx.descending else grad_table, None, None, None
 
 
 class _SumSortedRuns(torch.autograd.Function):
@@ -125,7 +128,7 @@ class _SumSortedRuns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         index, starts = ctx.saved_tensors
-        return sorted_gather(grad, index, starts), None, None
+        return gather_rows(grad, index), None, None
 
 
 def _check_runs(index: torch.Tensor, starts: torch.Tensor) -> None:
@@ -136,15 +139,18 @@ def _check_runs(index: torch.Tensor, starts: torch.Tensor) -> None:
         )
 
 
-def sorted_gather(table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+def sorted_gather(
+    table: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, descending: bool = False
+) -> torch.Tensor:
     """``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``: a table of rows per query ``(batch, heads, q_len,
-    rows)`` read at each (query, key) pair's row, for an ``index`` ``(batch|1, q_len, kv_len)`` that is
-    non-decreasing along the keys (a clipped or bucketed distance ``j - i`` on increasing key positions), with its
-    :func:`run_starts`. The keys reading one row are then a run, so the backward sums runs (:func:`sum_sorted_runs`:
-    a cumulative sum and a small gather) instead of scattering every pair's gradient into a few rows (atomic adds on
-    the same addresses on a GPU). The order is not checked (that would read the data): the caller guarantees it."""
+    rows)`` read at each (query, key) pair's row, for an ``index`` ``(batch|1, q_len, kv_len)`` that is monotonic
+    along the keys (a clipped or bucketed distance on increasing key positions): non-decreasing with its
+    :func:`run_starts` ``starts``, or non-increasing (``descending``) with the run starts of ``rows - 1 - index``.
+    The keys reading one row are then a run, so the backward sums runs (a cumulative sum and a small gather) instead
+    of scattering every pair's gradient into a few rows (atomic adds on the same addresses on a GPU). The order is
+    not checked (that would read the data): the caller guarantees it."""
     _check_runs(index, starts)
-    return _SortedGather.apply(table, index, starts)
+    return _SortedGather.apply(table, index, starts, descending)
 
 
 def sum_sorted_runs(values: torch.Tensor, index: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,20 @@ def test_sum_sorted_runs_of_bfloat16_weights_sums_in_float32():
     index = torch.zeros(1, 1, 2048, dtype=torch.long)
     summed = sum_sorted_runs(weights, index, run_starts(index, 1))
     assert summed.dtype == torch.bfloat16 and summed.item() == 1.0
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_sorted_gather_of_a_falling_index_equals_an_index_gather_in_values_and_gradients(index):
+    """An index that falls along the keys (DeBERTa's c2p row of ``i - j``), given with the run starts of the
+    reversed index: values and gradients as ``gather``."""
+    torch.manual_seed(0)
+    rows = int(index.max()) + 3
+    falling = index.flip(-1)
+    table = torch.randn(2, 3, index.shape[1], rows, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 3, *index.shape[1:], dtype=torch.float64)
+    gathered = table.gather(-1, falling[:, None].expand(2, 3, *index.shape[1:]))
+    read = sorted_gather(table, falling, run_starts(rows - 1 - falling, rows), descending=True)
+    torch.testing.assert_close(read, gathered, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad((read * upstream).sum(), table)
+    (expected,) = torch.autograd.grad((gathered * upstream).sum(), table)
+    torch.testing.assert_close(grad, expected)
