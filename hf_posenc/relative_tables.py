@@ -11,6 +11,13 @@ table holds distance ``i - j = s - (kv_len - 1)`` in local indices (``i`` in ``0
 ``0 .. kv_len - 1``): ``s = 0`` is the farthest key to the right of the first query, ``s = kv_len - 1 + q_len - 1``
 the farthest key to the left of the last query. With absolute positions ``i + p`` and ``j + r``, the distance is
 ``s - (kv_len - 1) + p - r``.
+
+A table of rows per query read at a clipped or bucketed distance (Shaw's ``clip(j - i)``, DeBERTa's buckets) has
+fewer rows than distances; on increasing key positions its row index is monotonic along the keys, so the keys that
+read one row form a run: :func:`sorted_gather` reads it with the index and sums runs in its backward (a cumulative sum
+read at :func:`run_starts`), and :func:`sum_sorted_runs` is the same sum forward (the attention weights summed per
+row, Shaw's value term). :func:`in_query_chunks` builds a ``(q_len, kv_len)`` term a checkpointed chunk of queries at
+a time.
 """
 
 from __future__ import annotations
