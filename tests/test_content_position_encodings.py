@@ -574,6 +574,42 @@ def test_tupe_compiled_flex_equals_eager_values_and_grads_on_cuda(family):
         torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
+def test_content_score_mod_gradients_through_flexattention_math_equal_eager(family, spec, monkeypatch):
+    """A training step through each layer's content score_mod with FlexAttention's own eager semantics
+    (``math_attention``, differentiable on CPU, standing in for the kernel whose backward runs on CUDA only): the loss
+    and every parameter's gradient (the row tables reach them through the score_mod's captured tensors) against
+    eager; a padded row."""
+    from torch._higher_order_ops.flex_attention import math_attention
+
+    def differentiable_flex(query, key, value, score_mod=None, block_mask=None, scale=None, **options):
+        output, _, _ = math_attention(query, key, value, score_mod, block_mask.as_tuple(), scale, {})
+        return output
+
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
+    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)  # CPU refuses flex with gradients
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 7:] = 0
+    results = []
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, spec, attn=attn).train()
+        seen = []
+        layer = model.base_model.encoder.layer[0] if family == "bert" else model.base_model.h[0]
+        layer.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.extend(a for a in args if isinstance(a, str))
+        )
+        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward()
+        assert seen == [attn]
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
+    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-5, rtol=1e-5)
+    assert flex_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gradients():
     """A layer's content row tables are built from q and k, so with gradients on they need gradients whatever the
     scheme's own parameters: on CUDA FlexAttention then gets the measured kernel options (issue 17), off CUDA or
