@@ -484,10 +484,12 @@ FLEX_CONTENT_SCHEMES = [
 
 
 @pytest.mark.parametrize("positions", ["default", "given"])
-@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + [("bert", "tupe"), ("gpt2", "tupe")])
 def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeypatch):
-    """Each layer's content term read per (query, key) inside FlexAttention's score_mod, against eager: default
-    positions and given positions that differ per row with a gap, a padded row; buckets and clipping that bite."""
+    """Each layer's content term (tupe: the scheme's position-only one) read per (query, key) inside
+    FlexAttention's score_mod, against eager: default positions (tupe: per-distance bucket table, one untied table for
+    the batch) and given positions that differ per row with a gap and [CLS] (position 0) only in the first row, a
+    padded row; buckets and clipping that bite."""
     calls = []
     eager, flex = uncompiled_flex_models(monkeypatch, family, calls, spec)
     ids = random_ids(2, 12)
@@ -502,28 +504,6 @@ def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeyp
             outputs.append(model(ids, attention_mask=attention_mask, position_ids=position_ids).logits)
     name = spec if isinstance(spec, str) else spec["type"]
     assert len(calls) == flex.config.num_hidden_layers and calls[0].__name__ == f"{name}_score_mod"
-    visible = attention_mask.bool()
-    torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
-
-
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
-@pytest.mark.parametrize("positions", ["default", "given"])
-def test_tupe_flex_score_mod_equals_eager(family, positions, monkeypatch):
-    """Default positions (per-distance bucket table, one untied table for the batch) and given positions that
-    differ per row, with a gap and [CLS] (position 0) only in the first row (the per-pair path)."""
-    calls = []
-    eager, flex = uncompiled_flex_models(monkeypatch, family, calls)
-    ids = random_ids(2, 9)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[1, 6:] = 0
-    position_ids = None
-    if positions == "given":
-        position_ids = torch.stack([torch.cat([torch.arange(4), torch.arange(6, 11)]), torch.arange(2, 11)])
-    outputs = []
-    for model in (eager, flex):
-        with torch.no_grad():
-            outputs.append(model(ids, attention_mask=attention_mask, position_ids=position_ids).logits)
-    assert len(calls) == flex.config.num_hidden_layers and calls[0].__name__ == "tupe_score_mod"
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
