@@ -533,25 +533,19 @@ def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
     assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_tupe_compiled_flex_equals_eager_values_and_grads_on_cuda(family):
-    """Compiled FlexAttention on CUDA (heads of 32): loss and every parameter's gradient against eager."""
-    wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
-    ids = random_ids(2, 24).cuda()
-    attention_mask = torch.ones_like(ids)
-    attention_mask[1, 20:] = 0
-    results = []
-    for attn in ("eager", "flex_attention"):
-        model = make_model(family, "tupe", attn=attn, **wide).cuda().train()
+def assert_flex_training_step_equals_eager(models: dict, ids, attention_mask, atol: float, rtol: float) -> None:
+    """The MLM/LM loss and every parameter's gradient of one training step of ``models["flex_attention"]`` against
+    ``models["eager"]`` (same weights)."""
+    results = {}
+    for attn, model in models.items():
         loss = model(ids, attention_mask=attention_mask, labels=ids).loss
         loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
-    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-4, rtol=1e-4)
+        results[attn] = (loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    (eager_loss, eager_grads), (flex_loss, flex_grads) = results["eager"], results["flex_attention"]
+    torch.testing.assert_close(flex_loss, eager_loss, atol=atol, rtol=atol)  # the loss: one scalar, atol both ways
     assert flex_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
-        torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
+        torch.testing.assert_close(flex_grads[name], grad, atol=atol, rtol=rtol, msg=name)
 
 
 @pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
@@ -571,23 +565,17 @@ def test_content_score_mod_gradients_through_flexattention_math_equal_eager(fami
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 7:] = 0
-    results = []
+    models, seen = {}, {}
     for attn in ("eager", "flex_attention"):
-        model = make_model(family, spec, attn=attn).train()
-        seen = []
-        layer = model.base_model.encoder.layer[0] if family == "bert" else model.base_model.h[0]
+        models[attn] = make_model(family, spec, attn=attn).train()
+        base = models[attn].base_model
+        layer = base.encoder.layer[0] if family == "bert" else base.h[0]
+        seen[attn] = []
         layer.register_forward_pre_hook(
-            lambda module, args, seen=seen: seen.extend(a for a in args if isinstance(a, str))
+            lambda module, args, seen=seen[attn]: seen.extend(a for a in args if isinstance(a, str))
         )
-        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
-        loss.backward()
-        assert seen == [attn]
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
-    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-5, rtol=1e-5)
-    assert flex_grads.keys() == eager_grads.keys()
-    for name, grad in eager_grads.items():
-        torch.testing.assert_close(flex_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-5, rtol=1e-4)
+    assert seen == {"eager": ["eager"], "flex_attention": ["flex_attention"]}
 
 
 def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gradients():
@@ -604,25 +592,16 @@ def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gra
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
-@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + [("bert", "tupe"), ("gpt2", "tupe")])
 def test_content_score_mod_compiled_on_cuda_equals_eager_values_and_grads(family, spec):
-    """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient (the row
-    tables' gradients flow back through the score_mod's captured tensors) against eager."""
+    """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient (the tables'
+    gradients flow back through the score_mod's captured tensors; tupe: its position-only score_mod) against eager."""
     wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
     ids = random_ids(2, 24).cuda()
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 20:] = 0
-    results = []
-    for attn in ("eager", "flex_attention"):
-        model = make_model(family, spec, attn=attn, **wide).cuda().train()
-        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (eager_loss, eager_grads), (flex_loss, flex_grads) = results
-    torch.testing.assert_close(flex_loss, eager_loss, atol=1e-4, rtol=1e-4)
-    assert flex_grads.keys() == eager_grads.keys()
-    for name, grad in eager_grads.items():
-        torch.testing.assert_close(flex_grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
+    models = {attn: make_model(family, spec, attn=attn, **wide).cuda().train() for attn in ("eager", "flex_attention")}
+    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-4, rtol=1e-3)
 
 
 # ---- CoPE (gates, contextual positions, interpolation) ----
