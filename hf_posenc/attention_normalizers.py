@@ -142,11 +142,22 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
 
-def _flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform: Callable | None = None):
+def flex_pass(
+    attend,
+    query,
+    key,
+    value,
+    score_mod,
+    block_mask,
+    scale,
+    transform: Callable | None = None,
+    pass_name: str | None = None,
+):
     """One FlexAttention pass on the transformed scores ``s = t(b)`` (``b``: the scores with the scheme's
     ``score_mod``; ``t``: ``transform``, elementwise, or the identity): ``softmax(s) V`` and
     ``lse_i = log sum_j e^(s_ij)`` over the visible keys. A row where every ``s`` is ``-inf`` or no key is visible
-    gets output 0 and ``lse = -inf`` (FlexAttention's rule for such rows)."""
+    gets output 0 and ``lse = -inf`` (FlexAttention's rule for such rows). ``pass_name`` names the pass's compiled
+    function (default: the transform's name, or ``"softmax"``)."""
     pass_score_mod = score_mod
     if transform is not None:
 
@@ -156,7 +167,7 @@ def _flex_pass(attend, query, key, value, score_mod, block_mask, scale, transfor
             return transform(score)
 
     kwargs = dict(score_mod=pass_score_mod, block_mask=block_mask, scale=scale)
-    kwargs["pass_name"] = "softmax" if transform is None else transform.__name__
+    kwargs["pass_name"] = pass_name or ("softmax" if transform is None else transform.__name__)
     if AuxRequest is None:
         return attend(query, key, value, return_lse=True, **kwargs)
     output, aux = attend(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
@@ -254,8 +265,8 @@ class L2(AttentionNormalizer):
         return exp / torch.linalg.vector_norm(exp, dim=-1, keepdim=True)  # >= 1: the row max contributes e^0
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale)
-        _, lse_double = _flex_pass(attend, query, key, value, score_mod, block_mask, scale, _double)
+        output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
+        _, lse_double = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _double)
         return output * _row_factor(lse - lse_double / 2, lse).to(output.dtype)
 
 
@@ -290,7 +301,7 @@ class Exp(AttentionNormalizer):
         return torch.exp(scores)  # masked keys: exp(finfo.min) = 0 exactly
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale)
+        output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
         if not torch.compiler.is_compiling():
             _check_exp_range(lse, torch.float32)
         return output * _row_factor(lse, lse).to(output.dtype)
@@ -335,7 +346,7 @@ class ReLU2(AttentionNormalizer):
         return torch.relu(scores).square() / count
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        output, lse = _flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_relu_squared)
+        output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_relu_squared)
         count_lse = _visible_key_count_lse(attend, query, key, block_mask)
         return output * _row_factor(lse - count_lse, lse).to(output.dtype)
 
@@ -371,7 +382,7 @@ class SwishL2(AttentionNormalizer):
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         passes = [
-            _flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform)
+            flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform)
             for transform in (_log_positive_swish, _log_negative_swish, _log_swish_squared)
         ]
         (positive, lse_positive), (negative, lse_negative), (_, lse_squared) = passes

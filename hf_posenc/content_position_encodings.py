@@ -127,8 +127,10 @@ class ShawTerm(LayerPositionTerm):
         if not self.use_value:
             return None
         _, value_table = self.tables(attention_inputs)
+        if attention_inputs["backend"] == "flex_attention":  # rows from the clipped distance, no index
+            return ValueRows(value_table, None, None, self.max_distance)
         index, starts = pair_index(attention_inputs["position"], "shaw_index")
-        return ValueRows(value_table, index, starts)
+        return ValueRows(value_table, index, starts, self.max_distance)
 
 
 class Shaw(PositionEncoding):
@@ -143,8 +145,10 @@ class Shaw(PositionEncoding):
     whose backward sums runs of keys on consecutive positions; on flex, inside the ``score_mod``); the value term
     sums the weights per row, ``(batch, heads, q_len, 2k + 1)``, times ``R^V``: on eager from its weights, on SDPA
     inside :func:`~hf_posenc.learned_bias_attention.attention_with_learned_bias`, from the weights recomputed in
-    chunks of queries (SDPA returns neither the weights nor their log-sum-exp). The seed writes ``clip(i - j)``: the
-    same tables, rows reversed.
+    chunks of queries (SDPA returns neither the weights nor their log-sum-exp), on FlexAttention from its
+    log-sum-exp (:func:`~hf_posenc.posenc_attention.clipped_value_rows_term`: the ``2k - 1`` keys inside the clip
+    one by one, the two clipped tails from the remaining mass; consecutive positions). The seed writes
+    ``clip(i - j)``: the same tables, rows reversed.
     """
 
     name = "shaw"
@@ -155,7 +159,7 @@ class Shaw(PositionEncoding):
     flex_compiles_on_cpu = False  # reads a length-sized table per pair: see TUPE (torch 2.13's CPU template)
     options = {
         "max_distance": Option(16, (int,), "clip distance k (tables of 2k+1 rows)", lambda v: v >= 1, "an int >= 1"),
-        "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V (eager and SDPA)"),
+        "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V"),
         "table": Option(
             "learned",
             (str,),
@@ -164,12 +168,6 @@ class Shaw(PositionEncoding):
             "'learned' or 'sinusoidal'",
         ),
     }
-
-    @classmethod
-    def supported_backends(cls, spec):
-        # The value term needs the weights summed per row: eager has them, SDPA recomputes them in chunks; flex would
-        # need its log-sum-exp and a second pass (not built).
-        return ("eager", "sdpa") if spec["use_value"] else cls.backends
 
     @classmethod
     def has_value_term(cls, spec):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -99,6 +100,10 @@ def prepare_attention(
     with no cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told
     (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
     config = model.config
+    key_positions = position_ids
+    if position_cache is not None:
+        key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
+    consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
     backend = choose_backend(
         config._attn_implementation,
         config.position_encoding,
@@ -111,11 +116,10 @@ def prepare_attention(
         given_mask=attention_mask,
         head_dim=encoding.dims.head_dim,
         position_bias_needs_grad=position_bias_needs_grad(encoding),
+        consecutive=consecutive,
     )
-    key_positions = position_ids
-    if position_cache is not None:
-        key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
-    consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
+    if backend == "flex_attention" and causal and isinstance(attention_mask, BlockMask):
+        refuse_value_term_with_given_block_mask(encoding)
     tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
     score_bias = tables.pop("score_bias", None)
     mask = build_attention_mask(
@@ -137,6 +141,18 @@ def prepare_attention(
         dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
         inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
     return inputs
+
+
+def refuse_value_term_with_given_block_mask(encoding: PositionEncoding) -> None:
+    """A decoder's value term on FlexAttention takes its mask to hide every key after the query (the model's causal
+    mask does); a ``BlockMask`` given to the model is used as it is, so with a value term it is refused rather than
+    trusted to be causal."""
+    if encoding.has_value_term(encoding.spec):
+        raise ValueError(
+            f"{encoding.name}'s value term on FlexAttention in a decoder reads the causal mask; a BlockMask "
+            "attention_mask is used as given and may show later keys. Pass a 2-D attention_mask (the model builds "
+            "the causal mask) or a 4-D tensor mask (runs SDPA)."
+        )
 
 
 class PositionalLayer(GradientCheckpointingLayer):

@@ -31,11 +31,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.utils import logging
 
-from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, flex_pass
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection, ValueRows
-from .relative_tables import sum_rows
+from .relative_tables import band_dot_products, sum_rows
 
 
 logger = logging.get_logger(__name__)
@@ -139,13 +139,15 @@ def choose_backend(
     given_mask: torch.Tensor | BlockMask | None = None,
     head_dim: int | None = None,
     position_bias_needs_grad: bool = False,
+    consecutive: bool = False,
 ) -> str:
     """The backend that runs a forward: the first of :func:`backend_candidates` (from ``requested``, default SDPA)
     that can express the scheme and normalizer with their options (``position_encoding``, ``attention_normalizer``:
-    full config specs) and that :func:`flex_refusal` does not rule out. ``need_weights`` (``output_attentions``)
-    needs eager; ``attention_dropout`` is training with a dropout rate > 0; ``position_bias_needs_grad`` is
-    :func:`position_bias_needs_grad` of the scheme. A user's ``BlockMask`` needs FlexAttention. A request that cannot
-    be honoured is logged with its reason."""
+    full config specs) and that :func:`flex_refusal` and, for a scheme with a value term,
+    :func:`value_term_flex_refusal` do not rule out. ``need_weights`` (``output_attentions``) needs eager;
+    ``attention_dropout`` is training with a dropout rate > 0; ``position_bias_needs_grad`` is
+    :func:`position_bias_needs_grad` of the scheme; ``consecutive``: the model's default positions with no cached
+    key. A user's ``BlockMask`` needs FlexAttention. A request that cannot be honoured is logged with its reason."""
     requested = requested or "sdpa"
     if requested not in BACKEND_REQUESTS:
         raise ValueError(
@@ -155,16 +157,19 @@ def choose_backend(
     scheme_backends = scheme_class.supported_backends(position_encoding)
     normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
+    value_term = scheme_class.has_value_term(position_encoding)
     refusal = flex_refusal(
         device,
         dtype,
         head_dim,
-        normalizer_class.flex_needs_lse,
+        normalizer_class.flex_needs_lse or value_term,
         attention_dropout,
         query_length,
         given_mask,
         scheme_class.flex_compiles_on_cpu,
     )
+    if refusal is None and value_term:
+        refusal = value_term_flex_refusal(consecutive, "sdpa" in normalizer_backends)
     if isinstance(given_mask, BlockMask):
         if refusal is not None or "flex_attention" not in set(scheme_backends) & set(normalizer_backends):
             raise ValueError(
@@ -179,7 +184,7 @@ def choose_backend(
             continue
         if backend not in scheme_backends or backend not in normalizer_backends:
             continue
-        if backend == "sdpa" and attention_dropout and scheme_class.has_value_term(position_encoding):
+        if backend == "sdpa" and attention_dropout and value_term:
             if not torch.compiler.is_compiling():
                 _log_value_term_dropout(position_encoding["type"])
             continue
@@ -194,6 +199,21 @@ def choose_backend(
 
 
 BACKEND_REQUESTS = ("flex_attention", "sdpa", "eager")
+
+
+def value_term_flex_refusal(consecutive: bool, softmax: bool) -> str | None:
+    """Why FlexAttention cannot compute a layer's value term (:class:`ValueRows`) in this forward, or None. It reads
+    the weights of the keys inside the clip from a band of scores and the log-sum-exp
+    (:func:`clipped_value_rows_term`), so the keys must be at the model's default, consecutive positions with no
+    cached key (``consecutive``) and the weights softmax's (``softmax``: the normalizer SDPA runs)."""
+    if not consecutive:
+        return (
+            "the value term on FlexAttention needs the model's default positions and no cached key (given "
+            "position_ids or a cache run SDPA)"
+        )
+    if not softmax:
+        return "the value term on FlexAttention is computed from softmax weights"
+    return None
 
 
 def position_bias_needs_grad(encoding: PositionEncoding) -> bool:
@@ -363,6 +383,86 @@ def value_rows_term(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tenso
     return torch.matmul(per_row, table.to(per_row.dtype))
 
 
+def _on_pairs(function: Callable, batch: int, heads: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, *score):
+    """A FlexAttention ``mask_mod`` (no ``score``) or ``score_mod`` (``score``: ``(batch, heads, pairs)``) evaluated at
+    the pairs ``(q_idx[p], kv_idx[p])`` of every batch row and head, vectorised with ``vmap`` as FlexAttention's own
+    unfused path does: ``(batch, heads, pairs)``."""
+    over_pairs = (0,) * len(score) + (None, None, 0, 0)
+    over_heads = (0,) * len(score) + (None, 0, None, None)
+    over_batch = (0,) * len(score) + (0, None, None, None)
+    vectorised = torch.vmap(torch.vmap(torch.vmap(function, over_pairs), over_heads), over_batch)
+    batch_idx = torch.arange(batch, device=q_idx.device)
+    head_idx = torch.arange(heads, device=q_idx.device)
+    return vectorised(*score, batch_idx, head_idx, q_idx, kv_idx)
+
+
+def band_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    score_mod: Callable | None,
+    block_mask: BlockMask | None,
+    scale: float,
+    reach: int,
+) -> torch.Tensor:
+    """FlexAttention's scores ``s_ij = score_mod(scale q_i . k_j)`` of the pairs ``j = i + d``, ``|d| <= reach``
+    (queries and keys of one length): ``(batch, heads, n, 2 reach + 1)``, column ``d + reach``, ``-inf`` where the
+    mask hides the key or ``i + d`` is outside the sequence. ``O(n reach)`` scores, in at least float32."""
+    batch, heads, n, _ = query.shape
+    scores = band_dot_products(query, key, reach) * scale
+    q_idx = torch.arange(n, device=query.device)[:, None].expand(n, 2 * reach + 1)
+    kv_idx = q_idx + torch.arange(-reach, reach + 1, device=query.device)
+    inside = (kv_idx >= 0) & (kv_idx < n)
+    pairs = (q_idx.flatten(), kv_idx.clamp(0, n - 1).flatten())
+    if score_mod is not None:
+        scores = _on_pairs(score_mod, batch, heads, *pairs, scores.flatten(-2)).view_as(scores)
+    visible = inside
+    if block_mask is not None:
+        visible = visible & _on_pairs(block_mask.mask_mod, batch, heads, *pairs).view(batch, heads, n, -1)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def clipped_value_rows_term(
+    attend: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Callable | None,
+    block_mask: BlockMask | None,
+    scale: float,
+    lse: torch.Tensor,
+    value_rows: ValueRows,
+    causal: bool,
+) -> torch.Tensor:
+    """``sum_j a_ij R[clip(j - i, -k, k) + k]`` on FlexAttention (``R``: ``value_rows.table``, ``k``:
+    ``value_rows.max_distance``), from the softmax's log-sum-exp ``lse`` ``(batch, heads, n)``, for queries and keys
+    at the same consecutive positions: ``(batch, heads, n, head_dim)``, without the weights matrix.
+
+    A key inside the clip, ``|j - i| < k``, has a row of its own, weighted ``a_ij = exp(s_ij - lse_i)`` from the band
+    of scores (:func:`band_scores`). The keys clipped to row 0 (``j <= i - k``) and row ``2k`` share the rest of the
+    row's mass, ``1 - sum of the band``: a causal layer (its mask hides every key after the query) gives it all to
+    row 0; otherwise a second FlexAttention pass over the keys ``j <= i - k`` gives row 0's share,
+    ``exp(lse_left_i - lse_i)``, and row ``2k`` the remainder. Rows that see no key (``lse = -inf``) get 0."""
+    k = value_rows.max_distance
+    has_key = torch.isfinite(lse)
+    finite_lse = torch.where(has_key, lse, 0.0)[..., None]
+    band = torch.exp(band_scores(query, key, score_mod, block_mask, scale, k - 1) - finite_lse)
+    rest = has_key.to(band.dtype) - band.sum(-1)
+    if causal:
+        left, right = rest, torch.zeros_like(rest)
+    else:
+
+        def left_tail_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            if score_mod is not None:
+                score = score_mod(score, batch_idx, head_idx, q_idx, kv_idx)
+            return torch.where(kv_idx <= q_idx - k, score, torch.finfo(score.dtype).min)  # finite: no empty row
+
+        _, left_lse = flex_pass(attend, query, key, value, left_tail_score_mod, block_mask, scale, pass_name="tail")
+        left = torch.exp(torch.where(has_key, left_lse, float("-inf")) - finite_lse[..., 0]).to(band.dtype)
+        right = rest - left
+    per_row = torch.cat((left[..., None], band, right[..., None]), dim=-1)
+    return torch.matmul(per_row, value_rows.table.to(per_row.dtype))
+
+
 def additive_mask(
     attn_mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor
 ) -> torch.Tensor:
@@ -493,7 +593,15 @@ def positional_attention(
             score_mod = chain_score_mods(score_mod, layer_mod)
         region = f"{encoding.name}+{normalizer.name}"
         attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding, position_term))
-        output = normalizer.flex_output(attend, query, key, value, score_mod, attention_inputs["mask"], scaling)
+        block_mask = attention_inputs["mask"]
+        if value_rows is None:
+            output = normalizer.flex_output(attend, query, key, value, score_mod, block_mask, scaling)
+        else:  # softmax on consecutive positions (choose_backend)
+            output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scaling)
+            term = clipped_value_rows_term(
+                attend, query, key, value, score_mod, block_mask, scaling, lse, value_rows, causal
+            )
+            output = output + term.to(output.dtype)
     elif backend == "sdpa":
         output = _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal)
     else:

@@ -131,11 +131,16 @@ class ValueRows(NamedTuple):
     """A value term ``o_i += sum_j a_ij table[index[i, j]]`` (Shaw's ``R^V``): ``table`` ``(rows, head_dim)``,
     ``index`` ``(batch|1, q_len, kv_len)``; ``starts``: on consecutive positions, where the index rises along the
     keys, its :func:`~hf_posenc.relative_tables.run_starts`, so the weights are summed per row by runs
-    (:func:`~hf_posenc.relative_tables.sum_sorted_runs`) rather than scattered; None otherwise."""
+    (:func:`~hf_posenc.relative_tables.sum_sorted_runs`) rather than scattered; None otherwise.
+
+    ``max_distance`` ``k``: the row of a pair is its clipped distance ``clip(j - i, -k, k) + k`` (Shaw), which lets
+    FlexAttention compute the term from its log-sum-exp, on consecutive positions, with no index (``index`` and
+    ``starts`` None there); None: rows of another index (eager and SDPA only)."""
 
     table: torch.Tensor
-    index: torch.Tensor
+    index: torch.Tensor | None
     starts: torch.Tensor | None
+    max_distance: int | None = None
 
 
 class LayerPositionTerm(nn.Module):
@@ -175,7 +180,8 @@ class LayerPositionTerm(nn.Module):
     def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:
         """The term added to the attention output, ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``), as a table and a
         per-pair row index, or None. The attention computes it from the weights summed per row, on every backend
-        that lists the scheme (eager: from its weights; SDPA: recomputed in chunks of queries)."""
+        that lists the scheme (eager: from its weights; SDPA: recomputed in chunks of queries; FlexAttention: rows of
+        a clipped distance only, from the band of near keys and the log-sum-exp, see ``ValueRows.max_distance``)."""
         return None
 
     def init_weights(self, initializer_range: float) -> None:

@@ -223,3 +223,30 @@ def sum_rows(values: torch.Tensor, index: torch.Tensor, starts: torch.Tensor | N
     batch, heads, q_len, kv_len = values.shape
     expanded = index[:, None].expand(batch, heads, q_len, kv_len)
     return values.new_zeros(batch, heads, q_len, rows).scatter_add(-1, expanded, values)
+
+
+BAND_BLOCK = 64
+"""Queries per block in :func:`band_dot_products` (at least the band's width)."""
+
+
+def band_dot_products(query: torch.Tensor, key: torch.Tensor, reach: int) -> torch.Tensor:
+    """``q_i . k_(i + d)`` for ``|d| <= reach``, in at least float32: ``(..., n, head_dim)`` queries and keys of the
+    same length ``n`` -> ``(..., n, 2 reach + 1)``, column ``d + reach``; 0 where ``i + d`` is outside ``0 .. n - 1``.
+
+    One matmul per block of ``c`` queries against its window of ``c + 2 reach`` keys (an overlapping view of the
+    zero-padded keys), then each query's band read from the block's scores with a row stride one longer than the
+    window (the skew of :func:`skew`): ``O(n (c + 2 reach) head_dim)`` work, never the ``(n, n)`` scores."""
+    n = query.shape[-2]
+    if key.shape[-2] != n:
+        raise ValueError(f"band_dot_products takes queries and keys of one length; got {n} and {key.shape[-2]}.")
+    width = 2 * reach + 1
+    block = max(width, BAND_BLOCK)
+    blocks = -(-n // block)
+    window = block + width - 1
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    queries = F.pad(query.to(dtype), (0, 0, 0, blocks * block - n)).unflatten(-2, (blocks, block))
+    keys = F.pad(key.to(dtype), (0, 0, reach, blocks * block - n + reach))
+    scores = torch.matmul(queries, keys.unfold(-2, window, block))  # (..., blocks, block, window)
+    padded = F.pad(scores.flatten(-2), (0, block))  # row r of a block starts r columns further in its window
+    band = padded.unflatten(-1, (block, window + 1))[..., :width]
+    return band.flatten(-3, -2)[..., :n, :]

@@ -94,11 +94,26 @@ def test_cuda_rule_table_runs_each_combination_on_its_fastest_exact_backend():
             assert choose_backend(requested, t5, normalizer_spec, CUDA, attention_dropout=True) == "eager"
             assert choose_backend(requested, t5, normalizer_spec, CUDA, need_weights=True) == "eager"
             assert choose_backend(requested, t5, normalizer_spec, CUDA, query_length=1) == "eager"
-            assert choose_backend(requested, shaw, normalizer_spec, CUDA) == "eager"  # a content term: no score_mod
+            assert choose_backend(requested, shaw, normalizer_spec, CUDA) == "eager"  # its value term needs softmax
         assert choose_backend(requested, t5, gated_l2, CUDA) == "eager"  # the gate needs the weights
     assert choose_backend("eager", t5, L2, CUDA) == "eager"
     assert choose_backend("eager", t5, SOFTMAX, CUDA, position_bias_needs_grad=True) == "eager"
     assert choose_backend("flex_attention", alibi, SOFTMAX, CUDA) == "flex_attention"
+
+
+def test_a_value_term_runs_flex_on_consecutive_positions_with_softmax_only(caplog):
+    """Shaw's value term on FlexAttention is read from a band of scores and the log-sum-exp: a flex request runs it on
+    the model's default positions (no cached key) with softmax; other positions run SDPA, with the reason logged,
+    other normalizers eager. Without the value term Shaw runs flex on any positions. SDPA stays the default."""
+    shaw, without_value = spec("shaw"), {**spec("shaw"), "use_value": False}
+    posenc_attention._log_flex_refusal.cache_clear()
+    with caplog.at_level("INFO", logger="hf_posenc"):
+        assert choose_backend("flex_attention", shaw, SOFTMAX, CUDA, consecutive=True) == "flex_attention"
+        assert choose_backend("flex_attention", shaw, SOFTMAX, CUDA) == "sdpa"
+    assert "the value term on FlexAttention needs the model's default positions" in caplog.text
+    assert choose_backend("flex_attention", without_value, SOFTMAX, CUDA) == "flex_attention"
+    assert choose_backend("flex_attention", shaw, L2, CUDA, consecutive=True) == "eager"
+    assert choose_backend("sdpa", shaw, SOFTMAX, CUDA, consecutive=True) == "sdpa"
 
 
 def test_cpu_keeps_sdpa_for_a_trainable_bias_and_eager_for_the_fused_normalizers():

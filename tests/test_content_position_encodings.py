@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 from conftest import make_config, make_model, random_ids
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
@@ -25,6 +25,7 @@ from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
 from hf_posenc.posenc_attention import build_dense_mask, positional_attention, value_rows_term
+from hf_posenc.position_interface import ValueRows
 from hf_posenc.score_bias_encodings import t5_relative_bucket
 
 
@@ -483,6 +484,12 @@ FLEX_CONTENT_SCHEMES = [
 ]
 
 
+FLEX_VALUE_TERM_SCHEMES = [  # Shaw with use_value (the default)
+    ("bert", {"type": "shaw", "max_distance": 3}),
+    ("gpt2", {"type": "shaw", "table": "sinusoidal", "max_distance": 2}),
+]
+
+
 @pytest.mark.parametrize("positions", ["default", "given"])
 @pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + [("bert", "tupe"), ("gpt2", "tupe")])
 def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeypatch):
@@ -506,6 +513,74 @@ def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeyp
     assert len(calls) == flex.config.num_hidden_layers and calls[0].__name__ == f"{name}_score_mod"
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "spec"), FLEX_VALUE_TERM_SCHEMES)
+def test_shaw_value_term_on_flex_equals_eager(family, spec, monkeypatch):
+    """Shaw's value term on FlexAttention (the keys inside the clip from the band of scores and the log-sum-exp, the
+    clipped tails from the rest of the mass; an encoder splits them with a second pass) against eager, on the model's
+    default positions: clipping that bites (12 tokens, k = 3 or 2), a padded row."""
+    calls = []
+    eager, flex = uncompiled_flex_models(monkeypatch, family, calls, spec)
+    ids = random_ids(2, 12)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 9:] = 0
+    outputs = []
+    for model in (eager, flex):
+        with torch.no_grad():
+            outputs.append(model(ids, attention_mask=attention_mask).logits)
+    passes = 2 if family == "bert" else 1  # the encoder's second pass over the keys left of the clip
+    assert len(calls) == passes * flex.config.num_hidden_layers
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
+
+
+def test_clipped_value_rows_term_equals_the_formula_under_any_mask():
+    """``sum_j a_ij R[clip(j - i, -k, k) + k]`` from FlexAttention's log-sum-exp against softmax weights computed by
+    hand, float64: a padded row, a key hidden inside the clip (a mask that is neither causal nor padding), a query
+    row that sees no key (its term is 0), with a score_mod."""
+    torch.manual_seed(0)
+    batch, heads, n, head_dim, k = 2, 2, 11, 8, 3
+    query, key, value = (torch.randn(batch, heads, n, head_dim, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(2 * k + 1, head_dim, dtype=torch.float64)
+    lengths = torch.tensor([11, 7])
+    row_bias = torch.randn(batch, heads, n, 2 * k + 1, dtype=torch.float64)
+
+    def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+        return (kv_idx < lengths[batch_idx]) & (kv_idx != q_idx + 1) & (q_idx != 4)
+
+    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        return score + row_bias[batch_idx, head_idx, q_idx, (kv_idx - q_idx).clamp(-k, k) + k]
+
+    block_mask = create_block_mask(mask_mod, batch, 1, n, n, device="cpu")
+
+    def attend(*args, pass_name=None, **kwargs):
+        return flex_attention(*args, **kwargs)
+
+    _, aux = flex_attention(query, key, value, score_mod, block_mask, 0.3, return_aux=AuxRequest(lse=True))
+    rows = ValueRows(table, None, None, k)
+    term = posenc_attention.clipped_value_rows_term(
+        attend, query, key, value, score_mod, block_mask, 0.3, aux.lse, rows, causal=False
+    )
+    index = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-k, k) + k  # clip(j - i) + k
+    scores = query @ key.transpose(-1, -2) * 0.3 + row_bias.gather(-1, index.expand(batch, heads, n, n))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (j < lengths[:, None, None]) & (j != i + 1) & (i != 4)
+    weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num()
+    expected = torch.einsum("bhij,ijd->bhid", weights, table[index])
+    torch.testing.assert_close(term, expected)
+    assert term[:, :, 4].abs().max() == 0
+
+
+def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypatch):
+    """A decoder's value term on FlexAttention takes the mask to be causal; a BlockMask the user passes is used as
+    given, so it is refused with the alternatives named, not trusted."""
+    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)
+    model = make_model("gpt2", {"type": "shaw", "max_distance": 2}, attn="flex_attention")
+    ids = random_ids(1, 8)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, 8, 8, device="cpu")
+    with torch.no_grad(), pytest.raises(ValueError, match="shaw's value term on FlexAttention in a decoder"):
+        model(ids, attention_mask=block_mask)
 
 
 def test_tupe_flex_reads_small_tables_and_the_untied_table_once_per_batch():
@@ -548,18 +623,21 @@ def assert_flex_training_step_equals_eager(models: dict, ids, attention_mask, at
         torch.testing.assert_close(flex_grads[name], grad, atol=atol, rtol=rtol, msg=name)
 
 
-@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES)
-def test_content_score_mod_gradients_through_flexattention_math_equal_eager(family, spec, monkeypatch):
-    """A training step through each layer's content score_mod with FlexAttention's own eager semantics
-    (``math_attention``, differentiable on CPU, standing in for the kernel whose backward runs on CUDA only): the loss
-    and every parameter's gradient (the row tables reach them through the score_mod's captured tensors) against
-    eager; a padded row."""
+def differentiable_flex(query, key, value, score_mod, block_mask, scale, return_aux=None, **options):
+    """FlexAttention's own eager semantics (``math_attention``, which autograd differentiates on CPU), standing in for
+    the kernel whose backward runs on CUDA only; the log-sum-exp as ``flex_attention`` returns it (natural log)."""
     from torch._higher_order_ops.flex_attention import math_attention
 
-    def differentiable_flex(query, key, value, score_mod=None, block_mask=None, scale=None, **options):
-        output, _, _ = math_attention(query, key, value, score_mod, block_mask.as_tuple(), scale, {})
-        return output
+    output, lse_base2, _ = math_attention(query, key, value, score_mod, block_mask.as_tuple(), scale, {})
+    return output if return_aux is None else (output, AuxOutput(lse=lse_base2 * math.log(2)))
 
+
+@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + FLEX_VALUE_TERM_SCHEMES)
+def test_content_score_mod_gradients_through_flexattention_math_equal_eager(family, spec, monkeypatch):
+    """A training step through each layer's content score_mod (Shaw with ``use_value``: and its value term from the
+    band and the log-sum-exp, whose gradient reaches FlexAttention) with FlexAttention's own eager semantics
+    (:func:`differentiable_flex`): the loss and every parameter's gradient (the row tables reach them through the
+    score_mod's captured tensors) against eager; a padded row."""
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
     monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)  # CPU refuses flex with gradients
     ids = random_ids(2, 10)
@@ -592,7 +670,9 @@ def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gra
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
-@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + [("bert", "tupe"), ("gpt2", "tupe")])
+@pytest.mark.parametrize(
+    ("family", "spec"), FLEX_CONTENT_SCHEMES + FLEX_VALUE_TERM_SCHEMES + [("bert", "tupe"), ("gpt2", "tupe")]
+)
 def test_content_score_mod_compiled_on_cuda_equals_eager_values_and_grads(family, spec):
     """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient (the tables'
     gradients flow back through the score_mod's captured tensors; tupe: its position-only score_mod) against eager."""

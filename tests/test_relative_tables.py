@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_posenc.relative_tables import run_starts, skew, sorted_gather, sum_sorted_runs, toeplitz
+from hf_posenc.relative_tables import band_dot_products, run_starts, skew, sorted_gather, sum_sorted_runs, toeplitz
 
 
 SHAPES = [(1, 1), (1, 5), (4, 1), (3, 7), (6, 6), (9, 4)]
@@ -120,3 +120,24 @@ def test_sorted_gather_of_a_falling_index_equals_an_index_gather_in_values_and_g
     (grad,) = torch.autograd.grad((read * upstream).sum(), table)
     (expected,) = torch.autograd.grad((gathered * upstream).sum(), table)
     torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("n, reach", [(1, 0), (5, 3), (70, 2), (130, 16), (64, 40)])
+def test_band_dot_products_equal_the_band_of_the_scores_in_values_and_gradients(n, reach):
+    """``q_i . k_(i + d)`` for ``|d| <= reach`` against the full score matrix read by hand, 0 outside the sequence;
+    one block, several blocks with a ragged last one, a band wider than the sequence."""
+    torch.manual_seed(0)
+    query, key = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    scores = query @ key.transpose(-1, -2)
+    expected = torch.zeros(2, 3, n, 2 * reach + 1, dtype=torch.float64)
+    for i in range(n):
+        for d in range(-reach, reach + 1):
+            if 0 <= i + d < n:
+                expected[..., i, d + reach] = scores[..., i, i + d]
+    band = band_dot_products(query, key, reach)
+    torch.testing.assert_close(band, expected)
+    upstream = torch.randn_like(expected)
+    grads = torch.autograd.grad((band * upstream).sum(), (query, key))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key))
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad)
