@@ -167,10 +167,11 @@ def build_cases(family: str, args: argparse.Namespace) -> list[Case]:
 
 
 def runs_on(model: transformers.PreTrainedModel) -> str:
-    """The backend hf_posenc picks for this model when asked for sdpa (with gradients, as in training)."""
+    """The backend hf_posenc picks for this model when asked for sdpa (with gradients, as in training, on the
+    model's default positions)."""
     config = model.config
     return hf_posenc.posenc_attention.choose_backend(
-        "sdpa", config.position_encoding, config.attention_normalizer, model.device
+        "sdpa", config.position_encoding, config.attention_normalizer, model.device, consecutive=True
     )
 
 

@@ -197,12 +197,18 @@ def run_row(row: Row, build: Callable, ids, device, args) -> Row:
 
 
 def library_backend(family: str, scheme: str, normalizer: str, requested: str | None, device, tokens: int) -> str:
-    """The backend the library runs for a training step (the model's own :func:`choose_backend` call)."""
+    """The backend the library runs for a training step (the model's own :func:`choose_backend` call; the benchmark
+    feeds the model's default, consecutive positions)."""
     config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
     config = config_class(position_encoding=scheme, attention_normalizer=normalizer)
     with torch.enable_grad():
         return choose_backend(
-            requested, config.position_encoding, config.attention_normalizer, device, query_length=tokens
+            requested,
+            config.position_encoding,
+            config.attention_normalizer,
+            device,
+            query_length=tokens,
+            consecutive=True,
         )
 
 

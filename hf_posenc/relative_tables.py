@@ -246,7 +246,8 @@ def band_dot_products(query: torch.Tensor, key: torch.Tensor, reach: int) -> tor
     dtype = torch.promote_types(query.dtype, torch.float32)
     queries = F.pad(query.to(dtype), (0, 0, 0, blocks * block - n)).unflatten(-2, (blocks, block))
     keys = F.pad(key.to(dtype), (0, 0, reach, blocks * block - n + reach))
-    scores = torch.matmul(queries, keys.unfold(-2, window, block))  # (..., blocks, block, window)
+    with torch.autocast(query.device.type, enabled=False):  # in the dtype asked for, as FlexAttention's scores
+        scores = torch.matmul(queries, keys.unfold(-2, window, block))  # (..., blocks, block, window)
     padded = F.pad(scores.flatten(-2), (0, block))  # row r of a block starts r columns further in its window
     band = padded.unflatten(-1, (block, window + 1))[..., :width]
     return band.flatten(-3, -2)[..., :n, :]
