@@ -515,16 +515,20 @@ def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeyp
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize(("family", "spec"), FLEX_VALUE_TERM_SCHEMES)
-def test_shaw_value_term_on_flex_equals_eager(family, spec, monkeypatch):
+def test_shaw_value_term_on_flex_equals_eager(family, spec, padding, monkeypatch):
     """Shaw's value term on FlexAttention (the keys inside the clip from the band of scores and the log-sum-exp, the
     clipped tails from the rest of the mass; an encoder splits them with a second pass) against eager, on the model's
-    default positions: clipping that bites (12 tokens, k = 3 or 2), a padded row."""
+    default positions: clipping that bites (12 tokens, k = 3 or 2), a padded row (left padding in the decoder: query
+    rows that see no key, whose log-sum-exp is -inf)."""
     calls = []
     eager, flex = uncompiled_flex_models(monkeypatch, family, calls, spec)
     ids = random_ids(2, 12)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 9:] = 0
+    if padding == "left":
+        attention_mask = attention_mask.flip(-1)
     outputs = []
     for model in (eager, flex):
         with torch.no_grad():
