@@ -100,6 +100,8 @@ def prepare_attention(
     with no cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told
     (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
     config = model.config
+    if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
+        refuse_value_term_with_given_block_mask(encoding)
     key_positions = position_ids
     if position_cache is not None:
         key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
@@ -118,8 +120,6 @@ def prepare_attention(
         position_bias_needs_grad=position_bias_needs_grad(encoding),
         consecutive=consecutive,
     )
-    if backend == "flex_attention" and causal and isinstance(attention_mask, BlockMask):
-        refuse_value_term_with_given_block_mask(encoding)
     tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
     score_bias = tables.pop("score_bias", None)
     mask = build_attention_mask(

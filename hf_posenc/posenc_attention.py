@@ -158,6 +158,7 @@ def choose_backend(
     normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     value_term = scheme_class.has_value_term(position_encoding)
+    flex_listed = "flex_attention" in set(scheme_backends) & set(normalizer_backends)
     refusal = flex_refusal(
         device,
         dtype,
@@ -168,10 +169,10 @@ def choose_backend(
         given_mask,
         scheme_class.flex_compiles_on_cpu,
     )
-    if refusal is None and value_term:
+    if refusal is None and value_term and flex_listed:
         refusal = value_term_flex_refusal(consecutive, "sdpa" in normalizer_backends)
     if isinstance(given_mask, BlockMask):
-        if refusal is not None or "flex_attention" not in set(scheme_backends) & set(normalizer_backends):
+        if refusal is not None or not flex_listed:
             raise ValueError(
                 f"A BlockMask attention_mask needs FlexAttention, which cannot run {position_encoding['type']} + "
                 f"{attention_normalizer['type']} here ({refusal or 'not supported by the combination'}); pass a 2-D "
@@ -209,7 +210,7 @@ def value_term_flex_refusal(consecutive: bool, softmax: bool) -> str | None:
     if not consecutive:
         return (
             "the value term on FlexAttention needs the model's default positions and no cached key (given "
-            "position_ids or a cache run SDPA)"
+            "position_ids or cached keys run SDPA)"
         )
     if not softmax:
         return "the value term on FlexAttention is computed from softmax weights"
@@ -441,20 +442,28 @@ def clipped_value_rows_term(
     of scores (:func:`band_scores`). The keys clipped to row 0 (``j <= i - k``) and row ``2k`` share the rest of the
     row's mass, ``1 - sum of the band``: a causal layer (its mask hides every key after the query) gives it all to
     row 0; otherwise a second FlexAttention pass over the keys ``j <= i - k`` gives row 0's share,
-    ``exp(lse_left_i - lse_i)``, and row ``2k`` the remainder. Rows that see no key (``lse = -inf``) get 0."""
+    ``exp(lse_left_i - lse_i)``, and row ``2k`` the remainder (with ``k >= n`` both tails are empty: no pass). Rows
+    that see no key (``lse = -inf``) get 0."""
     k = value_rows.max_distance
+    if k is None:
+        raise ValueError(
+            "A value term on FlexAttention needs rows of a clipped distance (ValueRows.max_distance); a scheme whose "
+            "value term has other rows must leave flex_attention out of its supported_backends."
+        )
     has_key = torch.isfinite(lse)
     finite_lse = torch.where(has_key, lse, 0.0)[..., None]
     band = torch.exp(band_scores(query, key, score_mod, block_mask, scale, k - 1) - finite_lse)
     rest = has_key.to(band.dtype) - band.sum(-1)
-    if causal:
+    if causal or k >= query.shape[-2]:
         left, right = rest, torch.zeros_like(rest)
     else:
 
         def left_tail_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             if score_mod is not None:
                 score = score_mod(score, batch_idx, head_idx, q_idx, kv_idx)
-            return torch.where(kv_idx <= q_idx - k, score, torch.finfo(score.dtype).min)  # finite: no empty row
+            # finfo.min, not -inf: FlexAttention's unfused path differentiates an all -inf row's log-sum-exp to NaN
+            # (the compiled kernel's base-2 scaling makes it -inf, which its masked-row handling covers)
+            return torch.where(kv_idx <= q_idx - k, score, torch.finfo(score.dtype).min)
 
         _, left_lse = flex_pass(attend, query, key, value, left_tail_score_mod, block_mask, scale, pass_name="tail")
         left = torch.exp(torch.where(has_key, left_lse, float("-inf")) - finite_lse[..., 0]).to(band.dtype)

@@ -539,12 +539,13 @@ def test_shaw_value_term_on_flex_equals_eager(family, spec, padding, monkeypatch
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
 
-def test_clipped_value_rows_term_equals_the_formula_under_any_mask():
+@pytest.mark.parametrize("k", [3, 12])
+def test_clipped_value_rows_term_equals_the_formula_under_any_mask(k):
     """``sum_j a_ij R[clip(j - i, -k, k) + k]`` from FlexAttention's log-sum-exp against softmax weights computed by
     hand, float64: a padded row, a key hidden inside the clip (a mask that is neither causal nor padding), a query
-    row that sees no key (its term is 0), with a score_mod."""
+    row that sees no key (its term is 0), with a score_mod; one tail pass, none when k >= n (both tails empty)."""
     torch.manual_seed(0)
-    batch, heads, n, head_dim, k = 2, 2, 11, 8, 3
+    batch, heads, n, head_dim = 2, 2, 11, 8
     query, key, value = (torch.randn(batch, heads, n, head_dim, dtype=torch.float64) for _ in range(3))
     table = torch.randn(2 * k + 1, head_dim, dtype=torch.float64)
     lengths = torch.tensor([11, 7])
@@ -558,7 +559,10 @@ def test_clipped_value_rows_term_equals_the_formula_under_any_mask():
 
     block_mask = create_block_mask(mask_mod, batch, 1, n, n, device="cpu")
 
+    tail_passes = []
+
     def attend(*args, pass_name=None, **kwargs):
+        tail_passes.append(pass_name)
         return flex_attention(*args, **kwargs)
 
     _, aux = flex_attention(query, key, value, score_mod, block_mask, 0.3, return_aux=AuxRequest(lse=True))
@@ -574,6 +578,7 @@ def test_clipped_value_rows_term_equals_the_formula_under_any_mask():
     expected = torch.einsum("bhij,ijd->bhid", weights, table[index])
     torch.testing.assert_close(term, expected)
     assert term[:, :, 4].abs().max() == 0
+    assert tail_passes == (["tail"] if k < n else [])
 
 
 def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypatch):
