@@ -227,7 +227,8 @@ class TransformerXLTerm(LayerPositionTerm):
         rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
         rows = (rows * scaling).transpose(-1, -2).to(query.dtype)
         shifted_query = query + self.position_bias[:, None].to(query.dtype)
-        content_scores = torch.matmul(key, self.content_bias[..., None].to(key.dtype) * scaling).transpose(-1, -2)
+        content_bias = (self.content_bias * scaling)[:, None].to(key.dtype)
+        content_scores = torch.matmul(content_bias, key.transpose(-1, -2))  # a matmul, not a view (score_mod's rule)
         return shifted_query, rows, content_scores
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):

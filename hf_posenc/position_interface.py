@@ -174,7 +174,13 @@ class LayerPositionTerm(nn.Module):
     ) -> Callable | None:
         """:meth:`score_term` as a FlexAttention ``score_mod`` (flex only; the scheme lists ``"flex_attention"`` in
         its backends): small per-layer tables computed from q and k (``(batch, heads, q_len, rows)`` by one matmul)
-        read per (query, key) inside the kernel, nothing ``(q_len, kv_len)``-sized. None: no score term."""
+        read per (query, key) inside the kernel, nothing ``(q_len, kv_len)``-sized. None: no score term.
+
+        A tensor the ``score_mod`` captures that needs gradients must be at least 1-d and not a view (a matmul or
+        elementwise result, not a slice, transpose or ``[None]`` of one; ``torch.stack`` or ``clone`` make one):
+        compiled FlexAttention (torch 2.13) returns no gradient for a captured view, and its reference backward
+        cannot return one for a 0-d tensor. ``test_score_mod_gradients_through_the_compiled_flex_op_equal_eager``
+        checks every scheme's."""
         return None
 
     def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:
@@ -294,7 +300,8 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def score_mod(
         self, tables: dict[str, torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor
     ) -> Callable | None:
-        """The position-only score term as a FlexAttention ``score_mod`` built from ``prepare``'s tables, or None."""
+        """The position-only score term as a FlexAttention ``score_mod`` built from ``prepare``'s tables, or None.
+        Its captured tensors follow the rule of :meth:`LayerPositionTerm.score_mod`."""
         return None
 
     def transform_qkv(

@@ -403,9 +403,9 @@ class FIRE(RelativeScoreBias):
     def bias_table(self, device):
         breakpoints, slope, intercept = relu_mlp_pieces(*self.mlp_weights())
         threshold = (self.threshold_scale * self.spec["threshold"]).abs()
-        return {
-            "c": self.c.abs(),
-            "threshold": threshold,
+        return {  # (1,)-shaped, not views: LayerPositionTerm.score_mod's rule
+            "c": torch.stack((self.c.abs(),)),
+            "threshold": torch.stack((threshold,)),
             "breakpoints": breakpoints,
             "slope": slope,
             "intercept": intercept,
@@ -417,10 +417,10 @@ class FIRE(RelativeScoreBias):
 
     def normalised_distance(self, query_position, key_position, table):
         """The MLP's input ``psi(|i - j|) / (psi(max(L, i, j)) + eps)``, in float32 or wider, broadcasting."""
-        c = table["c"]
+        c = table["c"][0]
         dtype = torch.promote_types(c.dtype, torch.float32)
         distance = (query_position - key_position).abs().to(dtype)
-        normaliser = torch.maximum(torch.maximum(query_position, key_position).to(dtype), table["threshold"])
+        normaliser = torch.maximum(torch.maximum(query_position, key_position).to(dtype), table["threshold"][0])
         return torch.log1p(c * distance) / (torch.log1p(c * normaliser) + self.eps)
 
     def position_bias(self, query_position, key_position, head, table):

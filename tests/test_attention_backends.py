@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 
 import pytest
 import torch
 import transformers
-from conftest import COMBOS, family_combos, make_config, make_model, random_ids
+from conftest import COMBOS, assert_flex_training_step_equals_eager, family_combos, make_config, make_model, random_ids
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -199,6 +200,55 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
     assert bool(calls) == runs_flex
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+SCORE_MOD_SCHEMES = [
+    ("bert", "t5"),
+    ("gpt2", "kerple"),
+    ("bert", "fire"),
+    ("gpt2", "fire"),
+    ("bert", "tupe"),
+    ("bert", {"type": "shaw", "use_value": False, "max_distance": 3}),
+    ("bert", {"type": "shaw", "max_distance": 3}),  # the value term: band, log-sum-exp and the encoder's tail pass
+    ("gpt2", {"type": "shaw", "table": "sinusoidal", "max_distance": 2}),  # the value term, causal
+    ("bert", "xlnet"),
+    ("gpt2", "xlnet"),
+    ("bert", {"type": "deberta", "position_buckets": 8, "max_relative_positions": 16}),
+    ("gpt2", {"type": "deberta", "share_att_key": False, "position_buckets": 4, "max_relative_positions": 8}),
+    ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}),
+]
+
+
+@pytest.mark.parametrize(("family", "spec"), SCORE_MOD_SCHEMES)
+def test_score_mod_gradients_through_the_compiled_flex_op_equal_eager(family, spec, monkeypatch, request):
+    """A training step with FlexAttention compiled by ``torch.compile`` (``backend="aot_eager"``): dynamo and AOT
+    autograd trace the operator as for the CUDA kernel, and its own backward (the CPU reference of the kernel's, with
+    the gradients of the score_mod's captured tables and of the log-sum-exp) runs in place of the Triton one. Loss and
+    every parameter's gradient against eager; a padded row. It caught gradients torch drops: a captured view
+    (xlnet's ``u . k``) and 0-d tables (FIRE's c and L) got none (``LayerPositionTerm.score_mod``'s rule). CPU
+    FlexAttention refuses gradients at its Python entry, which is bypassed here; the compiled operator underneath
+    computes them."""
+    monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)
+    regions = []
+
+    def compiled_for(grad_enabled, region):
+        regions.append(region)
+        return torch.compile(
+            flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
+        )
+
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", functools.cache(compiled_for))
+    monkeypatch.setattr(posenc_attention, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
+    # dynamo remembers the sizes it saw per function, whatever the backend: forget them, or a later CPU compile of
+    # FlexAttention starts with symbolic sizes, which torch 2.13's CPU template cannot compile for some score_mods
+    request.addfinalizer(torch._dynamo.reset)
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 7:] = 0
+    models = {attn: make_model(family, spec, attn=attn).train() for attn in ("eager", "flex_attention")}
+    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-5, rtol=1e-4)
+    assert regions, "the flex model ran FlexAttention"
 
 
 # --- the compile cache of FlexAttention (compiled on CPU: inference only, head_dim >= 24; ~20 s a compile) ---------

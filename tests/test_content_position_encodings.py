@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_config, make_model, random_ids
-from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, create_block_mask, flex_attention
+from conftest import assert_flex_training_step_equals_eager, make_config, make_model, random_ids
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
@@ -615,54 +615,6 @@ def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
         cuda = torch.device("cuda")
         assert posenc_attention.choose_backend("flex_attention", spec, softmax, cuda, head_dim=32) == "flex_attention"
     assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
-
-
-def assert_flex_training_step_equals_eager(models: dict, ids, attention_mask, atol: float, rtol: float) -> None:
-    """The MLM/LM loss and every parameter's gradient of one training step of ``models["flex_attention"]`` against
-    ``models["eager"]`` (same weights)."""
-    results = {}
-    for attn, model in models.items():
-        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
-        loss.backward()
-        results[attn] = (loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None})
-    (eager_loss, eager_grads), (flex_loss, flex_grads) = results["eager"], results["flex_attention"]
-    torch.testing.assert_close(flex_loss, eager_loss, atol=atol, rtol=atol)  # the loss: one scalar, atol both ways
-    assert flex_grads.keys() == eager_grads.keys()
-    for name, grad in eager_grads.items():
-        torch.testing.assert_close(flex_grads[name], grad, atol=atol, rtol=rtol, msg=name)
-
-
-def differentiable_flex(query, key, value, score_mod, block_mask, scale, return_aux=None, **options):
-    """FlexAttention's own eager semantics (``math_attention``, which autograd differentiates on CPU), standing in for
-    the kernel whose backward runs on CUDA only; the log-sum-exp as ``flex_attention`` returns it (natural log)."""
-    from torch._higher_order_ops.flex_attention import math_attention
-
-    output, lse_base2, _ = math_attention(query, key, value, score_mod, block_mask.as_tuple(), scale, {})
-    return output if return_aux is None else (output, AuxOutput(lse=lse_base2 * math.log(2)))
-
-
-@pytest.mark.parametrize(("family", "spec"), FLEX_CONTENT_SCHEMES + FLEX_VALUE_TERM_SCHEMES)
-def test_content_score_mod_gradients_through_flexattention_math_equal_eager(family, spec, monkeypatch):
-    """A training step through each layer's content score_mod (Shaw with ``use_value``: and its value term from the
-    band and the log-sum-exp, whose gradient reaches FlexAttention) with FlexAttention's own eager semantics
-    (:func:`differentiable_flex`): the loss and every parameter's gradient (the row tables reach them through the
-    score_mod's captured tensors) against eager; a padded row."""
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
-    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)  # CPU refuses flex with gradients
-    ids = random_ids(2, 10)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[1, 7:] = 0
-    models, seen = {}, {}
-    for attn in ("eager", "flex_attention"):
-        models[attn] = make_model(family, spec, attn=attn).train()
-        base = models[attn].base_model
-        layer = base.encoder.layer[0] if family == "bert" else base.h[0]
-        seen[attn] = []
-        layer.register_forward_pre_hook(
-            lambda module, args, seen=seen[attn]: seen.extend(a for a in args if isinstance(a, str))
-        )
-    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-5, rtol=1e-4)
-    assert seen == {"eager": ["eager"], "flex_attention": ["flex_attention"]}
 
 
 def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gradients():
