@@ -179,7 +179,7 @@ class LayerPositionTerm(nn.Module):
         A tensor the ``score_mod`` captures that needs gradients must be at least 1-d and not a view (a matmul or
         elementwise result, not a slice, transpose or ``[None]`` of one; ``torch.stack`` or ``clone`` make one):
         compiled FlexAttention (torch 2.13) returns no gradient for a captured view, and its reference backward
-        cannot return one for a 0-d tensor. ``test_score_mod_gradients_through_the_compiled_flex_op_equal_eager``
+        cannot return one for a 0-d tensor. ``test_flex_gradients_through_the_compiled_operator_equal_eager``
         checks every scheme's."""
         return None
 

@@ -202,29 +202,39 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
 
 
-SCORE_MOD_SCHEMES = [
-    ("bert", "t5"),
-    ("gpt2", "kerple"),
-    ("bert", "fire"),
-    ("gpt2", "fire"),
-    ("bert", "tupe"),
-    ("bert", {"type": "shaw", "use_value": False, "max_distance": 3}),
-    ("bert", {"type": "shaw", "max_distance": 3}),  # the value term: band, log-sum-exp and the encoder's tail pass
-    ("gpt2", {"type": "shaw", "table": "sinusoidal", "max_distance": 2}),  # the value term, causal
-    ("bert", "xlnet"),
-    ("gpt2", "xlnet"),
-    ("bert", {"type": "deberta", "position_buckets": 8, "max_relative_positions": 16}),
-    ("gpt2", {"type": "deberta", "share_att_key": False, "position_buckets": 4, "max_relative_positions": 8}),
-    ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}),
+COMPILED_FLEX_CASES = [  # (family, scheme, normalizer): every score_mod, every normalizer FlexAttention runs
+    ("bert", "t5", "softmax"),
+    ("gpt2", "kerple", "softmax"),
+    ("bert", "fire", "softmax"),
+    ("gpt2", "fire", "softmax"),
+    ("bert", "tupe", "softmax"),
+    ("bert", {"type": "shaw", "use_value": False, "max_distance": 3}, "softmax"),
+    # Shaw's value term: band, log-sum-exp and the encoder's tail pass; causal
+    ("bert", {"type": "shaw", "max_distance": 3}, "softmax"),
+    ("gpt2", {"type": "shaw", "table": "sinusoidal", "max_distance": 2}, "softmax"),
+    ("bert", "xlnet", "softmax"),
+    ("gpt2", "xlnet", "softmax"),
+    ("bert", {"type": "deberta", "position_buckets": 8, "max_relative_positions": 16}, "softmax"),
+    (
+        "gpt2",
+        {"type": "deberta", "share_att_key": False, "position_buckets": 4, "max_relative_positions": 8},
+        "softmax",
+    ),
+    ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}, "softmax"),
+    ("bert", "t5", "l2"),
+    ("gpt2", "alibi", "exp"),
+    ("bert", "rope", "relu2"),
+    ("gpt2", "t5", "swish_l2"),
 ]
 
 
-@pytest.mark.parametrize(("family", "spec"), SCORE_MOD_SCHEMES)
-def test_score_mod_gradients_through_the_compiled_flex_op_equal_eager(family, spec, monkeypatch, request):
+@pytest.mark.parametrize(("family", "spec", "normalizer"), COMPILED_FLEX_CASES)
+def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, normalizer, monkeypatch, request):
     """A training step with FlexAttention compiled by ``torch.compile`` (``backend="aot_eager"``): dynamo and AOT
     autograd trace the operator as for the CUDA kernel, and its own backward (the CPU reference of the kernel's, with
-    the gradients of the score_mod's captured tables and of the log-sum-exp) runs in place of the Triton one. Loss and
-    every parameter's gradient against eager; a padded row. It caught gradients torch drops: a captured view
+    the gradients of the score_mod's captured tables and of the log-sum-exp, which the normalizers other than softmax
+    and Shaw's value term read) runs in place of the Triton one. Loss and every parameter's gradient against eager; a
+    padded row. It caught gradients torch drops: a captured view
     (xlnet's ``u . k``) and 0-d tables (FIRE's c and L) got none (``LayerPositionTerm.score_mod``'s rule). CPU
     FlexAttention refuses gradients at its Python entry, which is bypassed here; the compiled operator underneath
     computes them."""
@@ -246,7 +256,7 @@ def test_score_mod_gradients_through_the_compiled_flex_op_equal_eager(family, sp
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 7:] = 0
-    models = {attn: make_model(family, spec, attn=attn).train() for attn in ("eager", "flex_attention")}
+    models = {attn: make_model(family, spec, normalizer, attn=attn).train() for attn in ("eager", "flex_attention")}
     assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-5, rtol=1e-4)
     assert regions, "the flex model ran FlexAttention"
 
