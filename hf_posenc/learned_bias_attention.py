@@ -131,5 +131,7 @@ def attention_with_learned_bias(
     value term ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``). Forward: SDPA's fused kernel, or with a value term
     the weights a chunk of queries at a time (they are needed for it). Backward: recomputed from q, k, v and the bias
     in chunks of queries (module docstring)."""
-    table, index, starts = value_rows[:3] if value_rows is not None else (None, None, None)
+    if value_rows is None:
+        return _AttentionWithLearnedBias.apply(query, key, value, bias, scale, None, None, None)
+    table, index, starts = value_rows.table, value_rows.index, value_rows.starts
     return _AttentionWithLearnedBias.apply(query, key, value, bias, scale, table, index, starts)
