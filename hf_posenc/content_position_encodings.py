@@ -477,8 +477,9 @@ class DeBERTa(PositionEncoding):
         self.LayerNorm = nn.LayerNorm(dims.hidden_size, eps=1e-7)  # DeBERTa's layer_norm_eps
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        """The shared relative embeddings after their LayerNorm and the per-pair row index, stored as
-        with, on consecutive positions (one row for the batch), the run starts its reads by runs need."""
+        """The shared relative embeddings after their LayerNorm and the per-pair row index ``deberta_index``; on
+        consecutive positions (one row for the batch) also the run starts that read it by runs (c2p's of the
+        reversed index, p2c's of the transposed one)."""
         tables = {"deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight)}
         if backend == "flex_attention":  # the score_mod computes each pair's row from the positions
             return tables

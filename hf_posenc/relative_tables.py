@@ -129,12 +129,12 @@ class _SumSortedRuns(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, index, starts = inputs
-        ctx.save_for_backward(index, starts)
+        _, index, _ = inputs
+        ctx.save_for_backward(index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        index, starts = ctx.saved_tensors
+        (index,) = ctx.saved_tensors
         return gather_rows(grad, index), None, None
 
 
