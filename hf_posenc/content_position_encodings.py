@@ -305,28 +305,35 @@ class TransformerXL(PositionEncoding):
         }
 
 
-def deberta_log_bucket(distances: torch.Tensor, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
+def deberta_log_bucket(distances: torch.Tensor, position_buckets: int, log_scale: float) -> torch.Tensor:
     """DeBERTa-v2's log-bucketed relative position (He et al. 2021; ``make_log_bucket_position`` of Transformers'
     ``deberta_v2``): distances with ``|d| <= mid = position_buckets / 2`` are kept, larger ones become
-    ``sign(d) (mid + ceil(log(|d| / mid) / log((max_relative_positions - 1) / mid) (mid - 1)))``. Computed in float32
-    as the reference does, so the buckets agree at the boundaries."""
+    ``sign(d) (mid + ceil(log(|d| / mid) / log_scale (mid - 1)))``, ``log_scale = log((max_relative_positions - 1) /
+    mid)`` (:class:`DeBERTaBuckets`). Computed in float32 as the reference does, so the buckets agree at the
+    boundaries."""
     mid = position_buckets // 2
     magnitude = distances.abs().clamp(min=mid).float()
-    scale = torch.log(torch.tensor((max_relative_positions - 1) / mid))
-    log_bucket = torch.ceil(torch.log(magnitude / mid) / scale * (mid - 1)) + mid
+    log_bucket = torch.ceil(torch.log(magnitude / mid) / log_scale * (mid - 1)) + mid
     return torch.where(distances.abs() <= mid, distances, (log_bucket * distances.sign()).to(distances.dtype))
 
 
-def deberta_relative_index(
-    distances: torch.Tensor, position_buckets: int, max_relative_positions: int
-) -> torch.Tensor:
+class DeBERTaBuckets:
     """DeBERTa's row of the distances ``i - j``: ``clamp(bucket(i - j) + span, 0, 2 span - 1)`` with ``span =
     position_buckets`` (log buckets, :func:`deberta_log_bucket`) or ``max_relative_positions`` (no buckets);
-    elementwise, so it also runs inside a FlexAttention ``score_mod``."""
-    span = position_buckets or max_relative_positions
-    if position_buckets > 0:
-        distances = deberta_log_bucket(distances, position_buckets, max_relative_positions)
-    return (distances + span).clamp(0, 2 * span - 1)
+    elementwise, so it also runs inside a FlexAttention ``score_mod``. ``log_scale`` is computed once, in float32 as
+    the reference computes it (``torch.log(torch.tensor(...))``), and kept as a Python number: a ``torch.tensor``
+    built inside a ``score_mod`` cannot be lowered by inductor."""
+
+    def __init__(self, position_buckets: int, max_relative_positions: int):
+        self.position_buckets = position_buckets
+        self.span = position_buckets or max_relative_positions
+        mid = position_buckets // 2
+        self.log_scale = torch.log(torch.tensor((max_relative_positions - 1) / mid)).item() if mid else 0.0
+
+    def index(self, distances: torch.Tensor) -> torch.Tensor:
+        if self.position_buckets > 0:
+            distances = deberta_log_bucket(distances, self.position_buckets, self.log_scale)
+        return (distances + self.span).clamp(0, 2 * self.span - 1)
 
 
 class DeBERTaTerm(LayerPositionTerm):
@@ -337,7 +344,7 @@ class DeBERTaTerm(LayerPositionTerm):
         super().__init__()
         self.att_type = spec["att_type"].split("|")
         self.share_att_key = spec["share_att_key"]
-        self.position_buckets, self.max_relative_positions = spec["position_buckets"], spec["max_relative_positions"]
+        self.buckets = DeBERTaBuckets(spec["position_buckets"], spec["max_relative_positions"])
         self.num_heads, self.head_dim = dims.num_heads, dims.head_dim
         if not self.share_att_key:
             if "c2p" in self.att_type:
@@ -401,11 +408,11 @@ class DeBERTaTerm(LayerPositionTerm):
         key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (b, h, kv_len, 2 span)
         query_position = position_lookup(attention_inputs["query_positions"])
         key_position = position_lookup(attention_inputs["key_positions"])
-        buckets, largest = self.position_buckets, self.max_relative_positions
+        buckets = self.buckets
 
         def deberta_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
-            row = deberta_relative_index(distance, buckets, largest)
+            row = buckets.index(distance)
             if query_row_scores is not None:
                 score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
             if key_row_scores is not None:
@@ -471,7 +478,8 @@ class DeBERTa(PositionEncoding):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.span = spec["position_buckets"] or spec["max_relative_positions"]
+        self.buckets = DeBERTaBuckets(spec["position_buckets"], spec["max_relative_positions"])
+        self.span = self.buckets.span
         self.content_scale = (1 + len(spec["att_type"].split("|"))) ** -0.5
         self.rel_embeddings = nn.Embedding(2 * self.span, dims.hidden_size)
         self.LayerNorm = nn.LayerNorm(dims.hidden_size, eps=1e-7)  # DeBERTa's layer_norm_eps
@@ -485,11 +493,7 @@ class DeBERTa(PositionEncoding):
             return tables
         if consecutive:
             query_positions, key_positions = query_positions[:1], key_positions[:1]
-        index = deberta_relative_index(
-            relative_distances(query_positions, key_positions),
-            self.spec["position_buckets"],
-            self.spec["max_relative_positions"],
-        )
+        index = self.buckets.index(relative_distances(query_positions, key_positions))
         tables["deberta_index"] = index
         if consecutive:  # idx(i - j) falls along the keys (c2p reads it reversed) and rises along the queries (p2c)
             rows = 2 * self.span

@@ -22,7 +22,7 @@ import hf_posenc
 from hf_posenc import posenc_attention, relative_tables
 from hf_posenc.attention_normalizers import Softmax
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
-from hf_posenc.content_position_encodings import deberta_log_bucket
+from hf_posenc.content_position_encodings import DeBERTaBuckets, deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
 from hf_posenc.posenc_attention import build_dense_mask, positional_attention, value_rows_term
 from hf_posenc.position_interface import ValueRows
@@ -241,7 +241,8 @@ def transformers_model(family, spec, **overrides):
 def test_deberta_log_buckets_equal_transformers(buckets, largest):
     distances = torch.arange(-700, 701)
     expected = modeling_deberta_v2.make_log_bucket_position(distances, buckets, largest)
-    assert torch.equal(deberta_log_bucket(distances, buckets, largest), expected.long())
+    log_scale = DeBERTaBuckets(buckets, largest).log_scale
+    assert torch.equal(deberta_log_bucket(distances, buckets, log_scale), expected.long())
 
 
 @pytest.mark.parametrize("spec", [{}, {"position_buckets": 8, "max_relative_positions": 20}, {"position_buckets": 0}])
