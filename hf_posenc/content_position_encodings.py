@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import initialization as init
 
 from .options import Option
@@ -515,11 +514,11 @@ class TUPE(PositionEncoding):
     The reference implementation (guolinke/TUPE ``TransformerSentenceEncoder``) does the same with spare table rows
     and buckets; this is the paper's form. A decoder has no [CLS]: ``cls_untying=True`` there is an error.
 
-    Paths: eager and SDPA add one ``score_bias`` (``(1, heads, q, k)`` on the model's default positions, the bucket
-    bias computed once per distance and expanded by :func:`toeplitz`; per pair otherwise); FlexAttention's
-    ``score_mod`` reads the untied table (one matmul, ``(batch|1, heads, q, k)``: a score_mod cannot sum over
-    ``head_dim``), the per-distance bucket bias (or the bucket of ``i - j`` per pair) and ``theta_1``, ``theta_2``.
-    Compiled CPU FlexAttention cannot compile that ``score_mod`` (torch 2.13), so CPU flex requests run SDPA.
+    Paths: one bias table per forward (``(1, heads, q, k)`` on the model's default positions, the bucket bias computed
+    once per distance and expanded by :func:`toeplitz`; per pair otherwise), added as ``score_bias`` on eager and
+    SDPA and read per pair by FlexAttention's ``score_mod`` (the untied term is one matmul, ``(batch|1, heads, q,
+    k)``: a score_mod cannot sum over ``head_dim``). Compiled CPU FlexAttention cannot recompile that ``score_mod``
+    (torch 2.13), so CPU flex requests run SDPA.
     """
 
     name = "tupe"
@@ -614,45 +613,35 @@ class TUPE(PositionEncoding):
         return torch.where(query_position == 0, self.cls_to_others[head].to(bias.dtype), bias)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        """The untied term as a table, once per forward; the bucketed bias once per distance on consecutive
-        positions (expanded by :func:`toeplitz` for eager and SDPA), else per pair. Consecutive positions with one
-        query row are the same in every row, so the bias is ``(1, heads, q_len, kv_len)``, shared by the batch.
-        FlexAttention gets the untied table, the per-distance bias (padded to a multiple of 8 columns) if any, and
-        the [CLS] values, read by :meth:`score_mod`."""
+        """The whole bias as one table, once per forward: the untied term (one matmul), plus the bucketed bias once
+        per distance on consecutive positions (expanded by :func:`toeplitz`), else per pair, with [CLS] untied.
+        Consecutive positions with one query row are the same in every row, so the bias is ``(1, heads, q_len,
+        kv_len)``, shared by the batch. Eager and SDPA add it as ``score_bias``; FlexAttention's :meth:`score_mod`
+        reads it per pair (the untied term is ``(q, k)``-sized anyway, and a table read per pair takes its gradient
+        at that pair's address, where reading the bucket table or the [CLS] values inside the kernel would add one
+        gradient per score onto a few addresses)."""
         if consecutive and query_positions.shape[0] == 1:
             key_positions = key_positions[:1]
-        untied = self.untied_term(query_positions, key_positions)
+        bias = self.untied_term(query_positions, key_positions)
         heads = torch.arange(self.dims.num_heads, device=query_positions.device)
         if consecutive:
             per_distance = self.bucket_bias(toeplitz_distances(query_positions, key_positions)[None], heads[:, None])
-            if backend == "flex_attention":
-                return {"untied": untied, "per_distance_bias": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
-            bias = untied + toeplitz(per_distance, query_positions.shape[-1], key_positions.shape[-1])[None]
-        elif backend == "flex_attention":
-            return {"untied": untied}
+            bias = bias + toeplitz(per_distance, query_positions.shape[-1], key_positions.shape[-1])[None]
         else:
-            bias = untied + self.bucket_bias(
+            bias = bias + self.bucket_bias(
                 relative_distances(query_positions, key_positions)[:, None], heads[:, None, None]
             )
         query_position, key_position = query_positions[:, None, :, None], key_positions[:, None, None, :]
-        return {"score_bias": self.untie_cls(bias, query_position, key_position, heads[:, None, None])}
+        bias = self.untie_cls(bias, query_position, key_position, heads[:, None, None])
+        return {"tupe_bias" if backend == "flex_attention" else "score_bias": bias}
 
     def score_mod(self, tables, query_positions, key_positions):
-        """The bias per (query, key) from :meth:`prepare`'s tables: the untied table's entry, the per-distance
-        bucket bias (or the bucket of ``i - j`` per pair), then the [CLS] values."""
-        untied, per_distance = tables["untied"], tables.get("per_distance_bias")
-        last_key = untied.shape[-1] - 1
-        query_position, key_position = position_lookup(query_positions), position_lookup(key_positions)
-        shared = untied.shape[0] == 1  # one layout for the whole batch
+        """The bias of :meth:`prepare` read per (query, key)."""
+        bias = tables["tupe_bias"]
+        shared = bias.shape[0] == 1  # one layout for the whole batch
 
         def tupe_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            query, key = query_position(batch_idx, q_idx), key_position(batch_idx, kv_idx)
-            bias = untied[0 if shared else batch_idx, head_idx, q_idx, kv_idx]
-            if per_distance is None:
-                bias = bias + self.bucket_bias(query - key, head_idx)
-            else:
-                bias = bias + per_distance[head_idx, q_idx - kv_idx + last_key]
-            return score + self.untie_cls(bias, query, key, head_idx).to(score.dtype)
+            return score + bias[0 if shared else batch_idx, head_idx, q_idx, kv_idx].to(score.dtype)
 
         return tupe_score_mod
 

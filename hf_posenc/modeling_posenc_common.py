@@ -16,7 +16,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
-from .posenc_attention import build_attention_mask, build_dense_mask, choose_backend, position_bias_needs_grad
+from .posenc_attention import (
+    build_attention_mask,
+    build_dense_mask,
+    choose_backend,
+    flex_gradient_refusal,
+    position_bias_needs_grad,
+)
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 from .score_bias_encodings import refuse_old_t5_table
@@ -119,6 +125,7 @@ def prepare_attention(
         head_dim=encoding.dims.head_dim,
         position_bias_needs_grad=position_bias_needs_grad(encoding),
         consecutive=consecutive,
+        gradient_refusal=flex_gradient_refusal(encoding, consecutive),
     )
     tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
     score_bias = tables.pop("score_bias", None)

@@ -34,7 +34,14 @@ from transformers.utils import logging
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, flex_pass
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
-from .position_interface import AttentionInputs, LayerPositionTerm, PositionEncoding, QueryKeyProjection, ValueRows
+from .position_interface import (
+    AttentionInputs,
+    LayerPositionTerm,
+    PositionEncoding,
+    QueryKeyProjection,
+    ValueRows,
+    flex_compiles_length_sized_tables,
+)
 from .relative_tables import band_dot_products, sum_rows
 
 
@@ -49,11 +56,17 @@ count of 8 mod 16, on AVX2) it reads past the keys and overwrites the running ro
 errors up to 1.4 or NaN (measured: head_dim 8, 16 with 8, 24, 40, 136 keys; head_dim 4, 12, 20, 24, 32 and 16, 32
 keys are right). The width and the key count change per machine and per forward, so the bound is on head_dim."""
 
+FLEX_CUDA_MIN_HEAD_DIM = 16
+"""Triton's FlexAttention lowering (torch >= 2.5, ``torch/_inductor/kernel/flex/flex_attention.py``) raises
+``NotImplementedError`` for a query, key or value head size below 16 (``tl.dot`` needs 16): on CUDA such heads run
+SDPA or eager."""
+
 FLEX_CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
-"""FlexAttention's kernel options on CUDA when the position tables need gradients (issue 17, H100, B 8, H 12, n 2048,
-head_dim 64, a per-distance table, forward + backward: 25 ms with torch's defaults, 4.25 ms with these; with the
-defaults a float32 table that needs gradients does not compile, "out of resource: shared memory"). ``BLOCK_M`` and
-``BLOCK_N`` set the forward's tiles, ``num_stages`` both passes' pipelining (the backward keeps its default tiles)."""
+"""FlexAttention's kernel options on CUDA when the position tables need gradients (measured on an H100, B 8, H 12,
+n 2048, head_dim 64, a per-distance table, forward + backward: 25 ms with torch's defaults, 4.25 ms with these; with
+the defaults a float32 table that needs gradients does not compile, "out of resource: shared memory"). ``BLOCK_M``
+and ``BLOCK_N`` set the forward's tiles, ``num_stages`` both passes' pipelining (the backward keeps its default
+tiles)."""
 
 
 def flex_refusal(
@@ -68,17 +81,20 @@ def flex_refusal(
 ) -> str | None:
     """Why FlexAttention cannot run this forward, or None if it can. The rules, in order: no attention dropout; a
     one-token decoding step gains nothing from it and would compile once per cache length; a user's 4-D tensor mask
-    runs on eager or SDPA; compiled FlexAttention on CPU (torch 2.13) has no backward, takes float32, float16 and
-    bfloat16 only, is wrong for ``head_dim`` below :data:`FLEX_CPU_MIN_HEAD_DIM`, cannot compile some schemes'
-    ``score_mod`` (``compiles_on_cpu``: the scheme's ``flex_compiles_on_cpu``), and returns no log-sum-exp, which
-    normalizers with ``flex_needs_lse`` are computed from (``needs_lse``). ``head_dim`` None: not known to the caller
-    (the models always pass it)."""
+    runs on eager or SDPA; on CUDA, Triton's lowering refuses heads narrower than :data:`FLEX_CUDA_MIN_HEAD_DIM`;
+    compiled FlexAttention on CPU (torch 2.13) has no backward, takes float32, float16 and bfloat16 only, is wrong for
+    ``head_dim`` below :data:`FLEX_CPU_MIN_HEAD_DIM`, cannot recompile some schemes' ``score_mod``
+    (``compiles_on_cpu``: the scheme's ``flex_compiles_on_cpu``, see :func:`flex_compiles_length_sized_tables`), and
+    returns no log-sum-exp, which normalizers with ``flex_needs_lse`` are computed from (``needs_lse``). ``head_dim``
+    None: not known to the caller (the models always pass it)."""
     if attention_dropout:
         return "FlexAttention has no attention dropout"
     if query_length == 1:
         return "a one-token decoding step runs SDPA (FlexAttention would compile once per cache length)"
     if isinstance(given_mask, torch.Tensor) and given_mask.dim() == 4:
         return "a 4-D tensor attention_mask runs on eager or SDPA"
+    if device.type == "cuda" and head_dim is not None and head_dim < FLEX_CUDA_MIN_HEAD_DIM:
+        return f"Triton's FlexAttention kernels need head_dim >= {FLEX_CUDA_MIN_HEAD_DIM}, not {head_dim}"
     if device.type == "cpu":
         if torch.is_grad_enabled():
             return "compiled FlexAttention on CPU has no backward (torch 2.13); use torch.no_grad() for it"
@@ -89,11 +105,11 @@ def flex_refusal(
                 f"compiled FlexAttention on CPU computes wrong numbers for head_dim {head_dim} < "
                 f"{FLEX_CPU_MIN_HEAD_DIM} (torch 2.13)"
             )
-        if not compiles_on_cpu:
-            return (
-                "compiled FlexAttention on CPU (torch 2.13) emits C++ that does not compile for this scheme's "
-                "score_mod once a second length makes the shapes dynamic"
-            )
+    if not compiles_on_cpu and not flex_compiles_length_sized_tables(device):
+        return (
+            "compiled FlexAttention on CPU (torch 2.13) emits C++ that does not compile for this scheme's "
+            "score_mod once a second length makes the shapes dynamic"
+        )
     if needs_lse and not flex_returns_lse(device):
         return "compiled FlexAttention on CPU returns no log-sum-exp, which this normalizer is computed from"
     return None
@@ -140,6 +156,7 @@ def choose_backend(
     head_dim: int | None = None,
     position_bias_needs_grad: bool = False,
     consecutive: bool = False,
+    gradient_refusal: str | None = None,
 ) -> str:
     """The backend that runs a forward: the first of :func:`backend_candidates` (from ``requested``, default SDPA)
     that can express the scheme and normalizer with their options (``position_encoding``, ``attention_normalizer``:
@@ -147,7 +164,8 @@ def choose_backend(
     :func:`value_term_flex_refusal` do not rule out. ``need_weights`` (``output_attentions``) needs eager;
     ``attention_dropout`` is training with a dropout rate > 0; ``position_bias_needs_grad`` is
     :func:`position_bias_needs_grad` of the scheme; ``consecutive``: the model's default positions with no cached
-    key. A user's ``BlockMask`` needs FlexAttention. A request that cannot be honoured is logged with its reason."""
+    key; ``gradient_refusal``: :func:`flex_gradient_refusal` of the scheme. A user's ``BlockMask`` needs
+    FlexAttention. A request that cannot be honoured is logged with its reason."""
     requested = requested or "sdpa"
     if requested not in BACKEND_REQUESTS:
         raise ValueError(
@@ -159,15 +177,18 @@ def choose_backend(
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     value_term = scheme_class.has_value_term(position_encoding)
     flex_listed = "flex_attention" in set(scheme_backends) & set(normalizer_backends)
-    refusal = flex_refusal(
-        device,
-        dtype,
-        head_dim,
-        normalizer_class.flex_needs_lse or value_term,
-        attention_dropout,
-        query_length,
-        given_mask,
-        scheme_class.flex_compiles_on_cpu,
+    refusal = (
+        flex_refusal(
+            device,
+            dtype,
+            head_dim,
+            normalizer_class.flex_needs_lse or value_term,
+            attention_dropout,
+            query_length,
+            given_mask,
+            scheme_class.flex_compiles_on_cpu,
+        )
+        or gradient_refusal
     )
     if refusal is None and value_term and flex_listed:
         refusal = value_term_flex_refusal(consecutive, "sdpa" in normalizer_backends)
@@ -226,6 +247,18 @@ def position_bias_needs_grad(encoding: PositionEncoding) -> bool:
         and type(encoding).score_mod is not PositionEncoding.score_mod
         and any(parameter.requires_grad for parameter in encoding.parameters())
     )
+
+
+def flex_gradient_refusal(encoding: PositionEncoding, consecutive: bool) -> str | None:
+    """Why FlexAttention should not train this scheme's ``score_mod`` in this forward, or None: its parameters take
+    gradients and it reads some of them at a few addresses only (:meth:`PositionEncoding.flex_spreads_gradients`),
+    where the kernel's backward would add one gradient per score onto the same address."""
+    if position_bias_needs_grad(encoding) and not encoding.flex_spreads_gradients(consecutive):
+        return (
+            "training its score_mod with these positions would add one gradient per score onto a few addresses "
+            "(parameters read per head, not per distance or token); SDPA with a dense bias trains it"
+        )
+    return None
 
 
 def flex_returns_lse(device: torch.device) -> bool:

@@ -196,6 +196,15 @@ class LayerPositionTerm(nn.Module):
         loaded weights alone."""
 
 
+def flex_compiles_length_sized_tables(device: torch.device) -> bool:
+    """Whether compiled FlexAttention on ``device`` compiles a ``score_mod`` that reads a captured table whose size
+    follows the sequence length once a second length makes the shapes dynamic. Not on CPU (torch 2.13): inductor's
+    C++ template emits code that does not compile (``cur_kvSplitSize0 was not declared``); Triton has no such limit.
+    A scheme whose ``score_mod`` always reads such tables sets ``flex_compiles_on_cpu = False``; the kernel layer
+    then runs its CPU flex requests on SDPA."""
+    return device.type != "cpu"
+
+
 class PositionEncoding(CatalogueEntry, nn.Module):
     """Base class of a scheme. Subclasses set ``name``, ``description``, ``options`` and override hooks.
 
@@ -304,6 +313,15 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         Its captured tensors follow the rule of :meth:`LayerPositionTerm.score_mod`."""
         return None
 
+    def flex_spreads_gradients(self, consecutive: bool) -> bool:
+        """Whether the ``score_mod`` of a forward with these positions (``consecutive``, as for :meth:`prepare`)
+        reads every tensor that takes a gradient at an index that follows the query or the key (a per-distance,
+        per-token or per-pair table computed outside the kernel). Triton adds a captured tensor's gradient with one
+        atomic add per score: read at the head alone (a per-head scalar, a few bucket rows) those adds pile onto a
+        few addresses, about 4 x 10^8 per layer at 8 x 2048 tokens and 12 heads, so the kernel layer trains such a
+        ``score_mod`` on SDPA with a dense bias instead (``posenc_attention.flex_gradient_refusal``)."""
+        return True
+
     def transform_qkv(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -374,11 +392,9 @@ class RelativeScoreBias(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         table = self.bias_table(query_positions.device)
-        # Inductor's CPU FlexAttention template (torch 2.13) cannot recompile with symbolic sizes a score_mod that
-        # reads a captured table whose size follows the length (C++ error "cur_qSplitSize8 was not declared"): on
-        # CPU, flex reads the fixed-size table per pair instead.
-        flex_on_cpu = backend == "flex_attention" and query_positions.device.type == "cpu"
-        if consecutive and self.relative and not flex_on_cpu:
+        # where flex cannot recompile a length-sized table (CPU), it reads the fixed-size table per pair instead
+        length_sized = backend != "flex_attention" or flex_compiles_length_sized_tables(query_positions.device)
+        if consecutive and self.relative and length_sized:
             per_distance = self.per_distance_bias(query_positions, key_positions, table)
             if backend == "flex_attention":
                 return {"per_distance_bias": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
@@ -387,6 +403,11 @@ class RelativeScoreBias(PositionEncoding):
         if backend == "flex_attention":
             return {"bias_table": table}
         return {"score_bias": self.dense_bias(query_positions, key_positions, table)}
+
+    def flex_spreads_gradients(self, consecutive):
+        """Only the per-distance table (consecutive positions of a shift-invariant scheme) spreads the gradients; the
+        per-pair formula reads the parameters at the head (KERPLE's r1, r2, T5's buckets, FIRE's c, L and pieces)."""
+        return consecutive and self.relative
 
     def score_mod(self, tables, query_positions, key_positions):
         if "per_distance_bias" in tables:

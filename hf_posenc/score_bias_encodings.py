@@ -254,12 +254,13 @@ class KERPLE(RelativeScoreBias):
 
     def bias_table(self, device):
         r2_high = 2.0 if self.spec["variant"] == "power" else None
+        # two tensors: FlexAttention cannot differentiate one captured tensor read at two indices per score
         r1 = positive_straight_through(self.r1, self.minimum)
-        return torch.stack([r1, positive_straight_through(self.r2, self.minimum, r2_high)])
+        return {"r1": r1, "r2": positive_straight_through(self.r2, self.minimum, r2_high)}
 
     def distance_bias(self, distance, head, table):
-        distance = distance.abs().to(torch.promote_types(table.dtype, torch.float32))
-        r1, r2 = table[0, head], table[1, head]
+        distance = distance.abs().to(torch.promote_types(table["r1"].dtype, torch.float32))
+        r1, r2 = table["r1"][head], table["r2"][head]
         if self.spec["variant"] == "log":
             return -r1 * torch.log1p(r2 * distance)
         return -r1 * distance.pow(r2)

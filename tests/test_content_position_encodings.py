@@ -12,7 +12,13 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_flex_training_step_equals_eager, make_config, make_model, random_ids
+from conftest import (
+    assert_flex_training_step_equals_eager,
+    make_config,
+    make_model,
+    perturb_position_parameters,
+    random_ids,
+)
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DebertaV2Config
@@ -593,13 +599,18 @@ def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypa
         model(ids, attention_mask=block_mask)
 
 
-def test_tupe_flex_reads_small_tables_and_the_untied_table_once_per_batch():
-    """On consecutive positions flex gets the untied table shared by the batch and the per-distance bucket bias
-    (padded to a multiple of 8 columns); no dense bias."""
+def test_tupe_flex_reads_one_bias_table_shared_by_the_batch_with_cls_untied():
+    """On consecutive positions flex gets one ``(1, heads, q, k)`` table, the bias eager adds: untied term + bucket
+    bias + [CLS] values, so the score_mod reads nothing per head alone (no gradient piles onto a few addresses)."""
     _, encoding, _ = scheme_and_term("bert", "tupe")
-    tables = encoding.prepare(torch.arange(10)[None], torch.arange(10)[None].expand(3, -1), "flex_attention", True)
-    assert set(tables) == {"untied", "per_distance_bias"}
-    assert tables["untied"].shape == (1, HEADS, 10, 10) and tables["per_distance_bias"].shape == (HEADS, 24)
+    perturb_position_parameters(encoding)
+    positions = torch.arange(10)[None]
+    tables = encoding.prepare(positions, positions.expand(3, -1), "flex_attention", True)
+    assert set(tables) == {"tupe_bias"} and tables["tupe_bias"].shape == (1, HEADS, 10, 10)
+    dense = encoding.prepare(positions, positions.expand(3, -1), "eager", True)["score_bias"]
+    torch.testing.assert_close(tables["tupe_bias"], dense)
+    torch.testing.assert_close(tables["tupe_bias"][0, :, 0, 3], encoding.cls_to_others.detach())
+    torch.testing.assert_close(tables["tupe_bias"][0, :, 4, 0], encoding.others_to_cls.detach())
 
 
 def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
