@@ -214,8 +214,12 @@ def choose_backend(
             if requested == "flex_attention" and not torch.compiler.is_compiling():
                 _log_flex_refusal(position_encoding["type"], attention_normalizer["type"], refusal)
             continue
-        if backend != requested and not torch.compiler.is_compiling():  # dynamo cannot trace a logger call
+        if torch.compiler.is_compiling():  # dynamo cannot trace a logger call
+            return backend
+        if backend != requested:
             _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
+        if attention_dropout and flex_listed and "flex_attention" in candidates and device.type == "cuda":
+            _warn_attention_dropout(position_encoding["type"], attention_normalizer["type"], backend)
         return backend
     raise AssertionError("eager runs every scheme and normalizer")
 
@@ -273,6 +277,15 @@ def _log_flex_refusal(encoding: str, normalizer: str, reason: str) -> None:
 
 
 @cache
+def _warn_attention_dropout(encoding: str, normalizer: str, backend: str) -> None:
+    logger.warning(
+        f"hf_posenc: {encoding} + {normalizer} trains on {backend} instead of FlexAttention, which has no attention "
+        "dropout: slower, and it keeps (batch, heads, q, k) tensors per layer. Set attention_probs_dropout_prob=0 "
+        "(BERT) or attn_pdrop=0 (GPT-2), as current pretraining recipes do, to train on FlexAttention."
+    )
+
+
+@cache
 def _log_value_term_dropout(encoding: str) -> None:
     logger.info(
         f"hf_posenc: {encoding}'s value term reads the attention weights, which SDPA recomputes without its attention "
@@ -320,30 +333,51 @@ def build_attention_mask(
 
 
 @cache
-def _compiled_flex_attention(grad_enabled: bool, region: str) -> Callable:
-    """One compiled FlexAttention per grad mode and ``region`` (a combination and a pass of its normalizer), each
-    with its own recompile budget (``isolate_recompiles``), so that train/eval switches, several combinations in one
-    process and the passes of a normalizer never share torch's recompile limit. The first call compiles for its
-    shapes; a second sequence length or batch size compiles once more with those sizes symbolic (torch's automatic
-    dynamic shapes), after which new lengths reuse it. ``fullgraph=True`` makes hitting the limit raise rather than
-    silently run uncompiled (see :func:`flex_attend`). ``grad_enabled`` only keys the cache."""
-    return torch.compile(flex_attention, fullgraph=True, isolate_recompiles=True)
+def _compiled_flex_attention(grad_enabled: bool, region: str, dynamic: bool) -> Callable:
+    """One compiled FlexAttention per grad mode, ``region`` (a combination and a pass of its normalizer) and
+    ``dynamic``, each with its own recompile budget (``isolate_recompiles``), so that train/eval switches, several
+    combinations in one process and the passes of a normalizer never share torch's recompile limit.
+    ``fullgraph=True`` makes hitting the limit raise rather than silently run uncompiled (see :func:`flex_attend`).
+    ``grad_enabled`` only keys the cache. ``dynamic`` is set explicitly either way: dynamo keeps its automatic
+    dynamic-shape state per code object (``torch/_dynamo/pgo.py``), not per region, so with ``dynamic=None`` a region
+    compiled after another had seen two lengths would start with symbolic sizes."""
+    return torch.compile(flex_attention, fullgraph=True, isolate_recompiles=True, dynamic=None if dynamic else False)
+
+
+_FIRST_SHAPES: dict[tuple[bool, str], tuple] = {}
+"""The shapes of each (grad mode, region)'s first call: those calls run its static kernel."""
+
+
+def clear_flex_compile_cache() -> None:
+    """Forget every compiled region and its first shapes (tests; a benchmark's fresh-process rows)."""
+    _compiled_flex_attention.cache_clear()
+    _FIRST_SHAPES.clear()
+
+
+def _call_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]) -> tuple:
+    block_mask = kwargs.get("block_mask")
+    mask_shape = None if block_mask is None else tuple(block_mask.shape)
+    return query.shape, key.shape, value.shape, mask_shape
 
 
 def flex_attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, region: str, pass_name: str = "", **kwargs
 ):
     """FlexAttention through the compile cache: ``flex_attention(query, key, value, **kwargs)`` compiled per grad
-    mode and ``region``/``pass_name``. Inside a ``torch.compile``d model the plain function is called and the outer
-    compile fuses it. Should a region still hit torch's recompile limit (shapes other than the lengths and batch
-    size changing every call), the call runs FlexAttention's unfused path, which materialises every score, and a
-    warning says so: no silent slow path."""
+    mode and ``region``/``pass_name``. A region's first shapes run a static kernel (fixed-length training keeps the
+    fastest kernel, whatever other regions saw); any other shapes (a second length or batch size) run one kernel
+    compiled with symbolic sizes, which every later length reuses. Inside a ``torch.compile``d model the plain
+    function is called and the outer compile fuses it. Should a region still hit torch's recompile limit (shapes
+    other than the lengths and batch size changing every call), the call runs FlexAttention's unfused path, which
+    materialises every score, and a warning says so: no silent slow path."""
     if torch.compiler.is_compiling():
         return flex_attention(query, key, value, **kwargs)
     name = f"{region}/{pass_name}" if pass_name else region
     grad_enabled = torch.is_grad_enabled()
+    shapes = _call_shapes(query, key, value, kwargs)
+    dynamic = _FIRST_SHAPES.setdefault((grad_enabled, name), shapes) != shapes
     try:
-        return _compiled_flex_attention(grad_enabled, name)(query, key, value, **kwargs)
+        return _compiled_flex_attention(grad_enabled, name, dynamic)(query, key, value, **kwargs)
     except FailOnRecompileLimitHit:
         _warn_unfused_flex(name, grad_enabled)
         return flex_attention(query, key, value, **kwargs)
@@ -353,7 +387,8 @@ def flex_attend(
 def _warn_unfused_flex(region: str, grad_enabled: bool) -> None:
     logger.warning(
         f"hf_posenc: compiled FlexAttention for {region} ({'training' if grad_enabled else 'inference'}) hit torch's "
-        f"recompile limit (torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}); calls "
+        f"recompile limit (torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}, "
+        f"accumulated_recompile_limit = {torch._dynamo.config.accumulated_recompile_limit}); calls "
         "that need a new compilation now run FlexAttention's unfused path, which materialises every score (slow, "
         "O(n^2) memory). TORCH_LOGS=recompiles shows what changed between calls."
     )

@@ -242,7 +242,7 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
     monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)
     regions = []
 
-    def compiled_for(grad_enabled, region):
+    def compiled_for(grad_enabled, region, dynamic):
         regions.append(region)
         return torch.compile(
             flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
@@ -279,7 +279,7 @@ def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
     """Ten lengths (more than torch's recompile limit of 8): compiled for the first, once more with symbolic sizes
     for the second, then reused; never the unfused path; every output equals eager. Before the compile cache
     (``dynamic=False``) every length compiled and the ninth ran unfused."""
-    posenc_attention._compiled_flex_attention.cache_clear()
+    posenc_attention.clear_flex_compile_cache()
     flex, eager = wide_head_models("bert")
     compiles = []
     for length in (9, 14, 21, 30, 37, 45, 52, 64, 71, 80):
@@ -300,13 +300,14 @@ def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
 
 
 def test_hitting_the_recompile_limit_warns_and_runs_the_unfused_path(caplog):
-    """With the limit at 1 a second head width (always a new compile) cannot compile: FlexAttention runs uncompiled,
-    with a warning."""
-    posenc_attention._compiled_flex_attention.cache_clear()
+    """With the limit at 1, a third head width cannot compile (the first ran the region's static kernel, the second
+    compiled its symbolic-size kernel, which a new head width compiles again): FlexAttention runs uncompiled, with a
+    warning."""
+    posenc_attention.clear_flex_compile_cache()
     posenc_attention._warn_unfused_flex.cache_clear()
     torch.manual_seed(0)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
-        for head_dim in (32, 48):
+        for head_dim in (32, 48, 64):
             q, k, v = (torch.randn(1, 2, 16, head_dim) for _ in range(3))
             output = flex_attend(q, k, v, region="test")
             expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)

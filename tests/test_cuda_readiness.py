@@ -1,0 +1,304 @@
+"""What a first GPU would show, checked without one: every FlexAttention call the library makes on CUDA (each scheme
+and normalizer, default and given positions, encoder and decoder, training and inference) is built and passed
+through torch's own checks of the CUDA path: the backward's joint graph through ``validate_joint_graph`` (Triton's
+lowering runs it), the ``score_mod`` / ``mask_mod`` subgraphs through inductor's lowering, and the routing limits of
+Triton's kernels. Nothing here needs a GPU: the calls are captured on CPU with the CUDA routing and tables."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from conftest import make_model, random_ids
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor.graph import GraphLowering
+from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
+from torch.nn.attention import flex_attention as flex_module
+from torch.nn.attention.flex_attention import flex_attention
+
+from hf_posenc import modeling_posenc_common, posenc_attention, position_interface
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+
+
+CUDA = torch.device("cuda")  # choose_backend is pure logic: the CUDA rules run without a GPU
+WIDE = {"bert": dict(hidden_size=32, num_attention_heads=2), "gpt2": dict(n_embd=32, n_head=2)}  # heads of 16
+
+
+def flex_schemes() -> list[str]:
+    return [name for name, scheme in POSITION_ENCODINGS.items() if "flex_attention" in scheme.backends]
+
+
+def flex_normalizers() -> list[str]:
+    return [name for name, normalizer in ATTENTION_NORMALIZERS.items() if "flex_attention" in normalizer.backends]
+
+
+def families(scheme: str) -> list[str]:
+    return [
+        family
+        for family in ("bert", "gpt2")
+        if ("encoder" if family == "bert" else "decoder") in POSITION_ENCODINGS[scheme].families
+    ]
+
+
+CASES = [(family, scheme, "softmax") for scheme in flex_schemes() for family in families(scheme)] + [
+    (family, "t5", normalizer)
+    for normalizer in flex_normalizers()
+    if normalizer != "softmax"
+    for family in ("bert", "gpt2")
+]
+
+
+def capture_cuda_flex_calls(
+    family: str, scheme: str, normalizer: str, training: bool, given_positions: bool, monkeypatch
+) -> list[tuple]:
+    """The FlexAttention calls of one forward (and backward) of a tiny model with heads of 16, routed and prepared
+    as on CUDA: ``choose_backend`` sees a CUDA device, the schemes build the tables they build there (length-sized
+    tables compile on Triton), and every call runs FlexAttention uncompiled on CPU. One call per region and pass:
+    ``(query, key, value, kwargs)``."""
+    calls = {}
+    choose = posenc_attention.choose_backend
+
+    def choose_on_cuda(requested, position_encoding, attention_normalizer, device, *args, **kwargs):
+        return choose(requested, position_encoding, attention_normalizer, CUDA, *args, **kwargs)
+
+    def record(query, key, value, *, region, pass_name="", **kwargs):
+        calls.setdefault(f"{region}/{pass_name}", (query, key, value, kwargs))
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(modeling_posenc_common, "choose_backend", choose_on_cuda)
+    monkeypatch.setattr(position_interface, "flex_compiles_length_sized_tables", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "flex_attend", record)
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # CPU flex refuses gradients
+    model = make_model(family, scheme, normalizer, attn="sdpa", **WIDE[family]).train(training)
+    ids = random_ids(2, 12)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 9:] = 0
+    position_ids = (torch.arange(12) + 3)[None].expand(2, -1) if given_positions else None
+    with torch.set_grad_enabled(training):
+        loss = model(ids, attention_mask=attention_mask, position_ids=position_ids, labels=ids).loss
+        if training:
+            loss.backward()
+    return list(calls.values())
+
+
+def gradients_onto_few_addresses(joint_graph: torch.fx.Graph) -> list[str]:
+    """The captured tensors whose gradient the joint graph adds at an index that follows neither the query nor the
+    key (Triton: one atomic add per score onto the same few addresses). The joint graph's inputs are ``score, b, h,
+    q_idx, kv_idx, grad_score, *captured``; its outputs the gradients of ``score, b, h, q_idx, kv_idx, *captured``."""
+    placeholders = [node for node in joint_graph.nodes if node.op == "placeholder"]
+    query_or_key = {placeholders[3], placeholders[4]}
+
+    @functools.cache
+    def follows(node: torch.fx.Node) -> bool:
+        return node in query_or_key or any(follows(source) for source in node.all_input_nodes)
+
+    output = next(node for node in joint_graph.nodes if node.op == "output")
+    offenders = []
+    for position, gradient in enumerate(output.args[0][5:]):
+        if gradient is None:
+            continue
+        scattered = gradient.target is torch.ops.flex_lib.zeros_and_scatter.default
+        if not scattered or not any(follows(index) for index in gradient.args[1]):
+            offenders.append(f"captured tensor {position} (gradient {gradient.format_node()})")
+    return offenders
+
+
+def check_backward(problems: list[str], graph_module, example_inputs):
+    """An AOT backward compiler that runs Triton lowering's ``validate_joint_graph`` and the one-address check on
+    every FlexAttention backward of the graph, then runs the graph as it is."""
+    for node in graph_module.graph.nodes:
+        if node.target is torch.ops.higher_order.flex_attention_backward:
+            joint_graph = getattr(graph_module, node.args[8].target).graph
+            try:
+                validate_joint_graph(joint_graph)
+            except NotImplementedError as error:
+                problems.append(str(error).splitlines()[0])
+            problems.extend(gradients_onto_few_addresses(joint_graph))
+    return boxed_nop(graph_module, example_inputs)
+
+
+def assert_backward_graphs_build_for_triton(calls: list[tuple]) -> None:
+    problems: list[str] = []
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=functools.partial(check_backward, problems))
+    compiled = torch.compile(flex_attention, backend=backend, fullgraph=True, dynamic=False)
+    for query, key, value, kwargs in calls:
+        query, key, value = (t.detach().requires_grad_() for t in (query, key, value))
+        output = compiled(query, key, value, **kwargs)
+        if isinstance(output, tuple):  # (output, aux): the normalizers also differentiate the log-sum-exp
+            output = output[0].sum() + output[1].lse.masked_fill(output[1].lse.isinf(), 0).sum()
+        output.sum().backward()
+    assert not problems, problems
+
+
+class Lowered(Exception):
+    """Raised where inductor would compile the lowered graph: lowering succeeded."""
+
+
+def assert_inductor_lowers(calls: list[tuple], monkeypatch) -> None:
+    """Every call's ``score_mod`` and ``mask_mod`` lowered by inductor in one graph (CPU lowers these subgraphs as
+    Triton's does), stopping before code is compiled."""
+
+    def stop(self, *args, **kwargs):
+        raise Lowered
+
+    monkeypatch.setattr(GraphLowering, "compile_to_module", stop)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+
+    def all_calls():
+        return [flex_attention(q, k, v, **{**kwargs, "kernel_options": None}) for q, k, v, kwargs in calls]
+
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception) as raised:
+        torch.compile(all_calls, fullgraph=True, dynamic=False)()
+    error = raised.value
+    while error is not None and not isinstance(error, Lowered):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, Lowered), f"inductor could not lower a score_mod or mask_mod: {raised.value}"
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), CASES)
+def test_training_graphs_pass_tritons_checks_and_spread_gradients(family, scheme, normalizer, monkeypatch, request):
+    """Training with default and given positions: each backward joint graph passes ``validate_joint_graph`` (a
+    captured tensor that needs gradients indexed twice fails it: KERPLE's one table read per pair) and adds each
+    captured tensor's gradient at an index that follows the query or the key (FIRE's c and L, TUPE's [CLS] values
+    and every per-pair head-indexed parameter failed it)."""
+    request.addfinalizer(torch._dynamo.reset)
+    calls = [
+        call
+        for given_positions in (False, True)
+        for call in capture_cuda_flex_calls(family, scheme, normalizer, True, given_positions, monkeypatch)
+    ]
+    assert_backward_graphs_build_for_triton(calls)
+
+
+def test_every_score_mod_and_mask_mod_lowers_in_inductor(monkeypatch, request):
+    """Inference and training calls of every case, default and given positions, lowered in one graph (DeBERTa's
+    ``torch.tensor`` inside its score_mod failed here: ``lift_fresh_copy`` cannot be lowered)."""
+    request.addfinalizer(torch._dynamo.reset)
+    calls = [
+        call
+        for family, scheme, normalizer in CASES
+        for training in (False, True)
+        for given_positions in (False, True)
+        for call in capture_cuda_flex_calls(family, scheme, normalizer, training, given_positions, monkeypatch)
+    ]
+    reached = {kwargs["score_mod"] is not None for *_, kwargs in calls}
+    assert reached == {True, False}, "the grid reaches FlexAttention with and without a score_mod"
+    assert_inductor_lowers([(q.detach(), k.detach(), v.detach(), kw) for q, k, v, kw in calls], monkeypatch)
+
+
+@pytest.mark.parametrize("request_backend", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("head_dim", [8, 15])
+def test_cuda_never_sends_heads_narrower_than_triton_takes_to_flex(request_backend, head_dim):
+    """Triton's FlexAttention lowering refuses head_dim < 16 (``FLEX_CUDA_MIN_HEAD_DIM``): every scheme and
+    normalizer runs SDPA or eager there, trained or not; at 16 the same requests reach flex."""
+    for training in (True, False):
+        with torch.set_grad_enabled(training):
+            for scheme in flex_schemes():
+                for normalizer in flex_normalizers():
+                    causal = "encoder" not in POSITION_ENCODINGS[scheme].families
+                    encoding = resolve_position_encoding(scheme, 64, causal, 64)
+                    normalizer_spec = resolve_attention_normalizer(normalizer)
+                    choice = posenc_attention.choose_backend(
+                        request_backend, encoding, normalizer_spec, CUDA, head_dim=head_dim, consecutive=True
+                    )
+                    assert choice != "flex_attention", (scheme, normalizer, training)
+    wide = posenc_attention.choose_backend(
+        "flex_attention",
+        resolve_position_encoding("t5", 64, False, 64),
+        resolve_attention_normalizer("l2"),
+        CUDA,
+        head_dim=posenc_attention.FLEX_CUDA_MIN_HEAD_DIM,
+    )
+    assert wide == "flex_attention"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "consecutive", "expected"),
+    [
+        ("t5", True, "flex_attention"),  # per-distance table
+        ("t5", False, "sdpa"),  # bucket table read per pair at the head: SDPA's dense bias
+        ("kerple", False, "sdpa"),
+        ("fire", True, "sdpa"),  # reads c, L and its pieces per pair whatever the positions
+    ],
+)
+def test_cuda_trains_a_score_mod_on_flex_only_where_it_spreads_its_gradients(scheme, consecutive, expected):
+    causal = scheme == "kerple"
+    model = make_model("gpt2" if causal else "bert", scheme).train()
+    encoding = model.base_model.position_encoding
+    refusal = posenc_attention.flex_gradient_refusal(encoding, consecutive)
+    choice = posenc_attention.choose_backend(
+        "sdpa",
+        encoding.spec,
+        resolve_attention_normalizer("softmax"),
+        CUDA,
+        head_dim=16,
+        position_bias_needs_grad=posenc_attention.position_bias_needs_grad(encoding),
+        consecutive=consecutive,
+        gradient_refusal=refusal,
+    )
+    assert choice == expected
+    with torch.no_grad():  # inference reads the parameters per pair freely: no gradient
+        assert posenc_attention.flex_gradient_refusal(encoding, consecutive) is None
+
+
+def test_attention_dropout_on_cuda_warns_once_naming_the_slower_backend_and_the_fix(caplog):
+    """BERT's and GPT-2's default attention dropout (0.1) keeps FlexAttention out of CUDA training: the normalizers
+    then run eager, the learned biases SDPA with a dense bias. One WARNING says so."""
+    posenc_attention._warn_attention_dropout.cache_clear()
+    encoding = resolve_position_encoding("t5", 64, False, 64)
+    with caplog.at_level(logging.WARNING, logger="hf_posenc"):
+        for _ in range(3):
+            choice = posenc_attention.choose_backend(
+                "sdpa", encoding, resolve_attention_normalizer("l2"), CUDA, head_dim=64, attention_dropout=True
+            )
+            assert choice == "eager"
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "eager" in warnings[0] and "attention_probs_dropout_prob=0" in warnings[0] and "attn_pdrop=0" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_posenc"):  # CPU never runs flex in training: nothing to say
+        posenc_attention.choose_backend(
+            "sdpa",
+            encoding,
+            resolve_attention_normalizer("l2"),
+            torch.device("cpu"),
+            head_dim=64,
+            attention_dropout=True,
+        )
+    assert not caplog.records
+
+
+def test_each_region_compiles_static_first_whatever_other_regions_saw(monkeypatch):
+    """Dynamo keeps automatic dynamic shapes per code object, not per region: once one region saw two lengths, a new
+    region compiled with ``dynamic=None`` starts symbolic. A region's first shapes compile static here; its second
+    length compiles symbolic sizes, which its third length reuses."""
+    posenc_attention.clear_flex_compile_cache()
+    torch._dynamo.reset()
+    compiled = []  # symbolic sizes?, per compilation
+
+    def recording_backend(graph_module, example_inputs):
+        values = [node.meta.get("example_value") for node in graph_module.graph.find_nodes(op="placeholder")]
+        sizes = [size for value in values if isinstance(value, torch.Tensor) for size in value.shape]
+        compiled.append(any(isinstance(size, torch.SymInt) for size in sizes))
+        return graph_module.forward
+
+    original_compile = torch.compile
+
+    def compile_recording(function, **kwargs):
+        return original_compile(function, **{**kwargs, "backend": recording_backend})
+
+    monkeypatch.setattr(torch, "compile", compile_recording)
+    with torch.no_grad():
+        for region, lengths in (("first", (16, 24, 32)), ("second", (16, 40, 48))):
+            for length in lengths:
+                q = torch.randn(1, 2, length, 16)
+                posenc_attention.flex_attend(q, q, q, region=region)
+    torch._dynamo.reset()
+    posenc_attention.clear_flex_compile_cache()
+    assert compiled == [False, True, False, True]
