@@ -338,19 +338,25 @@ def test_patched_model_gives_the_same_output_through_every_entry_point(
 
 
 @pytest.mark.parametrize(
-    ("model_type", "class_name", "scheme"), [("gpt2", "GPT2Model", "alibi"), ("llama", "LlamaModel", "rope")]
+    ("model_type", "class_name", "scheme", "preload"),
+    [
+        ("gpt2", "GPT2Model", "alibi", []),
+        ("llama", "LlamaModel", "rope", []),
+        ("bert", "BertModel", "t5", ["BertModel"]),
+    ],
 )
-def test_patched_model_runs_under_accelerate_cpu_offload(saved_stock, model_type, class_name, scheme):
+def test_patched_model_runs_under_accelerate_cpu_offload(saved_stock, model_type, class_name, scheme, preload):
     """``cpu_offload`` keeps the weights off the model and loads each module's own in a hook around its ``forward``.
-    (Schemes whose tables are read by a method rather than a module call, ``t5`` and ``shaw``, are not loaded by
-    those hooks, in PosEnc models as in retrofitted ones.)"""
+    A scheme whose table is read by a method rather than a module call (``t5``, ``shaw``; in PosEnc models too) needs
+    the base model's class preloaded, which loads all its weights around the base ``forward``."""
     from accelerate import cpu_offload
 
     patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme)
+    perturb_position_parameters(patched)
     batch = padded_batch(model_type)
     with torch.no_grad():
         expected = patched(**batch).last_hidden_state
-        offloaded = cpu_offload(copy.deepcopy(patched), execution_device=torch.device("cpu"))
+        offloaded = cpu_offload(copy.deepcopy(patched), torch.device("cpu"), preload_module_classes=preload)
         assert offloaded.get_input_embeddings().weight.device.type == "meta"
         assert torch.equal(offloaded(**batch).last_hidden_state, expected)
         assert torch.equal(offloaded.forward(**batch).last_hidden_state, expected)
