@@ -4,14 +4,17 @@ Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BE
 CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, and the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``), all heads.
 The model keeps its class; its modules are patched:
 
-* a forward pre-hook on the base model does, once per forward, what a PosEnc model does before its layers: resolve
+* the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
+  which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
   the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``),
   keep key positions with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through
   the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
   positions are the consecutive default ones, so that a relative bias is built once per distance). The stock forward
   then runs on these ``inputs_embeds`` (its own position table is gone: BERT's embeddings module passes them through,
   GPT-2's ``wpe`` adds nothing), and Transformers hands two keyword arguments down to every attention layer: the
-  attention inputs and the scheme;
+  attention inputs and the scheme. Being the ``forward`` itself (with the stock signature), the set-up runs through
+  every entry point: ``model(...)``, ``model.forward(...)`` (which skips module hooks), ``torch.compile`` and
+  accelerate's hooks, which wrap ``forward``;
 * each layer becomes ``Retrofit<Layer>`` (a subclass of its stock class): it passes the attention inputs to its
   checkpointed ``forward`` as positional tensors, so reentrant activation checkpointing recomputes through them;
 * each self-attention module becomes ``Retrofit<Attention>``: the stock projections around
@@ -35,6 +38,8 @@ import functools
 import inspect
 import json
 import shutil
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +189,22 @@ class NoStockPositions(nn.Module):
 def retrofit_class(stock_class: type, mixin: type) -> type:
     """``Retrofit<Stock>``: ``mixin`` over the stock class (made once per pair)."""
     return type(f"Retrofit{stock_class.__name__}", (mixin, stock_class), {"__module__": __name__})
+
+
+@functools.cache
+def retrofit_forward(stock_class: type, family: StockFamily) -> Callable:
+    """The ``forward`` of a retrofitted base model of ``stock_class`` (made once per pair): :func:`prepare_forward`,
+    then the stock ``forward``. It wraps the stock one (``functools.wraps``), so ``inspect.signature`` (Trainer's
+    column filter, pipelines) still reads the stock arguments."""
+    stock_forward = stock_class.forward
+    parameters = list(inspect.signature(stock_forward).parameters.values())[1:]  # without ``self``
+    signature = inspect.Signature(parameters)
+
+    @functools.wraps(stock_forward)
+    def forward(self, *args, **kwargs):
+        return stock_forward(self, **prepare_forward(family, self, signature.bind(*args, **kwargs).arguments))
+
+    return forward
 
 
 # Families: where a stock model keeps its layers, attention, embeddings and position table.
@@ -383,13 +404,14 @@ def stock_family(model: nn.Module) -> StockFamily:
     raise ValueError(f"retrofit() supports the {supported}; got {type(model).__name__} ({model.config.model_type}).")
 
 
-# The per-forward set-up, run by a forward pre-hook on the base model.
+# The per-forward set-up, run by the base model's ``forward`` before the stock one.
 
 
-def prepare_forward(family: StockFamily, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook: resolve positions and the cache, embed, build the attention inputs once; the stock forward
-    then runs on ``inputs_embeds`` with the attention inputs and the scheme as keyword arguments."""
-    call = inspect.signature(base.forward).bind(*args, **kwargs).arguments
+def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, Any]) -> dict[str, Any]:
+    """Resolve positions and the cache, embed, build the attention inputs once; return the keyword arguments of the
+    stock forward, which then runs on ``inputs_embeds`` with the attention inputs and the scheme as keyword arguments.
+    ``call``: the arguments of this call bound to the stock forward's signature."""
+    call = dict(call)
     call.update(call.pop("kwargs", {}))
     config = base.config
     for name in ("encoder_hidden_states", "encoder_attention_mask"):
@@ -436,7 +458,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, args: tuple, kwa
     # The mask lives in the attention inputs; None spares the stock forward building its own.
     call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=None)
     call.update({ATTENTION_INPUTS: attention_inputs, POSITION_ENCODING: encoding})
-    return (), call
+    return call
 
 
 # The patch.
@@ -523,7 +545,9 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
             new_modules.append(attention.position_term)
-    base.register_forward_pre_hook(functools.partial(prepare_forward, family), with_kwargs=True)
+    # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
+    # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
+    base.forward = types.MethodType(retrofit_forward(type(base), family), base)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).

@@ -292,6 +292,76 @@ def test_patched_model_saves_and_reloads_patched(
         assert torch.equal(base(**batch).last_hidden_state, patched.base_model(**batch).last_hidden_state)
 
 
+ENTRY_POINT_CASES = [
+    ("bert", "BertForMaskedLM", "AutoModelForMaskedLM", "t5"),
+    ("roberta", "RobertaModel", "AutoModel", "rope"),
+    ("gpt2", "GPT2LMHeadModel", "AutoModelForCausalLM", "alibi"),
+    ("llama", "LlamaForCausalLM", "AutoModelForCausalLM", "t5"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "class_name", "auto_name", "scheme"), ENTRY_POINT_CASES)
+def test_patched_model_gives_the_same_output_through_every_entry_point(
+    saved_stock, model_type, class_name, auto_name, scheme, tmp_path
+):
+    """``model(...)`` runs module hooks, ``model.forward(...)`` skips them (sentence-transformers calls it): the
+    per-forward set-up lives in the base model's ``forward``, so both, the base model's own ``forward`` with
+    positional arguments, accelerate's device hooks (which wrap ``forward``) and their removal, ``torch.compile`` and
+    the reloaded remote-code model all give the same output."""
+    from accelerate import dispatch_model
+    from accelerate.hooks import remove_hook_from_submodules
+
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme)
+    perturb_position_parameters(patched)
+    batch = padded_batch(model_type)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    with torch.no_grad():
+        expected = main_output(patched(**batch))
+        expected_base = patched.base_model(**batch).last_hidden_state
+        assert torch.equal(main_output(patched.forward(**batch)), expected)
+        assert torch.equal(patched.base_model.forward(ids, **rest).last_hidden_state, expected_base)
+        device_map = {name: "cpu" for name, _ in patched.named_children()} if patched.base_model is not patched else {}
+        hooked = dispatch_model(copy.deepcopy(patched), device_map=device_map or {"": "cpu"}, force_hooks=True)
+        assert hasattr(hooked.base_model, "_hf_hook")
+        assert torch.equal(main_output(hooked(**batch)), expected)
+        assert torch.equal(main_output(hooked.forward(**batch)), expected)
+        remove_hook_from_submodules(hooked)  # clears every module's forward hooks
+        assert not hasattr(hooked.base_model, "_hf_hook")
+        assert torch.equal(main_output(hooked.forward(**batch)), expected)
+        compiled = torch.compile(patched, backend="eager")  # Dynamo traces the set-up; eager kernels: cheap
+        torch.testing.assert_close(main_output(compiled(**batch)), expected, atol=1e-6, rtol=1e-6)
+    patched.save_pretrained(tmp_path)
+    reloaded = getattr(transformers, auto_name).from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(main_output(reloaded.forward(**batch)), expected)
+        assert torch.equal(reloaded.base_model.forward(**batch).last_hidden_state, expected_base)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_name", "scheme", "preload"),
+    [
+        ("gpt2", "GPT2Model", "alibi", []),
+        ("llama", "LlamaModel", "rope", []),
+        ("bert", "BertModel", "t5", ["BertModel"]),
+    ],
+)
+def test_patched_model_runs_under_accelerate_cpu_offload(saved_stock, model_type, class_name, scheme, preload):
+    """``cpu_offload`` keeps the weights off the model and loads each module's own in a hook around its ``forward``.
+    A scheme whose table is read by a method rather than a module call (``t5``, ``shaw``; in PosEnc models too) needs
+    the base model's class preloaded, which loads all its weights around the base ``forward``."""
+    from accelerate import cpu_offload
+
+    patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), scheme)
+    perturb_position_parameters(patched)
+    batch = padded_batch(model_type)
+    with torch.no_grad():
+        expected = patched(**batch).last_hidden_state
+        offloaded = cpu_offload(copy.deepcopy(patched), torch.device("cpu"), preload_module_classes=preload)
+        assert offloaded.get_input_embeddings().weight.device.type == "meta"
+        assert torch.equal(offloaded(**batch).last_hidden_state, expected)
+        assert torch.equal(offloaded.forward(**batch).last_hidden_state, expected)
+
+
 def test_saved_folder_needs_trust_remote_code(saved_stock, tmp_path):
     """The saved model type is not a stock one: without trust_remote_code Transformers refuses, rather than loading
     the stock model without its patch."""
@@ -308,8 +378,9 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
     folder = sys.argv[1]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+    ids = torch.load(folder + "/ids.pt")
     with torch.no_grad():
-        torch.save(model(torch.load(folder + "/ids.pt")).logits, folder + "/logits.pt")
+        torch.save((model(ids).logits, model.forward(ids).logits), folder + "/logits.pt")
     """
 )
 
@@ -324,8 +395,9 @@ def test_saved_llama_loads_where_hf_posenc_is_not_installed(saved_stock, tmp_pat
         [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path)], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    called, forward = torch.load(tmp_path / "logits.pt")
     with torch.no_grad():
-        assert torch.equal(torch.load(tmp_path / "logits.pt"), patched(ids).logits)
+        assert torch.equal(called, patched(ids).logits) and torch.equal(forward, called)
 
 
 def test_unsupported_models_raise_naming_the_supported_families():
