@@ -50,7 +50,7 @@ errors up to 1.4 or NaN (measured: head_dim 8, 16 with 8, 24, 40, 136 keys; head
 keys are right). The width and the key count change per machine and per forward, so the bound is on head_dim."""
 
 FLEX_CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
-"""FlexAttention's kernel options on CUDA when the position tables need gradients (issue 17, H100, B 8, H 12, n 2048,
+"""FlexAttention's kernel options on CUDA when the position tables need gradients (an H100, B 8, H 12, n 2048,
 head_dim 64, a per-distance table, forward + backward: 25 ms with torch's defaults, 4.25 ms with these; with the
 defaults a float32 table that needs gradients does not compile, "out of resource: shared memory"). ``BLOCK_M`` and
 ``BLOCK_N`` set the forward's tiles, ``num_stages`` both passes' pipelining (the backward keeps its default tiles)."""
@@ -112,7 +112,7 @@ def backend_candidates(
     | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, fire) | flex, sdpa, eager |
     | ``sdpa`` (default) | otherwise | any | sdpa, eager |
 
-    Measured on an H100 (issue 17, fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
+    Measured on an H100 (fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
     flex against 3.3-7.2x on eager; a learnable bias's gradient is summed into its table by the ``score_mod``'s
     backward instead of through a dense bias; a fixed bias (ALiBi) stays on SDPA (40.1 ms against flex's 43.2 ms).
     """
