@@ -5,8 +5,8 @@ at 1e-3 on batches of 32 x 64 bytes of Jane Austen, from the same seed and the s
 reports the next-byte loss (nats/byte) on held-out text at 1x, 2x, 4x and 8x the training length, scored as the
 extrapolation recipe does (``hf_posenc.extrapolation.sliding_window_loss``: windows of L bytes moved by the training
 length, each scored on its last training-length positions), and the ratio of the last to the first (how well the
-scheme extrapolates). Issue 7 of hf_posenc: ``t5`` learned slower than reference implementations whose bias table
-is scaled by sqrt(head_dim); issue 16: ``t5`` past its training length.
+scheme extrapolates). Made to measure why ``t5`` learned slower than reference implementations whose bias table
+is scaled by sqrt(head_dim), and how ``t5`` behaves past its training length.
 
     python benchmarks/bias_learning_pace.py                                   # t5, alibi, kerple, fire; 600 steps
     python benchmarks/bias_learning_pace.py --steps 300 --schemes t5 '{"type": "t5", "table_scale": 1.0}'

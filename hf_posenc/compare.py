@@ -75,7 +75,7 @@ def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: st
 
 
 def position_probe(task: str, scheme: str, normalizer: str, steps: int, accelerator) -> float:
-    """The position probe's relative fit error (SPEC section 4, :func:`hf_posenc.probe`: final mean squared error over
+    """The position probe's relative fit error (:func:`hf_posenc.probe`: final mean squared error over
     the variance of the targets; about 1 for a model that cannot tell positions apart) in the task's family. One
     small model on one thread: the main process runs it and the others receive the result."""
     family = "gpt2" if task == "clm" else "bert"

@@ -128,7 +128,7 @@ def backend_candidates(
     | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, fire) | flex, sdpa, eager |
     | ``sdpa`` (default) | otherwise | any | sdpa, eager |
 
-    Measured on an H100 (issue 17, fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
+    Measured on an H100 (fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
     flex against 3.3-7.2x on eager; a learnable bias's gradient is summed into its table by the ``score_mod``'s
     backward instead of through a dense bias; a fixed bias (ALiBi) stays on SDPA (40.1 ms against flex's 43.2 ms).
     """

@@ -1,4 +1,4 @@
-"""The position probe of kexue.fm/archives/9105 (SPEC section 4): can a model map n identical tokens to 1..n?
+"""The position probe of kexue.fm/archives/9105: can a model map n identical tokens to 1..n?
 
 A small model of the family reads ``length`` copies of one token (optionally between boundary tokens: [CLS] ... [SEP]
 in the encoder, a BOS in the decoder) and a linear head regresses each copy's position ``1..n``. Every token looks

@@ -8,8 +8,8 @@ errors (against the targets' variance, the error of predicting their mean) and a
 A variant is a normalizer name, optionally with ``+gate`` (the Toeplitz gate) and ``+boundary`` (boundary tokens:
 [CLS] ... [SEP] in the encoder, a BOS in the decoder). A scheme is a name, optionally with options:
 ``shaw:use_value=false``. Every run is seeded; with several ``--seeds`` a cell gives the median MSE and how many
-seeds fitted. Several processes (``torchrun``, ``accelerate launch``) split the grid. On a 2-core CPU the default grid
-(one seed) takes about a minute and a half.
+seeds fitted. Several processes (``torchrun``, ``accelerate launch``) split the grid. On a 2-core CPU six schemes with
+the default variants (one seed) took about a minute and a half.
 """
 
 from __future__ import annotations

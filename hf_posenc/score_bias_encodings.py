@@ -105,7 +105,7 @@ class T5Bias(RelativeScoreBias):
     far slower than the attention logits it competes with; read through ``s`` it moves ``s`` times faster
     (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps).
 
-    Steps, not values, so that a model keeps its bias past its training length (issue 16). A bucket that training
+    Steps, not values, so that a model keeps its bias past its training length. A bucket that training
     never reaches (distances beyond the training length) gets no gradient: stored as a value it would keep its
     initial ~0 while the farthest trained buckets go to about -2 (every key past the training length then gains ~+2);
     stored as a step it keeps the bias of the nearest trained bucket plus its initial step. Each step starts at

@@ -34,7 +34,7 @@ from .pretraining import embedded_corpus_file
 from .recipe_common import recipe_accelerator, tracker_config
 
 
-# The stock scheme (the baseline), then the schemes; the content-position ones once they are registered.
+# The stock scheme (the baseline), then rope, alibi and t5; the content-position ones once they are registered.
 DEFAULT_SCHEMES = ["learned"] + [
     scheme for scheme in ("rope", "alibi", "t5", "shaw", "deberta") if scheme in hf_posenc.list_position_encodings()
 ]

@@ -228,7 +228,7 @@ def test_generated_table_is_cached_in_eval_until_weights_change_or_a_longer_inpu
 @pytest.mark.parametrize("scheme", ["recurrent", "floater"])
 def test_generated_table_follows_updates_that_skip_the_version_counter(scheme, update):
     """Fused AdamW (Trainer's default) and ``p.data`` writes leave ``p._version`` alone: evaluate, update, evaluate
-    must equal a fresh model with the updated weights (issue 16, item 1)."""
+    must equal a fresh model with the updated weights."""
     model, ids = make_model("gpt2", scheme), random_ids(2, 12)
     parameters = list(model.base_model.position_encoding.parameters())
     versions = [p._version for p in parameters]

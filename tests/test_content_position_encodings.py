@@ -631,7 +631,7 @@ def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
 
 def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gradients():
     """A layer's content row tables are built from q and k, so with gradients on they need gradients whatever the
-    scheme's own parameters: on CUDA FlexAttention then gets the measured kernel options (issue 17), off CUDA or
+    scheme's own parameters: on CUDA FlexAttention then gets the kernel options measured on an H100, off CUDA or
     without gradients torch's defaults."""
     _, encoding, attention = scheme_and_term("bert", {"type": "shaw", "use_value": False, "table": "sinusoidal"})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -1,4 +1,4 @@
-"""SPEC section 5: the behaviour every scheme x normalizer keeps, in both families."""
+"""The behaviour every scheme x normalizer keeps, in both families."""
 
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ def test_a_fresh_gated_model_equals_the_ungated_one(family):
     assert gates[0] is not gates[1]
 
 
-# --- the gate keeps the SPEC section 5 behaviours --------------------------------------------------------------
+# --- the gate keeps every combination's behaviours --------------------------------------------------------------
 
 
 def gated_model(family, scheme="t5", name="softmax", **kwargs):

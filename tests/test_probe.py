@@ -1,4 +1,4 @@
-"""The position probe (kexue.fm/archives/9105, SPEC section 4): the library function and its recipe
+"""The position probe (kexue.fm/archives/9105): the library function and its recipe
 (``hf-posenc probe``), reduced."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import hf_posenc
 
 CATALOGUE = hf_posenc.list_position_encodings()
 DECODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "decoder" in entry["families"]]
-# The MiniLM warm-start schemes of the issue; the content-position ones join as soon as they are registered.
+# The MiniLM warm-start schemes; the content-position ones join as soon as they are registered.
 MINILM_SCHEMES = [scheme for scheme in ("rope", "alibi", "t5", "shaw", "deberta") if scheme in CATALOGUE]
 
 ENCODER = dict(

@@ -272,7 +272,7 @@ def test_t5_initial_bias_is_small_over_exact_distances_and_falls_one_nat_per_log
 
 def test_t5_never_reached_buckets_stay_below_the_farthest_trained_one():
     """Train a decoder on 12-token blocks: the loss reaches distances 0..10 (buckets 0..10 of 32). The bias of every
-    bucket training never reaches stays at or below the farthest trained bucket's, in every head (issue 16: stored as
+    bucket training never reaches stays at or below the farthest trained bucket's, in every head (stored as
     values, the unreached buckets kept their initial ~0 while the trained far ones fell, here to -0.5 and -1.3, so
     every key past the training length gained)."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""SPEC section 1: with learned + softmax a PosEnc model is the stock model (convert keeps every weight)."""
+"""With learned + softmax a PosEnc model is the stock model (convert keeps every weight)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Training-loop properties of every scheme and normalizer: tables never stale after a fused optimizer step,
-bf16 autocast, and ``torch.compile(fullgraph=True)`` (issues 16 and 17)."""
+bf16 autocast, and ``torch.compile(fullgraph=True)``."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_bf16_autocast_forward_and_backward(family, scheme, normalizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a CUDA device; the CPU test above runs")
 @pytest.mark.parametrize("scheme", ["recurrent", "floater", "t5", "fire"])
 def test_bf16_autocast_forward_and_backward_on_cuda(scheme):
-    """The failure seen on an H100 (issue 17): recurrent under CUDA bf16 autocast."""
+    """The failure seen on an H100: recurrent under CUDA bf16 autocast."""
     model, ids = make_model("gpt2", scheme, attn="sdpa"), random_ids(2, 10)
     model.cuda().train()
     with torch.autocast("cuda", dtype=torch.bfloat16):
