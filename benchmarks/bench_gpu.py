@@ -6,10 +6,15 @@ vocab 8192, dropout 0), shapes 8 x 2048 and 1 x 8192 (batch x tokens). Rows, per
 
 * stock ``BertForMaskedLM`` / ``GPT2LMHeadModel`` on sdpa (the ``x stock`` reference) and hf_posenc's ``none``;
 * every position encoding with ``softmax``, and every other normalizer with ``learned``, on the backend the library
-  picks (``attn_implementation`` left at its default) and on each backend the combination supports (a request the
-  library routes elsewhere says so: ``flex_attention -> sdpa``);
+  picks (``attn_implementation`` left at its default) and on each other backend requested; each row names the
+  backends that actually ran (recorded from the model's own backend choice during the timed steps: a request the
+  library routes elsewhere shows as ``flex_attention -> sdpa``);
 * x-transformers' ``Encoder`` / ``Decoder`` with the same schemes where it has them (absolute, alibi, t5, rope),
-  when ``x_transformers`` is importable (otherwise a printed note).
+  when ``x_transformers`` is importable (otherwise a printed note); flash attention except for its T5 bias, which
+  x-transformers does not run with flash.
+
+Every row starts from the compile state of a fresh process (dynamo's caches and automatic dynamic shapes reset,
+hf_posenc's compiled FlexAttention regions forgotten), so each is timed on the kernels a user's run would get.
 
 Each row: milliseconds per step (median of ``--repeats`` after ``--warmup``; the first calls compile FlexAttention),
 the ratio to stock, and peak memory in GiB (CUDA's peak allocated; "-" on CPU). A failure (out of memory, a compile
@@ -36,7 +41,8 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc.posenc_attention import choose_backend
+from hf_posenc import modeling_posenc_common
+from hf_posenc.posenc_attention import clear_flex_compile_cache
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())
@@ -133,7 +139,7 @@ def x_transformers_step(family: str, size: Size, max_len: int, scheme: str) -> C
         depth=size.layers,
         heads=size.heads,
         ff_mult=size.ffn // size.hidden,
-        attn_flash=True,
+        attn_flash=scheme != "t5",  # x-transformers asserts that its T5 bias does not run with flash
         **X_TRANSFORMERS_SCHEMES[scheme],
     )
     model = TransformerWrapper(
@@ -180,12 +186,39 @@ def measure(loss_of: Callable, ids: torch.Tensor, device: torch.device, warmup: 
     return statistics.median(times), peak
 
 
+class BackendRecorder:
+    """Records the backends the PosEnc models choose (``modeling_posenc_common.choose_backend``) while active."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+        self.choose = modeling_posenc_common.choose_backend
+
+    def __call__(self, *args, **kwargs) -> str:
+        backend = self.choose(*args, **kwargs)
+        self.seen.add(backend)
+        return backend
+
+    def __enter__(self):
+        self.seen.clear()
+        modeling_posenc_common.choose_backend = self
+        return self
+
+    def __exit__(self, *exc):
+        modeling_posenc_common.choose_backend = self.choose
+
+
 def run_row(row: Row, build: Callable, ids, device, args) -> Row:
+    """Time one row from a fresh compile state; a PosEnc row's ``runs_on`` becomes the backends that ran."""
     model = None
+    torch._dynamo.reset()
+    clear_flex_compile_cache()
     try:
-        model, loss_of = build()
-        model.to(device).train()
-        row.ms, row.peak_gib = measure(loss_of, ids, device, args.warmup, args.repeats)
+        with BackendRecorder() as recorder:
+            model, loss_of = build()
+            model.to(device).train()
+            row.ms, row.peak_gib = measure(loss_of, ids, device, args.warmup, args.repeats)
+        if recorder.seen:
+            row.runs_on = "+".join(sorted(recorder.seen))
     except Exception as error:  # a row that fails (OOM, compile error) is reported and the run goes on
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
     del model
@@ -194,22 +227,6 @@ def run_row(row: Row, build: Callable, ids, device, args) -> Row:
         torch.cuda.empty_cache()
     print(format_row(row, None), flush=True)
     return row
-
-
-def library_backend(family: str, scheme: str, normalizer: str, requested: str | None, device, tokens: int) -> str:
-    """The backend the library runs for a training step (the model's own :func:`choose_backend` call; the benchmark
-    feeds the model's default, consecutive positions)."""
-    config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
-    config = config_class(position_encoding=scheme, attention_normalizer=normalizer)
-    with torch.enable_grad():
-        return choose_backend(
-            requested,
-            config.position_encoding,
-            config.attention_normalizer,
-            device,
-            query_length=tokens,
-            consecutive=True,
-        )
 
 
 def cases(args) -> list[tuple[str, str]]:
@@ -271,17 +288,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 if ("decoder" if causal else "encoder") not in families:
                     continue
                 name = scheme if normalizer == "softmax" else f"{scheme} + {normalizer}"
-                picked = library_backend(family, scheme, normalizer, None, device, tokens)
-                for requested in [None, *(b for b in args.backends if b != picked)]:
-                    build = partial(with_loss, posenc_model, family, size, max_len, scheme, normalizer, requested)
-                    runs_on = library_backend(family, scheme, normalizer, requested, device, tokens)
-                    row = Row(family, shape, name, "default" if requested is None else requested, runs_on)
-                    if requested is not None and runs_on != requested:  # routed elsewhere: timed in its own row
-                        row.error = "not supported here; the library runs it on " + runs_on
-                        rows.append(row)
-                        print(format_row(row, None), flush=True)
-                        continue
-                    rows.append(run_row(row, build, ids, device, args))
+                build = partial(with_loss, posenc_model, family, size, max_len, scheme, normalizer)
+                default = run_row(Row(family, shape, name, "default", "?"), partial(build, None), ids, device, args)
+                rows.append(default)
+                for requested in (b for b in args.backends if b != default.runs_on):
+                    row = Row(family, shape, name, requested, "?")
+                    rows.append(run_row(row, partial(build, requested), ids, device, args))
             if have_x:
                 for scheme in [s for s in X_TRANSFORMERS_SCHEMES if s in args.schemes]:
                     row = Row(family, shape, f"x-transformers {scheme}", "flash", "flash")

@@ -16,16 +16,21 @@ def load_benchmark(monkeypatch):
     return module
 
 
-def test_bench_gpu_tiny_on_cpu_times_stock_and_each_scheme(tmp_path, monkeypatch):
+def test_bench_gpu_tiny_on_cpu_times_stock_and_each_scheme_on_the_backend_that_ran(tmp_path, monkeypatch):
+    """Each row names the backend the model actually chose during its timed steps: a CPU training step refuses
+    FlexAttention, so the explicit flex request shows that it ran SDPA."""
     output = tmp_path / "bench.md"
     argv = ["--device", "cpu", "--tiny", "--families", "gpt2", "--schemes", "alibi", "t5", "--normalizers", "softmax"]
-    argv += ["--backends", "sdpa", "--warmup", "0", "--repeats", "1", "--no-x-transformers", "--output", str(output)]
-    rows = load_benchmark(monkeypatch).main(argv)
+    argv += ["--backends", "sdpa", "flex_attention", "--warmup", "0", "--repeats", "1", "--no-x-transformers"]
+    rows = load_benchmark(monkeypatch).main([*argv, "--output", str(output)])
     assert [(row.model, row.requested, row.runs_on) for row in rows] == [
         ("stock", "sdpa", "sdpa"),
         ("alibi", "default", "sdpa"),
+        ("alibi", "flex_attention", "sdpa"),
         ("t5", "default", "sdpa"),
+        ("t5", "flex_attention", "sdpa"),
     ]
     assert all(row.ms > 0 and not row.error for row in rows)
     table = output.read_text()
-    assert "| gpt2 | 2x16 | t5 | default -> sdpa |" in table and "torch " in table.splitlines()[0]
+    assert "| gpt2 | 2x16 | t5 | default -> sdpa |" in table and "| t5 | flex_attention -> sdpa |" in table
+    assert "torch " in table.splitlines()[0]
