@@ -568,6 +568,13 @@ def chain_score_mods(first: Callable | None, second: Callable | None) -> Callabl
     return chained_score_mod
 
 
+def repeat_kv_heads(states: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """Grouped-query keys or values ``(batch, kv_heads, seq, head_dim)`` repeated for the query heads they serve."""
+    if states.shape[1] == query_heads:
+        return states
+    return states.repeat_interleave(query_heads // states.shape[1], dim=1)
+
+
 def _eager(query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training):
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
@@ -608,6 +615,7 @@ def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, 
         bias = additive_mask(attn_mask, causal, query, key)
         output = attention_with_learned_bias(query, key, value, bias, scaling, value_rows)
     elif _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training):
+        key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])
         output = attention_with_learned_bias(query, key, value, attn_mask, scaling)
     else:
         output = nn.functional.scaled_dot_product_attention(
@@ -618,6 +626,7 @@ def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, 
             dropout_p=dropout if training else 0.0,
             scale=scaling,
             is_causal=attn_mask is None and causal and query.shape[-2] > 1,
+            enable_gqa=key.shape[1] != query.shape[1],
         )
     if attention_inputs["row_has_key"] is not None:
         output = output * attention_inputs["row_has_key"]
@@ -658,18 +667,20 @@ def positional_attention(
     query, key, value = encoding.transform_qkv(query, key, value, tables)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, layer_idx)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: key/value head h serves query heads h*g .. h*g+g-1
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    weights = None
     backend = attention_inputs["backend"]
+    # Grouped-query attention (key/value head h serves query heads h*g .. h*g+g-1): the fused kernels read the shared
+    # heads themselves (enable_gqa); eager and the layer terms, which read keys per query head, get them repeated.
+    if key.shape[1] != query.shape[1] and (backend == "eager" or position_term is not None):
+        key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])
+    weights = None
     if backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
         if position_term is not None:
             layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
             score_mod = chain_score_mods(score_mod, layer_mod)
         region = f"{encoding.name}+{normalizer.name}"
-        attend = partial(flex_attend, region=region, **flex_kernel_options(query.device, encoding, position_term))
+        kernel_options = flex_kernel_options(query.device, encoding, position_term)
+        attend = partial(flex_attend, region=region, enable_gqa=key.shape[1] != query.shape[1], **kernel_options)
         block_mask = attention_inputs["mask"]
         if value_rows is None:
             output = normalizer.flex_output(attend, query, key, value, score_mod, block_mask, scaling)

@@ -411,3 +411,40 @@ def test_rows_without_a_visible_key_give_zero_and_others_are_unchanged(backend, 
     full = attention_inputs(encoding, positions, positions, "eager", causal, torch.float32)
     reference, _ = positional_attention(q, k, v, full, encoding, normalizer, None, **kwargs)
     torch.testing.assert_close(out[:, [0, 2, 3]], reference[:, [0, 2, 3]])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_grouped_query_attention_reads_shared_heads_on_sdpa_and_equals_repeated_heads(backend, monkeypatch):
+    """Grouped-query keys and values go to SDPA as they are (``enable_gqa``), not repeated per query head; eager
+    repeats them. Both equal softmax attention with the heads repeated by hand."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    sdpa_keys = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        sdpa_keys.append(k.shape[1])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    encoding = scheme("none")
+    normalizer = ATTENTION_NORMALIZERS["softmax"](SOFTMAX, DIMS)
+    positions = torch.arange(6)[None]
+    inputs = attention_inputs(encoding, positions, positions, backend, None, torch.float32)
+    output, _ = positional_attention(
+        query,
+        key,
+        value,
+        inputs,
+        encoding,
+        normalizer,
+        None,
+        scaling=8**-0.5,
+        dropout=0.0,
+        training=False,
+        causal=False,
+    )
+    repeated = [t.repeat_interleave(2, dim=1) for t in (key, value)]
+    expected = torch.softmax(query @ repeated[0].transpose(-1, -2) * 8**-0.5, dim=-1) @ repeated[1]
+    torch.testing.assert_close(output, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert sdpa_keys == ([2] if backend == "sdpa" else [])
