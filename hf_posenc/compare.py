@@ -31,7 +31,7 @@ from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell
-from .recipe_common import recipe_accelerator
+from .recipe_common import hub_repository, recipe_accelerator
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -57,8 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_name(task: str, scheme: str, normalizer: str) -> str:
+    """One run's folder under ``models/`` and the suffix of its Hub repository."""
+    return f"{task}-{scheme}-{normalizer}"
+
+
 def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: str, output_dir: Path) -> list[str]:
-    """The pretraining command line of one run: everything shared, except the scheme and the normalizer."""
+    """The pretraining command line of one run: everything shared, except the scheme and the normalizer; with
+    ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>``."""
     argv = ["--task", task, "--position_encoding", scheme, "--attention_normalizer", normalizer]
     for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
@@ -71,6 +77,10 @@ def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: st
         argv += ["--train_file", str(args.train_file)]
     if args.tokenizer_name is not None:
         argv += ["--tokenizer_name", args.tokenizer_name]
+    if args.push_to_hub:
+        prefix = args.hub_model_id or args.output_dir.resolve().name
+        argv += ["--push_to_hub", "--hub_model_id", f"{prefix}-{run_name(task, scheme, normalizer)}"]
+        argv += ["--hub_token", args.hub_token] if args.hub_token is not None else []
     return [*argv, "--output_dir", str(output_dir)]
 
 
@@ -166,13 +176,17 @@ def eval_curve(log_path: Path) -> list[tuple[int, float]]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    tasks = ["clm", "mlm"] if args.encoders else ["clm"]
+    runs = [(task, scheme, normalizer) for task in tasks for scheme in args.schemes for normalizer in args.normalizers]
+    for run in runs:  # before any work: every Hub target is created (or found); each run uploads its model
+        hub_repository(args, f"-{run_name(*run)}")
     accelerator = recipe_accelerator(args)
     started = time.perf_counter()
     rows = []
-    for task in ["clm", "mlm"] if args.encoders else ["clm"]:
+    for task in tasks:
         for scheme in args.schemes:
             for normalizer in args.normalizers:
-                model_dir = args.output_dir / "models" / f"{task}-{scheme}-{normalizer}"
+                model_dir = args.output_dir / "models" / run_name(task, scheme, normalizer)
                 run_started = time.perf_counter()
                 results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
                 train_seconds = time.perf_counter() - run_started

@@ -49,16 +49,17 @@ def tracker_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def hub_repository(args: argparse.Namespace) -> str | None:
-    """With ``--push_to_hub``: create the Hub repository (or find it) before any work, and return its id; fail at
-    once, with what to check, when the Hub cannot be reached or refuses."""
+def hub_repository(args: argparse.Namespace, suffix: str = "") -> str | None:
+    """With ``--push_to_hub``: create the Hub repository ``--hub_model_id`` (default: the name of ``--output_dir``)
+    followed by ``suffix`` (or find it) before any work, and return its id; fail at once, with what to check
+    (``OSError``), when the Hub cannot be reached or refuses."""
     if not args.push_to_hub:
         return None
-    name = args.hub_model_id or Path(args.output_dir).resolve().name
+    name = (args.hub_model_id or Path(args.output_dir).resolve().name) + suffix
     try:
         return HfApi(token=args.hub_token).create_repo(name, exist_ok=True).repo_id
     except Exception as error:  # connection refused, bad token, no permission: each is a reason not to start
-        raise SystemExit(
+        raise OSError(
             f"--push_to_hub: cannot create or reach the Hub repository {name!r} at {constants.ENDPOINT} "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}). Check "
             "--hub_model_id, --hub_token (or `hf auth login`) and the network; nothing was trained."

@@ -351,7 +351,7 @@ def test_pretrain_continues_a_checkpoint_given_by_model_name_or_path(alibi_decod
 
 def test_push_to_hub_fails_before_training_when_the_hub_is_unreachable(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
-    with pytest.raises(SystemExit, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/tiny' at "
+    with pytest.raises(OSError, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/tiny' at "
                                          r"http://127.0.0.1:9 \(ConnectError"):  # fmt: skip
         pretrain(tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/tiny")
     assert not (tmp_path / "out").exists()  # nothing was trained or written
