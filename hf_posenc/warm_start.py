@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,7 +32,14 @@ import hf_posenc
 from hf_posenc_cli.arguments import retrofit_parser
 
 from .pretraining import embedded_corpus_file
-from .recipe_common import hub_repository, recipe_accelerator, tracker_config, upload_folder, write_model_card
+from .recipe_common import (
+    checked_input,
+    hub_repository,
+    recipe_accelerator,
+    tracker_config,
+    upload_folder,
+    write_model_card,
+)
 
 
 # The stock scheme (the baseline), then the schemes; the content-position ones once they are registered.
@@ -65,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_file = embedded_corpus_file()
     if not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
+    remote = {"trust_remote_code": args.trust_remote_code}
+    load_config = partial(transformers.AutoConfig.from_pretrained, **remote)
+    checked_input(parser, "--model_name_or_path", args.model_name_or_path, load_config, weights=True)
+    flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
+    load_tokenizer = partial(transformers.AutoTokenizer.from_pretrained, **remote)
+    checked_input(parser, flag, args.tokenizer_name or args.model_name_or_path, load_tokenizer)
     return args
 
 

@@ -27,7 +27,7 @@ from hf_posenc.score_bias_encodings import t5_bias_from_steps
 
 
 ROOT = Path(__file__).resolve().parents[1]
-BYTE_VOCAB = 384  # ByT5Tokenizer: 3 specials + 256 bytes + 125 sentinels
+BYTE_VOCAB = 384  # byte_tokenizer: 3 specials + 256 bytes + 125 sentinels
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "16",
     "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--num_warmup_steps", "5",
