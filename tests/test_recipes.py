@@ -383,14 +383,14 @@ def test_each_recipe_help_shows_transformers_flags_and_defaults_without_importin
 @pytest.mark.parametrize("recipe", list(PARSERS))
 def test_help_shows_the_default_of_every_flag_that_has_one(recipe, monkeypatch):
     """``ArgumentDefaultsHelpFormatter`` shows a default only for a flag with a help string."""
-    monkeypatch.setenv("COLUMNS", "10000")  # one line per flag
+    monkeypatch.setenv("COLUMNS", "10000")  # no help text wrapped
     parser = PARSERS[recipe]()
-    lines = parser.format_help().splitlines()
+    entries = re.split(r"\n(?=  -)|\n\n", parser.format_help())  # one entry per flag: its invocation, then its help
     for action in parser._actions:
         if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
             continue
-        line = next(line for line in lines if line.lstrip().startswith(action.option_strings[0]))
-        assert line.endswith(f"(default: {action.default})"), line
+        entry = next(entry for entry in entries if entry.split()[0].rstrip(",") == action.option_strings[0])
+        assert " ".join(entry.split()).endswith(f"(default: {action.default})"), entry
         assert all("-" not in flag[2:] for flag in action.option_strings), action.option_strings
 
 
