@@ -19,6 +19,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
+from conftest import console_script, run_command
 from safetensors.torch import load_file
 
 import hf_posenc
@@ -73,8 +74,14 @@ def saved_figures(monkeypatch) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def alibi_decoder(tmp_path_factory) -> Path:
+    """A decoder trained by the installed ``hf-posenc`` console script, as a user runs it: it exits 0 and leaves
+    its results in the folder, not on stderr."""
     output_dir = tmp_path_factory.mktemp("clm-alibi")
-    pretrain(output_dir, "--position_encoding", "alibi")
+    argv = ["pretrain", *TINY, "--max_train_steps", "30", "--position_encoding", "alibi"]
+    argv += ["--output_dir", str(output_dir)]
+    result = run_command([console_script(), *argv], output_dir, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'eval_loss'" not in result.stderr
     return output_dir
 
 
