@@ -242,7 +242,8 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     ]
     report = "\n".join(sections) + "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
-    summary = {"arguments": {k: str(v) for k, v in vars(args).items()}, "wall_seconds": wall_seconds, "rows": rows}
+    arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}
+    summary = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows}
     (args.output_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     plot_comparison(rows, args.factors, args.output_dir / "compare.png")
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")

@@ -310,8 +310,10 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures,
         ["--schemes", "learned", "rope", "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16"]
         + ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--factors", "1", "2"]
         + ["--max_eval_tokens", "256", "--probe_steps", "5", "--output_dir", str(tmp_path)]
-        + ["--push_to_hub", "--hub_model_id", "me/cmp"]
+        + ["--push_to_hub", "--hub_model_id", "me/cmp", "--hub_token", "secret-token"]
     )
+    card = tmp_path / "models" / "clm-rope-softmax" / "README.md"
+    assert "secret-token" not in (tmp_path / "compare.json").read_text() + card.read_text()
     repositories = ["me/cmp-clm-learned-softmax", "me/cmp-clm-rope-softmax"]
     creates = [call[1] for call in RecordingHub.calls if call[0] == "create_repo"]
     assert creates[:2] == repositories  # every repository before any training, then each run's own check
