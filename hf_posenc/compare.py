@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell
-from .recipe_common import hub_repository, recipe_accelerator
+from .recipe_common import checked_input, hub_repository, recipe_accelerator
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.factors = tuple(sorted(set(args.factors)))
     if args.train_file is not None and not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
+    if args.tokenizer_name is not None:
+        load_tokenizer = partial(pretraining.load_tokenizer, task="mlm" if args.encoders else "clm")
+        checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
     return args
 
 

@@ -536,6 +536,7 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
         (pretraining.main, ["--resume_from_checkpoint", "tests"], "expected a step_<N> folder"),
         (pretraining.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
         (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown 'rotary'; valid: learned"),
+        (compare.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
         (extrapolation.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
         (pretraining.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),
         (pretraining.main, ["--model_name_or_path", "./no/such"], "--model_name_or_path ./no/such: no such folder"),
