@@ -177,10 +177,8 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
     if source is not None:
         config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
         if config.model_type != MODEL_TYPE_OF_TASK[args.task]:
-            flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
             raise ValueError(
-                f"a {config.model_type!r} config (from {flag}); --task {args.task} needs "
-                f"{MODEL_TYPE_OF_TASK[args.task]!r}."
+                f"a {config.model_type!r} config; --task {args.task} needs {MODEL_TYPE_OF_TASK[args.task]!r}."
             )
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
