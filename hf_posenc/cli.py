@@ -5,4 +5,4 @@ from hf_posenc_cli import main
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

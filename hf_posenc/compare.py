@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell
-from .recipe_common import recipe_accelerator
+from .recipe_common import checked_input, hub_repository, recipe_accelerator
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -54,11 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.factors = tuple(sorted(set(args.factors)))
     if args.train_file is not None and not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
+    if args.tokenizer_name is not None:
+        load_tokenizer = partial(pretraining.load_tokenizer, task="mlm" if args.encoders else "clm")
+        checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
     return args
 
 
+def run_name(task: str, scheme: str, normalizer: str) -> str:
+    """One run's folder under ``models/`` and the suffix of its Hub repository."""
+    return f"{task}-{scheme}-{normalizer}"
+
+
 def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: str, output_dir: Path) -> list[str]:
-    """The pretraining command line of one run: everything shared, except the scheme and the normalizer."""
+    """The pretraining command line of one run: everything shared, except the scheme and the normalizer; with
+    ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>``."""
     argv = ["--task", task, "--position_encoding", scheme, "--attention_normalizer", normalizer]
     for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
@@ -71,6 +81,10 @@ def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: st
         argv += ["--train_file", str(args.train_file)]
     if args.tokenizer_name is not None:
         argv += ["--tokenizer_name", args.tokenizer_name]
+    if args.push_to_hub:
+        prefix = args.hub_model_id or args.output_dir.resolve().name
+        argv += ["--push_to_hub", "--hub_model_id", f"{prefix}-{run_name(task, scheme, normalizer)}"]
+        argv += ["--hub_token", args.hub_token] if args.hub_token is not None else []
     return [*argv, "--output_dir", str(output_dir)]
 
 
@@ -166,13 +180,17 @@ def eval_curve(log_path: Path) -> list[tuple[int, float]]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    tasks = ["clm", "mlm"] if args.encoders else ["clm"]
+    runs = [(task, scheme, normalizer) for task in tasks for scheme in args.schemes for normalizer in args.normalizers]
+    for run in runs:  # before any work: every Hub target is created (or found); each run uploads its model
+        hub_repository(args, f"-{run_name(*run)}")
     accelerator = recipe_accelerator(args)
     started = time.perf_counter()
     rows = []
-    for task in ["clm", "mlm"] if args.encoders else ["clm"]:
+    for task in tasks:
         for scheme in args.schemes:
             for normalizer in args.normalizers:
-                model_dir = args.output_dir / "models" / f"{task}-{scheme}-{normalizer}"
+                model_dir = args.output_dir / "models" / run_name(task, scheme, normalizer)
                 run_started = time.perf_counter()
                 results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
                 train_seconds = time.perf_counter() - run_started
@@ -228,7 +246,8 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     ]
     report = "\n".join(sections) + "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
-    summary = {"arguments": {k: str(v) for k, v in vars(args).items()}, "wall_seconds": wall_seconds, "rows": rows}
+    arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}
+    summary = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows}
     (args.output_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     plot_comparison(rows, args.factors, args.output_dir / "compare.png")
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")

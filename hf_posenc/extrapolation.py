@@ -12,7 +12,9 @@ a length (a ``learned`` table shorter than the window) gets the reason in the ta
 
 from __future__ import annotations
 
+import argparse
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from tqdm.auto import tqdm
 from hf_posenc_cli.arguments import DEFAULT_FACTORS, extrapolate_parser
 
 from .pretraining import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
-from .recipe_common import recipe_accelerator
+from .recipe_common import checked_input, recipe_accelerator
 
 
 def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
@@ -211,6 +213,26 @@ def unique_labels(labels: list[str], names: list[str]) -> list[str]:
     ]
 
 
+def checked_model(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, name: str
+) -> tuple[transformers.PretrainedConfig, transformers.PreTrainedTokenizerBase, int]:
+    """A model's config, tokenizer and training length, read before any model is scored: a bad one stops the recipe
+    with one line naming it, not after the good ones have been scored."""
+    remote = {"trust_remote_code": args.trust_remote_code}
+    config = checked_input(
+        parser, "--model_name_or_path", name, partial(transformers.AutoConfig.from_pretrained, **remote), weights=True
+    )
+    flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
+    load_tokenizer = partial(transformers.AutoTokenizer.from_pretrained, **remote)
+    tokenizer = checked_input(parser, flag, args.tokenizer_name or name, load_tokenizer)
+    if not is_decoder(config) and tokenizer.mask_token_id is None:
+        parser.error(f"{flag} {args.tokenizer_name or name}: no mask token, which scoring the encoder {name} needs")
+    try:
+        return config, tokenizer, args.train_length or training_length(name, config)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = extrapolate_parser()
     args = parser.parse_args(argv)
@@ -219,16 +241,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
     args.factors = tuple(sorted(set(args.factors)))
+    models = [(name, *checked_model(parser, args, name)) for name in args.model_name_or_path]
     accelerator = recipe_accelerator(args)
     rows = []
-    for name in args.model_name_or_path:
-        remote = {"trust_remote_code": args.trust_remote_code}
-        config = transformers.AutoConfig.from_pretrained(name, **remote)
+    for name, config, tokenizer, train_length in models:
         decoder = is_decoder(config)
         auto_class = transformers.AutoModelForCausalLM if decoder else transformers.AutoModelForMaskedLM
-        model = auto_class.from_pretrained(name, **remote).to(accelerator.device).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_name or name, **remote)
-        train_length = args.train_length or training_length(name, config)
+        model = auto_class.from_pretrained(name, config=config, trust_remote_code=args.trust_remote_code)
+        model = model.to(accelerator.device).eval()
         held_out = None if args.eval_file is not None else args.validation_split_percentage
         ids = evaluation_ids(tokenizer, args.eval_file, held_out, args.max_eval_tokens)
         mask_token_id = None if decoder else tokenizer.mask_token_id

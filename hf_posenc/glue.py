@@ -28,6 +28,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,6 +44,7 @@ import hf_posenc
 from hf_posenc_cli.arguments import glue_parser
 
 from .recipe_common import (
+    checked_input,
     hub_repository,
     recipe_accelerator,
     scheme_names,
@@ -146,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--gradient_accumulation_steps must be at least 1, got {args.gradient_accumulation_steps}")
     if args.num_train_epochs < 0 or (args.max_train_steps is not None and args.max_train_steps < 1):
         parser.error("--num_train_epochs must be >= 0 (0: evaluate only) and --max_train_steps >= 1")
+    remote = {"trust_remote_code": args.trust_remote_code}
+    load_config = partial(transformers.AutoConfig.from_pretrained, **remote)
+    checked_input(parser, "--model_name_or_path", args.model_name_or_path, load_config, weights=True)
+    if args.tokenizer_name is not None:
+        load_tokenizer = partial(transformers.AutoTokenizer.from_pretrained, **remote)
+        checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
     return args
 
 

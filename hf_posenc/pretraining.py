@@ -11,7 +11,7 @@ and on many GPUs::
         --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
 
 Without ``--dataset_name`` or ``--train_file`` the text is the corpus shipped in the package (Jane Austen's *Emma*,
-public domain); without ``--tokenizer_name`` the tokens are bytes (``ByT5Tokenizer``, built without files). Text is
+public domain); without ``--tokenizer_name`` the tokens are bytes (:func:`byte_tokenizer`, ByT5's ids). Text is
 tokenised and packed into blocks of ``--block_size`` tokens by ``datasets`` (cached). The final model is saved with
 ``save_pretrained`` (modeling code and tokenizer included), with ``results.json`` and ``train_log.jsonl`` beside it.
 """
@@ -24,21 +24,31 @@ import lzma
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
+import tokenizers
 import torch
 import transformers
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_posenc
 from hf_posenc_cli.arguments import MODEL_SIZE_DEFAULTS, pretrain_parser
 
-from .recipe_common import hub_repository, recipe_accelerator, tracker_config, upload_folder, write_model_card
+from .recipe_common import (
+    checked_input,
+    hub_repository,
+    recipe_accelerator,
+    tracker_config,
+    upload_folder,
+    write_model_card,
+)
 from .score_bias_encodings import T5Bias, t5_bias_from_steps
 
 
@@ -101,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = [f"--{name}" for name in flag_fields if getattr(args, name) is not None]
         if given:
             parser.error(f"{source} fixes the model; drop {' '.join(given)} (or use --config_overrides)")
+        name = args.config_name if args.config_name is not None else args.model_name_or_path
+        weights = args.model_name_or_path is not None
+        checked_input(parser, source, name, lambda _: build_config(args, 384, 0, 1), weights=weights)
     else:
         if args.config_overrides is not None:
             parser.error("--config_overrides needs --config_name or --model_name_or_path")
@@ -113,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             build_config(args, vocab_size=384, pad_token_id=0, eos_token_id=1)
         except ValueError as error:
             parser.error(str(error))
+    if args.tokenizer_name is not None:
+        checked_input(parser, "--tokenizer_name", args.tokenizer_name, partial(load_tokenizer, task=args.task))
     return args
 
 
@@ -122,13 +137,34 @@ def checkpoint_step(folder: Path) -> int | None:
     return int(number) if prefix == "step" and number.isdigit() else None
 
 
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Bytes as tokens, with ByT5's ids (Xue et al. 2022, ``ByT5Tokenizer``): 0 ``<pad>``, 1 ``</s>``, 2 ``<unk>``,
+    byte ``b`` -> ``b + 3``, then 125 sentinels ``<extra_id_0..124>`` (259..383): 384 ids.
+
+    Unlike ``ByT5Tokenizer``, which appends ``</s>`` to every encoding, it adds no special token (no post-processor):
+    a prompt encodes to its bytes alone, so ``generate`` continues the text instead of starting after an end of
+    sequence. Built with ``tokenizers``: GPT-2's byte-level pre-tokenizer turns each byte into one character, a BPE
+    model without merges maps each character to its byte's id. Saved as ``tokenizer.json``, it loads with
+    ``AutoTokenizer`` without hf_posenc."""
+    characters = bytes_to_unicode()
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{characters[byte]: byte + 3 for byte in range(256)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    specials = [tokenizers.AddedToken(token, lstrip=True, rstrip=True, special=True) for token in list(vocab)[:3]]
+    sentinels = [f"<extra_id_{index}>" for index in range(125)]
+    backend.add_special_tokens(specials + [tokenizers.AddedToken(token, special=True) for token in sentinels])
+    named = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, extra_special_tokens=sentinels, **named)
+
+
 def load_tokenizer(name: str | None, task: str) -> transformers.PreTrainedTokenizerBase:
-    """A tokenizer by name or folder, or bytes (``ByT5Tokenizer``: 256 bytes + 3 specials + 125 sentinels)."""
-    tokenizer = transformers.ByT5Tokenizer() if name is None else transformers.AutoTokenizer.from_pretrained(name)
+    """A tokenizer by name or folder, or bytes (:func:`byte_tokenizer`: 3 specials + 256 bytes + 125 sentinels)."""
+    tokenizer = byte_tokenizer() if name is None else transformers.AutoTokenizer.from_pretrained(name)
     if task == "mlm" and tokenizer.mask_token is None:
         if name is not None:
             raise ValueError(f"--tokenizer_name {name} has no mask token, which masked LM (--task mlm) needs.")
-        tokenizer.mask_token = "<extra_id_0>"  # a ByT5 sentinel, never produced by text
+        tokenizer.mask_token = "<extra_id_0>"  # a sentinel, never produced by text
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -141,10 +177,8 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
     if source is not None:
         config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
         if config.model_type != MODEL_TYPE_OF_TASK[args.task]:
-            flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
             raise ValueError(
-                f"{flag} {source} is a {config.model_type!r} config; --task {args.task} needs "
-                f"{MODEL_TYPE_OF_TASK[args.task]!r}."
+                f"a {config.model_type!r} config; --task {args.task} needs {MODEL_TYPE_OF_TASK[args.task]!r}."
             )
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
@@ -322,6 +356,7 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train one model; returns the final metrics (also written to ``output_dir/results.json``)."""
     args = parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path, args.task)
     repo_id = hub_repository(args)  # before any work: a Hub target that cannot be reached stops the run here
     accelerator = recipe_accelerator(
         args,
@@ -332,7 +367,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     set_seed(args.seed)
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path, args.task)
     packed = tokenize_and_pack(load_text_datasets(args), tokenizer, args, accelerator)
     config = build_config(args, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     auto_class = transformers.AutoModelForCausalLM if args.task == "clm" else transformers.AutoModelForMaskedLM
@@ -504,7 +538,7 @@ def training_data(args: argparse.Namespace) -> str:
         text = f"The text file `{args.train_file.name}`"
     else:
         text = "The corpus embedded in hf_posenc (Jane Austen, *Emma*, 1815; public domain)"
-    tokens = f"tokenizer `{args.tokenizer_name}`" if args.tokenizer_name else "bytes (`ByT5Tokenizer`)"
+    tokens = f"tokenizer `{args.tokenizer_name}`" if args.tokenizer_name else "bytes (ByT5's ids)"
     held_out = (
         "its validation split"
         if args.validation_file is not None or args.dataset_name is not None

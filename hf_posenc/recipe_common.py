@@ -6,17 +6,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 
 CHECKPOINT_PATTERNS = ["step_*", "epoch_*", "seed_*"]
 """Folders of ``--output_dir`` that are not the model: accelerate states, per-seed runs; never uploaded."""
+WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+Loaded = TypeVar("Loaded")
+
+
+def is_local_path(name: str) -> bool:
+    """A name that can only mean a local file or folder (absolute, ``./``, ``~``, or more than one ``/``), never a
+    Hub repository id (``name`` or ``owner/name``)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def checked_input(
+    parser: argparse.ArgumentParser, flag: str, name: str, load: Callable[[str], Loaded], weights: bool = False
+) -> Loaded:
+    """``load(name)`` (a config or a tokenizer) for the value ``name`` of ``flag``: a folder or a Hub name, read
+    before any work starts. A folder that does not exist, a model folder without weights (``weights``), or anything
+    ``load`` refuses stops the recipe at once, in one line naming the flag and the value."""
+    path = Path(name).expanduser()
+    if not path.exists() and is_local_path(name):
+        parser.error(f"{flag} {name}: no such folder")
+    if weights and path.is_dir() and not any((path / file).is_file() for file in WEIGHT_FILES):
+        parser.error(f"{flag} {name}: the folder has no weights (none of {', '.join(WEIGHT_FILES)})")
+    try:
+        return load(str(path) if path.exists() else name)
+    except (OSError, ValueError) as error:
+        where = "" if path.exists() else "not a local folder; from the Hub: "
+        parser.error(f"{flag} {name}: {where}{' '.join(str(error).split())}")
 
 
 def is_multi_cpu_launch() -> bool:
@@ -49,16 +77,17 @@ def tracker_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def hub_repository(args: argparse.Namespace) -> str | None:
-    """With ``--push_to_hub``: create the Hub repository (or find it) before any work, and return its id; fail at
-    once, with what to check, when the Hub cannot be reached or refuses."""
+def hub_repository(args: argparse.Namespace, suffix: str = "") -> str | None:
+    """With ``--push_to_hub``: create the Hub repository ``--hub_model_id`` (default: the name of ``--output_dir``)
+    followed by ``suffix`` (or find it) before any work, and return its id; fail at once, with what to check
+    (``OSError``), when the Hub cannot be reached or refuses."""
     if not args.push_to_hub:
         return None
-    name = args.hub_model_id or Path(args.output_dir).resolve().name
+    name = (args.hub_model_id or Path(args.output_dir).resolve().name) + suffix
     try:
         return HfApi(token=args.hub_token).create_repo(name, exist_ok=True).repo_id
     except Exception as error:  # connection refused, bad token, no permission: each is a reason not to start
-        raise SystemExit(
+        raise OSError(
             f"--push_to_hub: cannot create or reach the Hub repository {name!r} at {constants.ENDPOINT} "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}). Check "
             "--hub_model_id, --hub_token (or `hf auth login`) and the network; nothing was trained."

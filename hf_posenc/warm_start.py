@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,7 +32,14 @@ import hf_posenc
 from hf_posenc_cli.arguments import retrofit_parser
 
 from .pretraining import embedded_corpus_file
-from .recipe_common import recipe_accelerator, tracker_config
+from .recipe_common import (
+    checked_input,
+    hub_repository,
+    recipe_accelerator,
+    tracker_config,
+    upload_folder,
+    write_model_card,
+)
 
 
 # The stock scheme (the baseline), then rope, alibi and t5; the content-position ones once they are registered.
@@ -65,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_file = embedded_corpus_file()
     if not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
+    remote = {"trust_remote_code": args.trust_remote_code}
+    load_config = partial(transformers.AutoConfig.from_pretrained, **remote)
+    checked_input(parser, "--model_name_or_path", args.model_name_or_path, load_config, weights=True)
+    flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
+    load_tokenizer = partial(transformers.AutoTokenizer.from_pretrained, **remote)
+    checked_input(parser, flag, args.tokenizer_name or args.model_name_or_path, load_tokenizer)
     return args
 
 
@@ -180,8 +194,27 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def save_model(args, model: transformers.PreTrainedModel, tokenizer, result: dict, repo_id: str | None) -> None:
+    """One retrofitted model in ``--output_dir/<scheme>-<normalizer>``: ``save_pretrained`` (with its modeling code),
+    its tokenizer and a model card; uploaded to ``repo_id`` when one is given."""
+    folder = args.output_dir / f"{result['scheme']}-{result['normalizer']}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = f"`{args.train_file.name}` in blocks of {args.max_seq_length} tokens, {args.eval_blocks} held out."
+    write_model_card(folder, model.config, "retrofit", args, data, result, repo_id, "AutoModelForMaskedLM")
+    if repo_id is not None:
+        message = f"retrofit to {result['scheme']} + {result['normalizer']}"
+        upload_folder(repo_id, folder, message, args.hub_token, blocking=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    # before any work: every Hub target is created (or found), one repository per scheme x normalizer
+    repo_ids = {
+        (scheme, normalizer): hub_repository(args, f"-{scheme}-{normalizer}")
+        for scheme in args.schemes
+        for normalizer in args.normalizers
+    }
     accelerator = recipe_accelerator(args)
     set_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
@@ -218,8 +251,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             if args.with_tracking:
                 accelerator.log({f"{scheme}+{normalizer}/{key}": results[-1][key] for key in ("patched", "after")})
-            if accelerator.is_main_process and args.save_models:
-                model.model.save_pretrained(args.output_dir / f"{scheme}-{normalizer}")
+            if accelerator.is_main_process and (args.save_models or args.push_to_hub):
+                save_model(args, model.model, tokenizer, results[-1], repo_ids[scheme, normalizer])
             accelerator.free_memory()
 
     if accelerator.is_main_process:

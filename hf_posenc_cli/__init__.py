@@ -4,11 +4,19 @@ A package of its own beside ``hf_posenc``: importing ``hf_posenc`` registers its
 transformers loaded), and ``--help`` must answer before that. The flags are parsed here first
 (:mod:`hf_posenc_cli.arguments`, standard library only); only then is the recipe's module imported and run.
 Under accelerate: ``accelerate launch -m hf_posenc_cli pretrain ...``.
+
+Exit status: 0 when the recipe succeeds; 2 for a bad flag (argparse: ``hf-posenc <recipe>: error: <message>``);
+1 for a user error met while running, one line, ``hf-posenc <recipe>: error: <message>``. User errors are
+``ValueError`` (a bad value: a scheme's option, a text too short for one block, a tokenizer without a mask token)
+and ``OSError`` (a file, folder or Hub repository that cannot be read or written, the Hub unreachable;
+``FileNotFoundError`` and Transformers' "not a valid model identifier" are ``OSError``). Any other exception is a bug
+and keeps its traceback (exit 1). ``HF_POSENC_TRACEBACK=1`` shows the traceback of a user error too.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .arguments import DESCRIPTIONS, PARSERS
@@ -22,6 +30,8 @@ RECIPE_MODULES = {
     "probe": "hf_posenc.probe_grid",
     "retrofit": "hf_posenc.warm_start",
 }
+USER_ERRORS = (ValueError, OSError)
+"""What a recipe raises for bad input (see the module's docstring): reported in one line, without a traceback."""
 
 
 def usage() -> str:
@@ -29,14 +39,24 @@ def usage() -> str:
     return "usage: hf-posenc {" + ",".join(DESCRIPTIONS) + "} [flags]\n\n" + "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> object:
-    """Run one recipe; returns what the recipe's ``main`` returns."""
+def main(argv: list[str] | None = None) -> int:
+    """Run one recipe; returns the exit status (0: done). The recipe's results are in its ``--output_dir``; a
+    library caller wanting them as objects calls the recipe module's ``main`` (``hf_posenc.pretraining.main``)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\n`hf-posenc <recipe> --help` lists a recipe's flags and their defaults.")
         raise SystemExit(0 if argv else 2)
     recipe, rest = argv[0], argv[1:]
     if recipe not in PARSERS:
-        raise SystemExit(f"hf-posenc: unknown recipe {recipe!r}; valid: {', '.join(PARSERS)}")
+        print(f"hf-posenc: error: unknown recipe {recipe!r}; valid: {', '.join(PARSERS)}", file=sys.stderr)
+        raise SystemExit(2)
     PARSERS[recipe]().parse_args(rest)  # --help and unknown flags answered before torch is imported
-    return importlib.import_module(RECIPE_MODULES[recipe]).main(rest)
+    try:
+        importlib.import_module(RECIPE_MODULES[recipe]).main(rest)
+    except USER_ERRORS as error:
+        if os.environ.get("HF_POSENC_TRACEBACK") == "1":
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"hf-posenc {recipe}: error: {message}", file=sys.stderr)
+        return 1
+    return 0

@@ -37,7 +37,16 @@ several only through MPI, --mpirun_hostfile.)"""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after every flag; the description printed as written."""
+    """Defaults shown after every flag (every flag has a help string: argparse shows no default without one); the
+    description printed as written."""
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """A recipe's parser: a bad flag is reported in one line, ``hf-posenc <recipe>: error: <message>`` (exit 2),
+    without argparse's usage block (``--help`` prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def scheme_spec(text: str) -> str | dict[str, Any]:
@@ -45,8 +54,17 @@ def scheme_spec(text: str) -> str | dict[str, Any]:
     return json.loads(text) if text.lstrip().startswith("{") else text
 
 
+def string_to_bool(text: str) -> bool:
+    """A boolean flag's value, as Transformers' ``HfArgumentParser`` reads it: true/false, yes/no, 1/0."""
+    if text.lower() in ("true", "yes", "y", "1"):
+        return True
+    if text.lower() in ("false", "no", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def new_parser(recipe: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    return RecipeParser(
         prog=f"hf-posenc {recipe}",
         description=f"{DESCRIPTIONS[recipe]}.\n\n{description.strip()}\n{MULTI_PROCESS_NOTE}",
         formatter_class=HelpFormatter,
@@ -70,10 +88,10 @@ def add_tracking_flags(group) -> None:
     )
 
 
-def add_hub_flags(group, what: str) -> None:
+def add_hub_flags(group, what: str, repository: str = "the repository") -> None:
     group.add_argument("--push_to_hub", action="store_true", help=f"upload {what} and its model card to the Hub")
-    group.add_argument("--hub_model_id", default=None, help="the repository (default: the name of --output_dir)")
-    group.add_argument("--hub_token", default=None, help="default: the token of `hf auth login`")
+    group.add_argument("--hub_model_id", default=None, help=f"{repository} (when None: the name of --output_dir)")
+    group.add_argument("--hub_token", default=None, help="when None: the token of `hf auth login`")
 
 
 def pretrain_parser() -> argparse.ArgumentParser:
@@ -95,16 +113,20 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     parser.add_argument("--task", choices=["clm", "mlm"], default="clm", help="causal or masked LM")
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
-    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--dataset_config_name", default=None, help="the configuration of --dataset_name")
     data.add_argument("--train_file", type=Path, default=None, help="a .txt, .csv, .json or .jsonl file")
-    data.add_argument("--validation_file", type=Path, default=None)
+    data.add_argument(
+        "--validation_file", type=Path, default=None, help="held-out text, same formats (when None: split off train)"
+    )
     data.add_argument(
         "--validation_split_percentage", type=int, default=5, help="%% of train held out when there is no validation"
     )
-    data.add_argument("--text_column_name", default="text")
+    data.add_argument("--text_column_name", default="text", help="the column holding the text")
     data.add_argument("--block_size", type=int, default=64, help="training length: tokens per packed block")
-    data.add_argument("--preprocessing_num_workers", type=int, default=None)
-    data.add_argument("--overwrite_cache", action="store_true")
+    data.add_argument(
+        "--preprocessing_num_workers", type=int, default=None, help="processes tokenising (when None: this one)"
+    )
+    data.add_argument("--overwrite_cache", action="store_true", help="tokenise again, ignoring the datasets cache")
     model = parser.add_argument_group("model (--model_name_or_path, --config_name, or the flags below)")
     model.add_argument(
         "--model_name_or_path", default=None, help="continue training this posenc checkpoint (folder or Hub name)"
@@ -122,29 +144,49 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (when None: 0.02)")
     model.add_argument(
         "--reference_init",
-        action=argparse.BooleanOptionalAction,
+        type=string_to_bool,
+        nargs="?",
+        const=True,
         default=True,
-        help="initialise each scheme's parameters as its reference does (hf_posenc.pretraining.reference_init)",
+        help="initialise each scheme's parameters as its reference does (hf_posenc.pretraining.reference_init); "
+        "--reference_init false or --no_reference_init: as GPT-2 / BERT do",
     )
-    model.add_argument("--attn_implementation", choices=["eager", "sdpa", "flex_attention"], default=None)
+    model.add_argument(
+        "--no_reference_init",
+        action="store_false",
+        dest="reference_init",
+        default=argparse.SUPPRESS,
+        help="the same as --reference_init false",
+    )
+    hidden_alias(parser, "--no-reference_init", "reference_init", action="store_false")
+    model.add_argument(
+        "--attn_implementation",
+        choices=["eager", "sdpa", "flex_attention"],
+        default=None,
+        help="the attention backend (when None: Transformers' choice for the scheme)",
+    )
     train = parser.add_argument_group("training")
-    train.add_argument("--per_device_train_batch_size", type=int, default=32)
-    train.add_argument("--per_device_eval_batch_size", type=int, default=64)
-    train.add_argument("--learning_rate", type=float, default=2e-3)
+    train.add_argument("--per_device_train_batch_size", type=int, default=32, help="blocks per process and step")
+    train.add_argument("--per_device_eval_batch_size", type=int, default=64, help="blocks per process, evaluating")
+    train.add_argument("--learning_rate", type=float, default=2e-3, help="AdamW's peak learning rate")
     train.add_argument("--weight_decay", type=float, default=0.1, help="on matrices only (not embeddings, norms)")
-    train.add_argument("--adam_beta1", type=float, default=0.9)
-    train.add_argument("--adam_beta2", type=float, default=0.99)
-    train.add_argument("--max_grad_norm", type=float, default=1.0)
-    train.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES)
-    train.add_argument("--num_warmup_steps", type=int, default=60)
+    train.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's beta1")
+    train.add_argument("--adam_beta2", type=float, default=0.99, help="AdamW's beta2")
+    train.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0: none)")
+    train.add_argument(
+        "--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES, help="the schedule after warm-up"
+    )
+    train.add_argument("--num_warmup_steps", type=int, default=60, help="optimizer steps of linear warm-up")
     train.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps (0: use --num_train_epochs)")
     train.add_argument("--num_train_epochs", type=int, default=None, help="used when --max_train_steps is 0")
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument(
+        "--gradient_accumulation_steps", type=int, default=1, help="batches accumulated per optimizer step"
+    )
     train.add_argument(
         "--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="when None: accelerate's config"
     )
-    train.add_argument("--mlm_probability", type=float, default=0.15)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--mlm_probability", type=float, default=0.15, help="--task mlm: the share of tokens masked")
+    train.add_argument("--seed", type=int, default=0, help="initialisation, batch order, masks, dropout")
     train.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
     train.add_argument("--max_eval_blocks", type=int, default=None, help="evaluate on the first N blocks only")
     train.add_argument(
@@ -154,7 +196,9 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         help="accelerator.save_state every N steps (with --push_to_hub: the model is uploaded at each one)",
     )
     train.add_argument("--resume_from_checkpoint", type=Path, default=None, help="a step_N folder of --output_dir")
-    train.add_argument("--output_dir", type=Path, default=Path("pretrain-output"))
+    train.add_argument(
+        "--output_dir", type=Path, default=Path("pretrain-output"), help="the model, its tokenizer, logs, results"
+    )
     add_tracking_flags(train)
     add_hub_flags(train, "the model, its code and tokenizer")
     return parser
@@ -173,27 +217,34 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
 """,
     )
-    parser.add_argument("--output_dir", type=Path, default=Path("compare-output"))
+    parser.add_argument(
+        "--output_dir", type=Path, default=Path("compare-output"), help="the report, the plot, the models (models/)"
+    )
     parser.add_argument("--schemes", nargs="+", default=DEFAULT_COMPARE_SCHEMES, help="position encodings, or all")
     parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers, or all")
     parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
     parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_hidden_layers", type=int, default=3)
-    parser.add_argument("--num_attention_heads", type=int, default=4)
-    parser.add_argument("--max_train_steps", type=int, default=600)
-    parser.add_argument("--num_warmup_steps", type=int, default=60)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=32)
+    parser.add_argument("--hidden_size", type=int, default=128, help="every model's width")
+    parser.add_argument("--num_hidden_layers", type=int, default=3, help="every model's depth")
+    parser.add_argument("--num_attention_heads", type=int, default=4, help="attention heads per layer")
+    parser.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps per model")
+    parser.add_argument("--num_warmup_steps", type=int, default=60, help="optimizer steps of linear warm-up")
+    parser.add_argument("--learning_rate", type=float, default=2e-3, help="AdamW's peak learning rate")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32, help="blocks per process and step")
     parser.add_argument("--per_device_eval_batch_size", type=int, default=16, help="held-out blocks and windows")
-    parser.add_argument("--eval_steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed for every model")
+    parser.add_argument(
+        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
+    )
     parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
     add_tracking_flags(parser)
+    add_hub_flags(
+        parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"
+    )
     return parser
 
 
@@ -220,11 +271,15 @@ Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_di
         help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
     )
     parser.add_argument("--train_length", type=int, default=None, help="when None: each model's training block size")
-    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
-    parser.add_argument("--max_eval_tokens", type=int, default=16384)
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument(
+        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
+    )
+    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="evaluate on the first N tokens only")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="windows per process and batch")
     parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
-    parser.add_argument("--output_dir", type=Path, default=Path("extrapolation-output"))
+    parser.add_argument(
+        "--output_dir", type=Path, default=Path("extrapolation-output"), help="the table, the JSON file, the plot"
+    )
     return parser
 
 
@@ -245,7 +300,7 @@ with hf_posenc.retrofit (every other weight kept in both cases).
     )
     parser.add_argument("--model_name_or_path", required=True, help="a checkpoint folder or Hub name")
     parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
-    parser.add_argument("--task_name", required=True, choices=GLUE_TASK_NAMES)
+    parser.add_argument("--task_name", required=True, choices=GLUE_TASK_NAMES, help="the GLUE task")
     parser.add_argument("--train_file", type=Path, help="CSV / TSV / JSON with GLUE's columns (default: the Hub)")
     parser.add_argument("--validation_file", type=Path, help="with --train_file; MNLI: the matched set")
     parser.add_argument("--validation_mismatched_file", type=Path, help="MNLI only: the mismatched set")
@@ -253,18 +308,24 @@ with hf_posenc.retrofit (every other weight kept in both cases).
     parser.add_argument("--test_mismatched_file", type=Path, help="MNLI only: the mismatched test set")
     parser.add_argument("--max_length", type=int, default=128, help="tokens per example, longer ones truncated")
     parser.add_argument("--pad_to_max_length", action="store_true", help="pad every batch to --max_length")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=5e-5)
-    parser.add_argument("--weight_decay", type=float, default=0.0)
-    parser.add_argument("--num_train_epochs", type=int, default=3)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="examples per process and step")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="examples per process, evaluating")
+    parser.add_argument("--learning_rate", type=float, default=5e-5, help="AdamW's peak learning rate")
+    parser.add_argument("--weight_decay", type=float, default=0.0, help="AdamW's, on weights (not biases, norms)")
+    parser.add_argument("--num_train_epochs", type=int, default=3, help="passes over train (0: evaluate only)")
     parser.add_argument("--max_train_steps", type=int, help="optimizer steps in all; overrides --num_train_epochs")
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    parser.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULER_TYPES)
+    parser.add_argument(
+        "--gradient_accumulation_steps", type=int, default=1, help="batches accumulated per optimizer step"
+    )
+    parser.add_argument(
+        "--lr_scheduler_type", default="linear", choices=SCHEDULER_TYPES, help="the schedule after warm-up"
+    )
     parser.add_argument("--num_warmup_steps", type=int, default=0, help="optimizer steps of linear warm-up")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="when None: accelerate's config")
-    parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--output_dir", type=Path, required=True, help="the best model, its scores, the submission files"
+    )
+    parser.add_argument("--seed", type=int, default=42, help="initialisation of the head, batch order, dropout")
     parser.add_argument("--seeds", type=int, nargs="+", help="run once per seed; report mean and std")
     parser.add_argument(
         "--position_encoding", type=scheme_spec, help="convert a stock checkpoint to this scheme (name or JSON)"
@@ -274,7 +335,7 @@ with hf_posenc.retrofit (every other weight kept in both cases).
         "--retrofit", type=scheme_spec, help="retrofit a stock checkpoint to this scheme (hf_posenc.retrofit)"
     )
     parser.add_argument("--ignore_mismatched_sizes", action="store_true", help="new head where label counts differ")
-    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
     add_tracking_flags(parser)
     add_hub_flags(parser, "the best epoch's model")
     return parser
@@ -293,14 +354,20 @@ Several processes split the grid.
   hf-posenc probe --families gpt2 --schemes t5 alibi --variants softmax l2 softmax+gate softmax+boundary
 """,
     )
-    parser.add_argument("--families", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"])
+    parser.add_argument(
+        "--families", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"], help="model families"
+    )
     parser.add_argument("--schemes", nargs="+", default=None, help="when None: every scheme (shaw with and without V)")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_PROBE_VARIANTS)
+    parser.add_argument(
+        "--variants", nargs="+", default=DEFAULT_PROBE_VARIANTS, help="normalizers, each optionally +gate, +boundary"
+    )
     parser.add_argument("--length", type=int, default=16, help="n, the number of identical tokens")
     parser.add_argument("--max_train_steps", type=int, default=400, help="full-batch Adam steps per probe")
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam's learning rate")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one probe per seed; cells give the median")
-    parser.add_argument("--output_dir", type=Path, default=Path("probe-output"))
+    parser.add_argument(
+        "--output_dir", type=Path, default=Path("probe-output"), help="the table, the results, the heat map"
+    )
     hidden_alias(parser, "--steps", "max_train_steps", type=int)
     hidden_alias(parser, "--lr", "learning_rate", type=float)
     hidden_alias(parser, "--output-dir", "output_dir", type=Path)
@@ -326,22 +393,33 @@ scheme. Writes results.json and retrofit.png to --output_dir.
         "--model_name_or_path", default=None, help="folder or Hub id (when None: the offline MiniLM, if installed)"
     )
     parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
-    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
     parser.add_argument("--schemes", nargs="+", default=None, help="when None: learned (baseline) rope alibi t5 ...")
-    parser.add_argument("--normalizers", nargs="+", default=["softmax"])
+    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers")
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded Emma)")
     parser.add_argument("--max_seq_length", type=int, default=64, help="tokens per block, [CLS] and [SEP] included")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="blocks per process and step")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="blocks per process, evaluating")
     parser.add_argument("--max_train_steps", type=int, default=50, help="MLM steps after the patch")
     parser.add_argument("--head_steps", type=int, default=60, help="steps fitting a missing MLM head (0: none)")
-    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument("--learning_rate", type=float, default=3e-4, help="AdamW's peak learning rate")
     parser.add_argument("--eval_blocks", type=int, default=32, help="held-out blocks every evaluation uses")
-    parser.add_argument("--mlm_probability", type=float, default=0.15)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", type=Path, default=Path("retrofit-output"))
-    parser.add_argument("--save_models", action="store_true", help="save each retrofitted model (save_pretrained)")
+    parser.add_argument("--mlm_probability", type=float, default=0.15, help="the share of tokens masked")
+    parser.add_argument("--seed", type=int, default=0, help="masks, batch order, the eval blocks")
+    parser.add_argument(
+        "--output_dir", type=Path, default=Path("retrofit-output"), help="the results, the plot, the models"
+    )
+    parser.add_argument(
+        "--save_models",
+        action="store_true",
+        help="save each retrofitted model (save_pretrained, with its tokenizer and model card) in --output_dir",
+    )
     add_tracking_flags(parser)
+    add_hub_flags(
+        parser,
+        "each retrofitted model (as --save_models saves it)",
+        "the repositories' prefix: <prefix>-<scheme>-<normalizer>",
+    )
     for old, dest, kind in (
         ("--model", "model_name_or_path", str), ("--seq-len", "max_seq_length", int),
         ("--steps", "max_train_steps", int),

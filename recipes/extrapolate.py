@@ -5,8 +5,10 @@
     python recipes/extrapolate.py --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
 """
 
-from hf_posenc.extrapolation import main
+import sys
+
+from hf_posenc_cli import main
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(["extrapolate", *sys.argv[1:]]))

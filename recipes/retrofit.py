@@ -1,11 +1,13 @@
 """Warm-start new position encodings on a pretrained checkpoint (retrofit, then MLM training): ``hf-posenc retrofit``
-(``hf_posenc.warm_start``) as a script, for ``accelerate launch`` and ``torchrun``.
+(``hf_posenc.warm_start``) as a script (the same exit status and errors), for ``accelerate launch`` and ``torchrun``.
 
     accelerate launch recipes/retrofit.py --help
 """
 
-from hf_posenc.warm_start import main
+import sys
+
+from hf_posenc_cli import main
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(["retrofit", *sys.argv[1:]]))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,12 @@ import hf_posenc
 
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+CLI_ENV = {
+    **{name: value for name, value in os.environ.items() if name != "ACCELERATE_USE_CPU"},
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # this checkout first
+    "HF_HUB_OFFLINE": "1",  # no command here needs the Hub; a name that is not a folder must not wait for it
+}
 
 SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZERS = list(hf_posenc.list_attention_normalizers())
@@ -140,3 +150,17 @@ def assert_flex_training_step_equals_eager(models: dict, ids, attention_mask, at
     assert flex_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, atol=atol, rtol=rtol, msg=name)
+
+
+def console_script() -> str:
+    """The ``hf-posenc`` script that ``pip install`` wrote (``[project.scripts]``): beside this Python, or on PATH."""
+    script = Path(sysconfig.get_path("scripts")) / "hf-posenc"
+    found = str(script) if script.is_file() else shutil.which("hf-posenc")
+    if found is None:
+        pytest.fail("the hf-posenc console script is not installed: pip install -e .")
+    return found
+
+
+def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A command as a user runs it, with this checkout's code (``CLI_ENV``)."""
+    return subprocess.run(command, capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)

@@ -211,7 +211,7 @@ def test_retrofitted_stock_checkpoint_fine_tunes_reloads_and_gets_a_model_card(t
 
 def test_push_to_hub_fails_before_training_when_the_hub_is_unreachable(tiny_bert, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
-    with pytest.raises(SystemExit, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/sst2'"):
+    with pytest.raises(OSError, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/sst2'"):
         glue.main(sst2_args(tiny_bert, tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/sst2"))
     assert not (tmp_path / "out").exists()  # nothing was trained or written
 

