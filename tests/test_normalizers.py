@@ -532,3 +532,27 @@ def test_convert_with_a_gated_softmax_gives_the_stock_logits():
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, stock(ids).logits, atol=ATOL, rtol=1e-4)
     assert converted.transformer.h[1].attn.normalizer.toeplitz_gate.eq(1).all()
+
+
+def test_exp_on_flex_applies_the_row_factor_in_float32_without_a_host_sync(monkeypatch):
+    """A float16 row whose ``e^lse`` passes float16's largest value (lse > 11.09) but whose output does not: the
+    factor is applied in float32, so the output is finite and equals e^b V by hand; and no ``.item()`` (a host sync
+    per layer on a GPU) runs."""
+    torch.manual_seed(0)
+    query = torch.nn.functional.normalize(torch.randn(1, 1, 4, 16), dim=-1).mul(4).half()  # |q|^2 = 16
+    key = query.clone()
+    value = torch.randn(1, 1, 4, 16, dtype=torch.float16) * 1e-3
+    scale = 14.0 / 16  # q.k ~ 16 on the diagonal: scores ~ 14, e^14 > 65504
+
+    def no_item(self):
+        raise AssertionError("exp's flex path synced the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    output = normalizer("exp").flex_output(
+        lambda *args, pass_name=None, **kwargs: flex_attention(*args, **kwargs), query, key, value, None, None, scale
+    )
+    monkeypatch.undo()
+    scores = query.double() @ key.double().transpose(-1, -2) * scale
+    expected = torch.exp(scores) @ value.double()
+    assert scores.max() > math.log(torch.finfo(torch.float16).max) and torch.isfinite(output).all()
+    torch.testing.assert_close(output.double(), expected, rtol=1e-2, atol=1e-2)
