@@ -205,6 +205,13 @@ def flex_compiles_length_sized_tables(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def scatter_adds_are_cheap(device: torch.device) -> bool:
+    """Whether a gather's backward (``scatter_add`` of every pair's gradient into a few rows) is cheap on ``device``:
+    on CPU it is a sequential add; on a GPU it is atomic adds piling onto the same addresses, so a dense bias there is
+    differentiated through dense products instead (FIRE's MLP evaluated per pair: ``relu_mlp_of_scalars``)."""
+    return device.type == "cpu"
+
+
 class PositionEncoding(CatalogueEntry, nn.Module):
     """Base class of a scheme. Subclasses set ``name``, ``description``, ``options`` and override hooks.
 

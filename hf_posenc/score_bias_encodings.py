@@ -14,7 +14,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .options import Option
-from .position_interface import RelativeScoreBias
+from .position_interface import RelativeScoreBias, scatter_adds_are_cheap
 
 
 def t5_relative_bucket(
@@ -430,11 +430,12 @@ class FIRE(RelativeScoreBias):
         return table["slope"][piece, head] * x + table["intercept"][piece, head]
 
     def dense_bias(self, query_positions, key_positions, table):
-        """Off CPU, the MLP itself on the ``(batch|1, q_len, kv_len)`` inputs (:func:`relu_mlp_of_scalars`): a dense
-        backward, where looking up each pair's piece would scatter ``q_len * kv_len`` gradients into ``width + 1``
-        rows (atomic adds on the same addresses on a GPU). On CPU that scatter is a cheap sequential add and the MLP
-        costs ``width`` times more, so the piece lookup (:meth:`position_bias`) stays; both give the same numbers."""
-        if query_positions.device.type == "cpu":
+        """Where scatters are not cheap (a GPU: :func:`scatter_adds_are_cheap`), the MLP itself on the ``(batch|1,
+        q_len, kv_len)`` inputs (:func:`relu_mlp_of_scalars`): a dense backward, where looking up each pair's piece
+        would scatter ``q_len * kv_len`` gradients into ``width + 1`` rows. On CPU that scatter is a cheap sequential
+        add and the MLP costs ``width`` times more, so the piece lookup (:meth:`position_bias`) stays; both give the
+        same numbers."""
+        if scatter_adds_are_cheap(query_positions.device):
             return super().dense_bias(query_positions, key_positions, table)
         return self.mlp_bias(query_positions, key_positions, table)
 
