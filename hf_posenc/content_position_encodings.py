@@ -36,25 +36,6 @@ def relative_distances(query_positions: torch.Tensor, key_positions: torch.Tenso
     return query_positions[:, :, None] - key_positions[:, None, :]
 
 
-def contiguous_positions(query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
-    """Whether the queries are at ``p, p + 1, ..., p + q_len - 1`` and the keys at ``r, ..., r + kv_len - 1``, with the
-    same ``p`` and ``r`` in every row: then the distance of query ``i`` to key ``j`` is ``i - j + p - r`` and a
-    per-distance table is read by :func:`~hf_posenc.relative_tables.skew`. One host sync per forward; under
-    ``torch.compile`` (no data-dependent branch) it is assumed and asserted on the device instead."""
-    query_steps = torch.arange(query_positions.shape[-1], device=query_positions.device)
-    key_steps = torch.arange(key_positions.shape[-1], device=key_positions.device)
-    contiguous = torch.logical_and(
-        (query_positions == query_positions[:1, :1] + query_steps).all(),
-        (key_positions == key_positions[:1, :1] + key_steps).all(),
-    )
-    if torch.compiler.is_compiling():
-        torch._assert_async(
-            contiguous, "xlnet under torch.compile needs contiguous positions, the same in every row of the batch"
-        )
-        return True
-    return bool(contiguous)
-
-
 def shaw_sinusoidal_table(max_distance: int, dim: int) -> torch.Tensor:
     """NEZHA's fixed relative table (Wei et al. 2019, eq. in section 3.2): the row of distance ``d = j - i`` in
     ``[-k, k]`` is ``R[d, 2i] = sin(d / 10000^(2i/dim))``, ``R[d, 2i+1] = cos(d / 10000^(2i/dim))``; returns the
@@ -270,11 +251,12 @@ class TransformerXL(PositionEncoding):
     ``R_{i-j}`` the sinusoid of the distance, not clipped (``transformer_xl_sinusoids``); ``W_{K,R}``, ``u``, ``v``
     per layer (``untie_r``), no position term on the values. Bidirectional in the encoder, causal in the decoder.
     ``prepare`` builds the sinusoids of every distance the forward has; a layer scores ``(q + v)`` against the
-    projected rows, ``(batch, heads, q_len, rows)`` (one matmul), then reads each pair's row. Contiguous positions
-    (:func:`contiguous_positions`, the usual case) have ``rows = q_len + kv_len - 1`` distances, sized from the shapes
-    (no host sync), read by :func:`~hf_posenc.relative_tables.skew` (Transformer-XL's relative shift, views only,
-    nothing of ``(batch, heads, q_len, rows)`` kept for the backward); positions with gaps have
-    ``rows = max(i - j) - min(i - j) + 1`` and an index per pair, read by a gather. Reference:
+    projected rows, ``(batch, heads, q_len, rows)`` (one matmul), then reads each pair's row. The model's default
+    positions (``prepare(..., consecutive=True)``, the training case) have ``rows = q_len + kv_len - 1`` distances,
+    sized from the shapes (no host sync), read by :func:`~hf_posenc.relative_tables.skew` (Transformer-XL's relative
+    shift, views only, nothing of ``(batch, heads, q_len, rows)`` kept for the backward); other positions (given
+    ``position_ids``, cached keys) have ``rows = max(i - j) - min(i - j) + 1`` (one host sync) and an index per pair,
+    read by a gather. Reference:
     kimiyoung/transformer-xl ``RelPartialLearnableMultiHeadAttn``.
     """
 
@@ -290,7 +272,7 @@ class TransformerXL(PositionEncoding):
         return TransformerXLTerm(dims)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        if consecutive or contiguous_positions(query_positions, key_positions):
+        if consecutive:
             q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
             offset = query_positions[0, 0] - key_positions[0, 0]
             steps = torch.arange(q_len + kv_len - 1, device=query_positions.device) - (kv_len - 1) + offset
@@ -327,7 +309,9 @@ class DeBERTaBuckets:
         self.position_buckets = position_buckets
         self.span = position_buckets or max_relative_positions
         mid = position_buckets // 2
-        self.log_scale = torch.log(torch.tensor((max_relative_positions - 1) / mid)).item() if mid else 0.0
+        # on the CPU: from_pretrained builds the model under the meta device, where .item() has no value to read
+        ratio = torch.tensor((max_relative_positions - 1) / mid if mid else 1.0, device="cpu")
+        self.log_scale = torch.log(ratio).item()
 
     def index(self, distances: torch.Tensor) -> torch.Tensor:
         if self.position_buckets > 0:

@@ -188,13 +188,15 @@ CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS = (
 @pytest.mark.parametrize("contiguous", [False, True], ids=["gather", "skew"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_xlnet_terms_2_3_4_equal_the_loop(family, contiguous):
+    """Both reads of the rows (the skew on the model's static promise of consecutive positions, ``consecutive``; the
+    gather otherwise) against the loop."""
     _, encoding, attention = scheme_and_term(family, "xlnet")
     term = attention.position_term
     query, key, _ = qkv()
     query_positions, key_positions = QUERY_POSITIONS, KEY_POSITIONS
     if contiguous:
         query_positions, key_positions = CONTIGUOUS_QUERY_POSITIONS, CONTIGUOUS_KEY_POSITIONS
-    inputs = attention_inputs(encoding, query_positions, key_positions)
+    inputs = attention_inputs(encoding, query_positions, key_positions, consecutive=contiguous)
     assert ("xl_index" not in inputs["position"]) is contiguous
     w_kr = term.position_key.weight  # (hidden, hidden): W_{K,R} R = w_kr @ R
     u, v = term.content_bias, term.position_bias
