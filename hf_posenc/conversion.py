@@ -284,7 +284,8 @@ def convert(
         if ".position_encoding." not in f".{name}" and ".position_term." not in name and ".normalizer." not in name
     ]
     if keeps_distance_tables:  # the checkpoint's own tables: every layer's must have been loaded
-        missing += [name for name in converted.state_dict() if name.endswith(POSENC_DISTANCE_TABLE) and name not in state]
+        tables = [name for name in converted.state_dict() if name.endswith(POSENC_DISTANCE_TABLE)]
+        missing += [name for name in tables if name not in state]
     if missing or unexpected:
         raise ValueError(f"convert(): weights did not line up; missing {missing}, unexpected {unexpected}.")
     return converted.train(model.training)
