@@ -188,6 +188,8 @@ def test_convert_refuses_what_it_cannot_honour(tmp_path):
     loaded = transformers.BertModel.from_pretrained(relative)  # v5 drops the distance tables
     with pytest.raises(ValueError, match=r"relative_key_query'.* pass convert\(\) the checkpoint folder"):
         hf_posenc.convert(loaded)
+    with pytest.raises(ValueError, match=r"retrofit\(\): .*'relative_key_query' .* Use hf_posenc.convert"):
+        hf_posenc.retrofit(loaded)
     with pytest.raises(ValueError, match=r"trained with position_encoding .*'relative_key'.* Leave position_encoding"):
         hf_posenc.convert(relative, position_encoding="learned")
     with pytest.raises(ValueError, match=r"'variant': 'key'.* would not compute what it computes"):
