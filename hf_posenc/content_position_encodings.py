@@ -319,6 +319,44 @@ class DeBERTaBuckets:
         return (distances + self.span).clamp(0, 2 * self.span - 1)
 
 
+def query_and_key_row_terms(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_rows: torch.Tensor | None,
+    key_rows: torch.Tensor | None,
+    index: torch.Tensor,
+    query_starts: torch.Tensor | None,
+    key_starts: torch.Tensor | None,
+) -> torch.Tensor:
+    """``q_i . Q[idx(i, j)] + k_j . K[idx(i, j)]``, ``(batch, heads, q_len, kv_len)``: a query term and a key term
+    over row tables ``(..., head_dim, rows)`` (either may be None), read at the same per-pair row ``index``
+    ``(batch|1, q_len, kv_len)`` of the distance ``i - j`` (DeBERTa's c2p and p2c, BERT's ``relative_key_query``),
+    in checkpointed chunks of queries. The query term reads ``(batch, heads, chunk, rows)`` row scores at the index,
+    the key term ``(batch, heads, kv_len, rows)`` ones at the transposed index. On consecutive positions the index
+    falls along the keys and rises along the queries: ``query_starts`` are the run starts of ``rows - 1 - index``
+    (read by :func:`sorted_gather` descending) and ``key_starts`` those of ``index`` transposed; None: gathered."""
+
+    def chunk_scores(start: int, stop: int) -> torch.Tensor:
+        score = 0.0
+        if query_rows is not None:  # q_i . Q[idx(i, j)]
+            row_scores = torch.matmul(query[..., start:stop, :], query_rows)
+            if query_starts is None:
+                score = gather_rows(row_scores, index[:, start:stop])
+            else:  # idx falls along the keys: runs of the reversed index
+                chunk_starts = query_starts[:, start:stop]
+                score = sorted_gather(row_scores, index[:, start:stop], chunk_starts, descending=True)
+        if key_rows is not None:  # k_j . K[idx(i, j)]: rows of keys, read with the transposed index
+            key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
+            chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)
+            # Recomputed per chunk (checkpointed), so no (batch, heads, kv_len, rows) table is kept per layer.
+            key_scores = torch.matmul(key, key_rows)
+            key_term = read_rows(key_scores, key_index, chunk_starts).transpose(-1, -2)
+            score = key_term if query_rows is None else score.add_(key_term)  # in place: one chunk-sized sum
+        return score
+
+    return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+
+
 class DeBERTaTerm(LayerPositionTerm):
     """One layer's position projections of the shared relative embeddings: its own q/k projections
     (``share_att_key``, DeBERTa-v3) or ``pos_key_proj`` (c2p) / ``pos_query_proj`` (p2c), named as in Transformers."""
@@ -360,29 +398,11 @@ class DeBERTaTerm(LayerPositionTerm):
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["position"]
-        index = tables["deberta_index"]
-        query_starts, key_starts = tables.get("deberta_c2p_starts"), tables.get("deberta_p2c_starts")
         query_rows, key_rows = self.row_tables(key, tables["deberta_embeddings"], scaling, project_query_key)
-
-        def chunk_scores(start: int, stop: int) -> torch.Tensor:
-            score = 0.0
-            if query_rows is not None:  # c2p_ij = q_i . K^r[idx(i, j)]
-                row_scores = torch.matmul(query[..., start:stop, :], query_rows)
-                if query_starts is None:
-                    score = gather_rows(row_scores, index[:, start:stop])
-                else:  # idx falls along the keys: runs of the reversed index
-                    chunk_starts = query_starts[:, start:stop]
-                    score = sorted_gather(row_scores, index[:, start:stop], chunk_starts, descending=True)
-            if key_rows is not None:  # p2c_ij = k_j . Q^r[idx(i, j)]: rows of keys, read with the transposed index
-                key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
-                chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)
-                # Recomputed per chunk (checkpointed), so no (batch, heads, kv_len, 2 span) table is kept per layer.
-                key_scores = torch.matmul(key, key_rows)
-                p2c = read_rows(key_scores, key_index, chunk_starts).transpose(-1, -2)
-                score = p2c if query_rows is None else score.add_(p2c)  # in place: one chunk-sized sum
-            return score
-
-        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+        query_starts, key_starts = tables.get("deberta_c2p_starts"), tables.get("deberta_p2c_starts")
+        return query_and_key_row_terms(
+            query, key, query_rows, key_rows, tables["deberta_index"], query_starts, key_starts
+        )
 
     def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["position"]
@@ -711,3 +731,134 @@ class CoPE(PositionEncoding):
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
         return CoPETerm(spec, dims)
+
+
+class RelativeKeyTerm(LayerPositionTerm):
+    """One layer's ``distance_embedding`` ``(2 max_positions - 1, head_dim)``, shared by the heads, row
+    ``i - j + max_positions - 1`` for the distance ``i - j`` (Transformers 4.x ``BertSelfAttention``'s name, layout
+    and init: an ``nn.Embedding``, N(0, initializer_range))."""
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.key_query = spec["variant"] == "key_query"
+        self.max_positions = spec["max_positions"] or dims.max_positions
+        self.distance_embedding = nn.Embedding(2 * self.max_positions - 1, dims.head_dim)
+
+    def row_tables(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scaled table as ``(head_dim, rows)`` for the query term and, with ``key_query``, the key term: 4.x
+        adds both to ``q . k`` before its ``1/sqrt(d)``, so they take the layer's scaling (put on the small table,
+        not on a ``(q_len, kv_len)`` result)."""
+        rows = (self.distance_embedding.weight * scaling).T.to(query.dtype)
+        return rows, rows if self.key_query else None
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["position"]
+        query_rows, key_rows = self.row_tables(query, scaling)
+        query_starts, key_starts = tables.get("relative_key_query_starts"), tables.get("relative_key_key_starts")
+        index = tables["relative_key_index"]
+        return query_and_key_row_terms(query, key, query_rows, key_rows, index, query_starts, key_starts)
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+        query_rows, key_rows = self.row_tables(query, scaling)
+        query_row_scores = torch.matmul(query, query_rows)  # (batch, heads, q_len, rows): one matmul per layer
+        key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (batch, heads, kv_len, rows)
+        query_position = position_lookup(attention_inputs["query_positions"])
+        key_position = position_lookup(attention_inputs["key_positions"])
+        reach = self.max_positions - 1
+
+        def relative_key_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
+            row = distance.clamp(-reach, reach) + reach  # in range for every visible pair (checked in prepare)
+            score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
+            if key_row_scores is not None:
+                score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
+            return score
+
+        return relative_key_score_mod
+
+
+class RelativeKey(PositionEncoding):
+    """BERT's ``relative_key`` / ``relative_key_query`` (Huang, Liang, Xu, Xiang 2020, "Improve Transformer Models
+    with Better Relative Position Embeddings", methods 3 and 4; Transformers 4.x ``BertSelfAttention``, removed in
+    v5):
+
+    ``A_ij = [q_i . k_j + q_i . r_(i-j) + k_j . r_(i-j)] / sqrt(d)`` (``variant="key_query"``), without the
+    ``k_j . r_(i-j)`` term for ``variant="key"``; ``r_(i-j)`` is row ``i - j + max_positions - 1`` of a learned
+    per-layer ``distance_embedding`` of ``2 max_positions - 1`` rows of ``head_dim``, shared by the heads, and both
+    terms are added before the ``1/sqrt(d)`` scale. Nothing is added to the input (4.x's embeddings add the absolute
+    table only for ``position_embedding_type="absolute"``). Distances are not clipped: a pair farther apart than
+    ``max_positions - 1`` raises (4.x fails with an index error there). ``hf_posenc.convert`` turns a 4.x checkpoint
+    of either type into this scheme with the same outputs.
+
+    Paths (those of :class:`DeBERTa`, through :func:`query_and_key_row_terms`): ``q`` and ``k`` against the table,
+    ``(batch, heads, q_len|kv_len, rows)``, read at each pair's row; on consecutive positions (the model's default
+    positions) by runs (:func:`~hf_posenc.relative_tables.sorted_gather`, no scatter in the backward), else
+    gathered; on flex inside the ``score_mod`` (each row table read at one index per score).
+    """
+
+    name = "relative_key"
+    description = "BERT 4.x relative_key(_query): q.r_(i-j) (+ k.r_(i-j)) over a learned per-layer distance table"
+    relative = True
+    has_layer_term = True
+    backends = ("eager", "sdpa", "flex_attention")
+    flex_compiles_on_cpu = False  # reads length-sized tables per pair: see TUPE (torch 2.13's CPU template)
+    options = {
+        "variant": Option(
+            "key_query",
+            (str,),
+            "'key_query' (q.r + k.r, 4.x relative_key_query) or 'key' (q.r, 4.x relative_key)",
+            lambda v: v in ("key_query", "key"),
+            "'key_query' or 'key'",
+        ),
+        "max_positions": Option(
+            None,
+            (int,),
+            "distances up to max_positions - 1, 2 max_positions - 1 rows (default: max_position_embeddings)",
+            lambda v: v >= 1,
+            "an int >= 1",
+        ),
+    }
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return RelativeKeyTerm(spec, dims)
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.max_positions = spec["max_positions"] or dims.max_positions
+
+    def check_distances(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
+        """Raise ``ValueError`` when a query and a key are farther apart than the table reaches (a host sync; under
+        ``torch.compile`` an assertion on the device)."""
+        reach = self.max_positions - 1
+        farthest = torch.maximum(
+            query_positions.max() - key_positions.min(), key_positions.max() - query_positions.min()
+        )
+        if torch.compiler.is_compiling():
+            torch._assert_async(farthest <= reach, "relative_key: a distance is beyond max_positions - 1")
+            return
+        if int(farthest) > reach:
+            raise ValueError(
+                f"relative_key: a query and a key are {int(farthest)} positions apart; its distance table reaches "
+                f"{reach} (max_positions={reach + 1}, 2 max_positions - 1 rows). Use shorter inputs, or a scheme "
+                "without a length limit (shaw clips its distances; rope, t5, alibi)."
+            )
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        """The per-pair row index ``relative_key_index`` (``i - j + max_positions - 1``) and, on consecutive
+        positions (one row for the batch), the run starts that read it by runs (the query term's of the reversed
+        index, the key term's of the transposed one); on flex nothing (the score_mod computes each pair's row)."""
+        self.check_distances(query_positions, key_positions)
+        if backend == "flex_attention":
+            return {}
+        if consecutive:
+            query_positions, key_positions = query_positions[:1], key_positions[:1]
+        reach = self.max_positions - 1
+        index = relative_distances(query_positions, key_positions).clamp(-reach, reach) + reach
+        tables = {"relative_key_index": index}
+        if consecutive:  # i - j falls along the keys (read reversed) and rises along the queries (the key term)
+            rows = 2 * reach + 1
+            tables["relative_key_query_starts"] = run_starts(rows - 1 - index, rows)
+            if self.spec["variant"] == "key_query":
+                tables["relative_key_key_starts"] = run_starts(index.transpose(-1, -2), rows)
+        return tables

@@ -17,7 +17,7 @@ from .absolute_encodings import (
     RecurrentAbsolute,
     SinusoidalAbsolute,
 )
-from .content_position_encodings import TUPE, CoPE, DeBERTa, Shaw, TransformerXL
+from .content_position_encodings import TUPE, CoPE, DeBERTa, RelativeKey, Shaw, TransformerXL
 from .position_interface import PositionEncoding
 from .rotary_encodings import RoPE, XPos
 from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias
@@ -27,5 +27,5 @@ POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
     scheme.name: scheme
     for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE, XPos)
     + (RecurrentAbsolute, Floater, MultiplicativeAbsolute, HierarchicalAbsolute, ComplexOrder, ConvAbsolute)
-    + (Shaw, TransformerXL, DeBERTa, TUPE, CoPE)
+    + (Shaw, TransformerXL, DeBERTa, TUPE, CoPE, RelativeKey)
 }

@@ -237,7 +237,17 @@ class StockFamily:
         return None
 
     def own_scheme(self, config) -> dict[str, Any]:
-        """The spec under which the patched model computes what the stock model computes."""
+        """The spec under which the patched model computes what the stock model computes. A Transformers 4.x
+        ``position_embedding_type`` other than "absolute" (``relative_key(_query)``, which v5 no longer builds: its
+        distance tables were dropped when the model was loaded) has none: ``ValueError``."""
+        kind = getattr(config, "position_embedding_type", None) or "absolute"
+        if kind != "absolute":
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's config says position_embedding_type={kind!r} "
+                "(Transformers 4.x), which v5 does not build: the loaded model lacks its distance tables. Use "
+                "hf_posenc.convert(<checkpoint folder>), which reads them, or name the scheme to switch to "
+                "(position_encoding=...)."
+            )
         return {"type": "learned"}
 
     def remove_stock_positions(self, base: nn.Module) -> None:

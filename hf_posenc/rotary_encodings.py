@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from .options import Option
 from .position_interface import PositionEncoding
@@ -17,6 +18,14 @@ from .position_interface import PositionEncoding
 def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     """``theta^(-2i/d)`` for ``i = 0 .. d/2 - 1``, d the rotated dimension."""
     return theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def keep_highest_frequencies(inverse_frequencies: torch.Tensor, kept: int) -> torch.Tensor:
+    """p-RoPE's frequencies (Barbero et al. 2024, "Round and Round We Go! What makes Rotary Positional Encodings
+    useful?", ``apply_p_rope``; Transformers' ``proportional`` RoPE of Gemma 4): the first ``kept`` of the ``(...,
+    d/2)`` inverse frequencies (the highest, ``theta^(-2i/d)`` for ``i < kept``) and 0 for the rest, whose feature
+    pairs then turn by the angle 0 at every position (cos 1, sin 0: the identity, exactly)."""
+    return F.pad(inverse_frequencies[..., :kept], (0, inverse_frequencies.shape[-1] - kept))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,9 +169,23 @@ def llama3_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str,
 class RoPE(PositionEncoding):
     """Rotary position embedding: ``q_m -> R_m q_m``, ``k_n -> R_n k_n``, so ``<R_m q, R_n k> = <q, R_(n-m) k>``.
 
-    ``R_m`` rotates feature pairs by the angles ``m * theta^(-2i/d)``; ``rotary_fraction`` < 1 rotates only the first
-    ``d * rotary_fraction`` features of each head. Source: Su et al. 2021 (RoFormer); kexue.fm/archives/8130 "融合式".
-    Keys are rotated before they enter the KV cache, so cached keys keep their positions.
+    ``R_m`` rotates feature pairs by the angles ``m * theta^(-2i/d)``. Source: Su et al. 2021 (RoFormer);
+    kexue.fm/archives/8130 "融合式". Keys are rotated before they enter the KV cache, so cached keys keep their
+    positions. Two options rotate only part of each head, differently:
+
+    * ``rotary_fraction`` ``f`` < 1 (GPT-NeoX's ``rotary_pct``, Transformers' ``partial_rotary_factor``): the first
+      ``f d`` features are rotated with frequencies spread over them, ``theta^(-2i/(f d))``, from 1 down to about
+      ``1/theta``; the other features carry no position;
+    * ``kept_frequency_fraction`` ``p`` < 1 (p-RoPE, Barbero et al. 2024, arXiv 2410.06205): every feature pair keeps
+      its RoPE frequency of the whole head, ``theta^(-2i/d)``, and only the highest ``floor(p d / 2)`` of them rotate;
+      the lowest ones are set to 0, so their pairs turn by the angle 0 (the identity) and carry no position, left as
+      semantic channels (:func:`keep_highest_frequencies`, as the paper's ``apply_p_rope`` and Transformers'
+      ``proportional`` RoPE of Gemma 4 pick them). ``p = 1`` is RoPE; the paper's ``0-RoPE`` (NoPE) is ``none``.
+
+    The two cannot be combined (``rotary_fraction`` already spreads the whole frequency range over fewer features),
+    and p-RoPE takes ``linear`` scaling only (every kept frequency divided by ``factor``, as Gemma's ``apply_rope``
+    with a ``rope_proportion``): the other scalings are formulas of the full spectrum that move the lowest
+    frequencies most, the very ones p-RoPE removes.
 
     ``apply_to_value``: values are rotated by their positions too (kexue.fm/archives/8130, "融合式": "if explicit
     absolute positions are still needed, apply it to v as well"), so ``o_i = sum_j a_ij R_j v_j`` carries absolute
@@ -194,6 +217,13 @@ class RoPE(PositionEncoding):
         "rotary_fraction": Option(
             1.0, (float, int), "fraction of each head's features rotated", lambda v: 0 < v <= 1, "0 < x <= 1"
         ),
+        "kept_frequency_fraction": Option(
+            1.0,
+            (float, int),
+            "p-RoPE: fraction of the highest frequencies kept; the lowest turn by angle 0 (Barbero et al. 2024)",
+            lambda v: 0 < v <= 1,
+            "0 < x <= 1",
+        ),
         "apply_to_value": Option(False, (bool,), "rotate v too (absolute positions in the output)"),
         "scaling": Option(
             None, (dict,), "longer inputs: {'type': linear|ntk|dynamic|yarn|llama3, 'factor': ..., ...}"
@@ -204,6 +234,21 @@ class RoPE(PositionEncoding):
     def check_spec(cls, spec):
         if spec["scaling"] is not None:
             spec["scaling"] = resolve_rope_scaling(spec["scaling"])
+        if spec["kept_frequency_fraction"] == 1:
+            return
+        if spec["rotary_fraction"] != 1:
+            raise ValueError(
+                f"position_encoding 'rope': kept_frequency_fraction={spec['kept_frequency_fraction']} (p-RoPE: the "
+                f"highest frequencies of the whole head rotate) and rotary_fraction={spec['rotary_fraction']} (the "
+                "first features rotate, with the whole frequency range spread over them) are two ways to rotate part "
+                "of a head; give one of them."
+            )
+        if spec["scaling"] is not None and spec["scaling"]["type"] != "linear":
+            raise ValueError(
+                f"position_encoding 'rope': scaling {spec['scaling']['type']!r} with kept_frequency_fraction="
+                f"{spec['kept_frequency_fraction']}: this scaling is a formula of the full spectrum that moves the "
+                "lowest frequencies most, which p-RoPE removes; p-RoPE takes scaling 'linear' only (or none)."
+            )
 
     @classmethod
     def check_sizes(cls, spec, hidden_size, max_position_embeddings):
@@ -229,6 +274,13 @@ class RoPE(PositionEncoding):
             raise ValueError(
                 f"rope: rotary_fraction={spec['rotary_fraction']} of head_dim={dims.head_dim} rotates "
                 f"{self.rotary_dim} features; it must rotate at least 2 (raise rotary_fraction)."
+            )
+        # rotary_dim is the whole (even) head when kept_frequency_fraction < 1 (check_spec).
+        self.kept_frequencies = int(spec["kept_frequency_fraction"] * self.rotary_dim // 2)
+        if self.kept_frequencies < 1:
+            raise ValueError(
+                f"rope: kept_frequency_fraction={spec['kept_frequency_fraction']} of head_dim={dims.head_dim} keeps "
+                "no frequency (floor(p * head_dim / 2) = 0); raise it, or use position_encoding 'none' (NoPE)."
             )
         self.scaling = spec["scaling"]
         self.attention_factor = 1.0
@@ -265,7 +317,7 @@ class RoPE(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         # Frequencies in float64, angles in float32, for each forward: a model cast to bf16 keeps exact rotations.
-        inv_freq = self.inverse_frequencies(query_positions).float()
+        inv_freq = keep_highest_frequencies(self.inverse_frequencies(query_positions), self.kept_frequencies).float()
         angles = (query_positions[..., None].float() * inv_freq)[:, None]
         return {"cos": angles.cos(), "sin": angles.sin()}
 

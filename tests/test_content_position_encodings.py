@@ -490,6 +490,8 @@ FLEX_CONTENT_SCHEMES = [
     ("bert", {"type": "deberta", "position_buckets": 8, "max_relative_positions": 16}),
     ("gpt2", {"type": "deberta", "share_att_key": False, "position_buckets": 4, "max_relative_positions": 8}),
     ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}),
+    ("bert", "relative_key"),
+    ("gpt2", {"type": "relative_key", "variant": "key"}),
 ]
 
 
@@ -729,6 +731,8 @@ CONTENT_SCHEMES = [
     ("bert", "tupe"),
     ("gpt2", "tupe"),
     ("gpt2", "cope"),
+    ("bert", "relative_key"),
+    ("gpt2", {"type": "relative_key", "variant": "key"}),
 ]
 
 
@@ -785,7 +789,7 @@ def test_every_content_scheme_loads_as_remote_code_without_hf_posenc(tmp_path):
     for folder, logits in expected.items():
         torch.testing.assert_close(torch.load(folder / "logits.pt"), logits, atol=1e-5, rtol=1e-4)
         spec = json.loads((folder / "config.json").read_text())["position_encoding"]
-        assert spec["type"] in ("shaw", "xlnet", "deberta", "tupe", "cope")
+        assert spec["type"] in ("shaw", "xlnet", "deberta", "tupe", "cope", "relative_key")
 
 
 def test_catalogue_describes_each_scheme_with_options_and_defaults():
@@ -796,13 +800,15 @@ def test_catalogue_describes_each_scheme_with_options_and_defaults():
         "deberta": {"att_type": "c2p|p2c", "position_buckets": 256, "max_relative_positions": 512},
         "tupe": {"max_positions": None, "num_buckets": 32, "max_distance": 128, "cls_untying": None},
         "cope": {"max_positions": 64},
+        "relative_key": {"variant": "key_query", "max_positions": None},
     }
     for name, defaults in expected_defaults.items():
         entry = catalogue[name]
         assert entry["description"] and entry["backends"]
         for option, default in defaults.items():
             assert entry["options"][option]["default"] == default and entry["options"][option]["doc"]
-    assert [name for name in expected_defaults if catalogue[name]["relative"]] == ["shaw", "xlnet", "deberta", "cope"]
+    relative = ["shaw", "xlnet", "deberta", "cope", "relative_key"]
+    assert [name for name in expected_defaults if catalogue[name]["relative"]] == relative
     assert catalogue["cope"]["families"] == ["decoder"]
     assert catalogue["deberta"]["options"]["share_att_key"]["default"] is True
 

@@ -19,12 +19,13 @@ from hf_posenc.rotary_encodings import apply_rotary, rotary_inverse_frequencies,
 HEAD_DIM, MAX_POSITIONS = 16, 32
 
 
-def rope(scaling=None, rotary_fraction=1.0, apply_to_value=False, theta=10000.0):
+def rope(scaling=None, rotary_fraction=1.0, apply_to_value=False, theta=10000.0, kept_frequency_fraction=1.0):
     spec = hf_posenc.PosEncGPT2Config(
         position_encoding={
             "type": "rope",
             "theta": theta,
             "rotary_fraction": rotary_fraction,
+            "kept_frequency_fraction": kept_frequency_fraction,
             "apply_to_value": apply_to_value,
             "scaling": scaling,
         }
@@ -140,6 +141,73 @@ def test_linear_scaling_with_a_rotary_fraction_matches_transformers():
     torch.testing.assert_close(encoding.inverse_frequencies(torch.arange(2)[None])[0, 0].float(), inv_freq)
 
 
+@pytest.mark.parametrize(("fraction", "factor"), [(0.5, None), (0.25, None), (0.4, 2.0), (0.99, None)])
+def test_p_rope_frequencies_equal_transformers_proportional_rope(fraction, factor):
+    """p-RoPE keeps the highest floor(p d / 2) frequencies theta^(-2i/d) of the whole head and zeroes the rest, as
+    Transformers' ``proportional`` RoPE (Gemma 4; the paper's ``apply_p_rope``), linear factor included."""
+    scaling = None if factor is None else {"type": "linear", "factor": factor}
+    encoding = rope(scaling, kept_frequency_fraction=fraction)
+    positions = torch.arange(1, 2)[None]  # position 1: the angles are the frequencies
+    tables = encoding.prepare(positions, positions, "sdpa")
+    parameters = {"partial_rotary_factor": fraction} | ({} if factor is None else {"factor": factor})
+    inv_freq, attention_factor = transformers_rope("proportional", **parameters)
+    kept = int(fraction * HEAD_DIM // 2)
+    assert encoding.kept_frequencies == kept and (inv_freq[kept:] == 0).all() and (inv_freq[:kept] > 0).all()
+    torch.testing.assert_close(tables["sin"][0, 0, 0].asin(), inv_freq, rtol=1e-5, atol=0)
+    assert attention_factor == encoding.attention_factor == 1.0
+
+
+def test_p_rope_scores_by_hand_and_leaves_the_lowest_pairs_untouched():
+    """q_m . k_n = sum_i Re(z_q conj(z_k) e^(i (m - n) w_i)) over the pairs (x_i, x_(i + d/2)), with w_i =
+    10000^(-2i/d) for the highest floor(p d / 2) = 2 frequencies (p = 0.25, d = 16) and w_i = 0 for the rest, whose
+    features come out exactly as they went in."""
+    encoding = rope(kept_frequency_fraction=0.25)
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, 6, HEAD_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+    positions = torch.arange(3, 9)[None]
+    rotated_q, rotated_k, _ = encoding.transform_qkv(q, k, k, encoding.prepare(positions, positions, "sdpa"))
+    half, kept = HEAD_DIM // 2, 2
+    for x, rotated in ((q, rotated_q), (k, rotated_k)):
+        for first, last in ((kept, half), (half + kept, HEAD_DIM)):
+            assert torch.equal(rotated[..., first:last], x[..., first:last])
+    scores = rotated_q[0, 0] @ rotated_k[0, 0].T
+    for m in range(6):
+        for n in range(6):
+            expected = 0.0
+            for i in range(half):
+                w = 10000.0 ** (-2 * i / HEAD_DIM) if i < kept else 0.0
+                z_q = complex(q[0, 0, m, i], q[0, 0, m, i + half])
+                z_k = complex(k[0, 0, n, i], k[0, 0, n, i + half])
+                expected += (z_q * z_k.conjugate() * complex(math.cos((m - n) * w), math.sin((m - n) * w))).real
+            assert scores[m, n].item() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kept_frequency_fraction": 0.0}, r"option 'kept_frequency_fraction'=0.0 is out of range; valid: 0 < x <= 1"),
+        ({"kept_frequency_fraction": 1.5}, r"option 'kept_frequency_fraction'=1.5 is out of range"),
+        (
+            {"kept_frequency_fraction": 0.5, "rotary_fraction": 0.5},
+            r"kept_frequency_fraction=0.5 .* and rotary_fraction=0.5 .* give one of them",
+        ),
+        (
+            {"kept_frequency_fraction": 0.5, "scaling": {"type": "yarn", "factor": 2.0}},
+            r"scaling 'yarn' with kept_frequency_fraction=0.5: .* p-RoPE takes scaling 'linear' only",
+        ),
+    ],
+)
+def test_p_rope_refuses_options_without_meaning(options, message):
+    with pytest.raises(ValueError, match=message):
+        hf_posenc.PosEncGPT2Config(position_encoding={"type": "rope", **options})
+
+
+def test_p_rope_that_keeps_no_frequency_of_the_head_is_refused():
+    """head_dim 8 (hidden 32, 4 heads): p = 0.2 keeps floor(0.8) = 0 frequencies."""
+    with pytest.raises(ValueError, match=r"kept_frequency_fraction=0.2 of head_dim=8 keeps no frequency .* 'none'"):
+        make_model("gpt2", {"type": "rope", "kept_frequency_fraction": 0.2})
+
+
 def test_yarn_attention_factor_scales_the_logits_like_transformers():
     """Transformers multiplies cos and sin by the attention factor: q.k is multiplied by its square."""
     encoding = rope({"type": "yarn", "factor": 4.0})
@@ -233,6 +301,7 @@ def test_rope_on_values_sees_a_shift_and_plain_rope_does_not(family):
         ({"scaling": {"type": "dynamic", "factor": 2.0}}, False),
         ({"scaling": {"type": "yarn", "factor": 2.0}}, True),
         ({"scaling": {"type": "linear", "factor": 2.0}}, True),
+        ({"kept_frequency_fraction": 0.5}, True),
     ],
 )
 def test_rope_relative_flag_follows_its_options(options, relative):
