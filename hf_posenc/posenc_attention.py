@@ -125,12 +125,13 @@ def backend_candidates(
     | ``eager`` | any | any | eager |
     | ``flex_attention`` | any | any | flex, sdpa, eager |
     | ``sdpa`` (default) | CUDA | a normalizer SDPA cannot compute (l2, exp, relu2, swish_l2) | flex, eager |
-    | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, fire) | flex, sdpa, eager |
+    | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, tupe) | flex, sdpa, eager |
     | ``sdpa`` (default) | otherwise | any | sdpa, eager |
 
     Measured on an H100 (fwd + bwd of BERT-base width, 8 x 2048 tokens): l2 and exp run 1.4-1.7x stock on
     flex against 3.3-7.2x on eager; a learnable bias's gradient is summed into its table by the ``score_mod``'s
-    backward instead of through a dense bias; a fixed bias (ALiBi) stays on SDPA (40.1 ms against flex's 43.2 ms).
+    backward instead of through a dense bias (where the table spreads the gradients: :func:`flex_gradient_refusal`);
+    a fixed bias (ALiBi) stays on SDPA (40.1 ms against flex's 43.2 ms).
     """
     if requested == "eager":
         return ("eager",)
@@ -177,18 +178,20 @@ def choose_backend(
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     value_term = scheme_class.has_value_term(position_encoding)
     flex_listed = "flex_attention" in set(scheme_backends) & set(normalizer_backends)
-    refusal = (
-        flex_refusal(
-            device,
-            dtype,
-            head_dim,
-            normalizer_class.flex_needs_lse or value_term,
-            attention_dropout,
-            query_length,
-            given_mask,
-            scheme_class.flex_compiles_on_cpu,
-        )
-        or gradient_refusal
+    refusal_for = partial(
+        flex_refusal,
+        device,
+        dtype,
+        head_dim,
+        normalizer_class.flex_needs_lse or value_term,
+        query_length=query_length,
+        given_mask=given_mask,
+        compiles_on_cpu=scheme_class.flex_compiles_on_cpu,
+    )
+    refusal = refusal_for(attention_dropout=attention_dropout) or gradient_refusal
+    # on CUDA, attention dropout alone keeping a combination off FlexAttention is worth a WARNING (the stock default)
+    dropout_keeps_off_flex = (
+        attention_dropout and device.type == "cuda" and flex_listed and refusal_for(attention_dropout=False) is None
     )
     if refusal is None and value_term and flex_listed:
         refusal = value_term_flex_refusal(consecutive, "sdpa" in normalizer_backends)
@@ -218,7 +221,7 @@ def choose_backend(
             return backend
         if backend != requested:
             _log_fallback(requested, backend, position_encoding["type"], attention_normalizer["type"])
-        if attention_dropout and flex_listed and "flex_attention" in candidates and device.type == "cuda":
+        if dropout_keeps_off_flex and "flex_attention" in candidates:
             _warn_attention_dropout(position_encoding["type"], attention_normalizer["type"], backend)
         return backend
     raise AssertionError("eager runs every scheme and normalizer")

@@ -149,7 +149,7 @@ def test_flex_on_cpu_is_refused_below_head_dim_24_with_the_reason_logged(caplog)
         assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=8) == "sdpa"
         assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=16) == "sdpa"
         assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=24) == "flex_attention"
-        assert choose_backend("flex_attention", t5, SOFTMAX, CUDA, head_dim=8) == "flex_attention"
+        assert choose_backend("flex_attention", t5, SOFTMAX, CUDA, head_dim=16) == "flex_attention"
     assert "wrong numbers for head_dim 8 < 24" in caplog.text and "head_dim 16 < 24" in caplog.text
 
 
@@ -240,7 +240,7 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
     FlexAttention refuses gradients at its Python entry, which is bypassed here; the compiled operator underneath
     computes them."""
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)
+    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args, **kwargs: None)
     regions = []
 
     def compiled_for(grad_enabled, region, dynamic):

@@ -595,7 +595,7 @@ def test_clipped_value_rows_term_equals_the_formula_under_any_mask(k):
 def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypatch):
     """A decoder's value term on FlexAttention takes the mask to be causal; a BlockMask the user passes is used as
     given, so it is refused with the alternatives named, not trusted."""
-    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args: None)
+    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args, **kwargs: None)
     model = make_model("gpt2", {"type": "shaw", "max_distance": 2}, attn="flex_attention")
     ids = random_ids(1, 8)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, 8, 8, device="cpu")
