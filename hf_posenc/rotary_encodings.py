@@ -358,7 +358,9 @@ class PoPE(PositionEncoding):
 
     with ``theta_c = theta^(-c/d)``, ``c = 0 .. d - 1`` (:func:`polar_frequencies`; d frequencies, where RoPE has
     d/2) and ``delta`` ``(heads, d)`` a learned key phase bias shared by all layers (``phase_bias``; as
-    x-transformers: zeros at init, read clamped to ``[-2 pi, 0]``). Written in real numbers, q and k of width ``d``
+    x-transformers: zeros at init, read clamped to ``[-2 pi, 0]``). ``delta`` is subtracted from the query's phase
+    rather than added to the key's, which gives the same scores and keeps one ``delta`` per query head under
+    grouped-query attention (keys shared by several query heads). Written in real numbers, q and k of width ``d``
     become ``[m cos, m sin]`` of width ``2 d`` (:func:`polar_features`), so ``q~ . k~`` is the sum above and every
     backend runs it unchanged (v keeps width ``d``; the KV cache stores the transformed keys, so cached keys keep
     their phases). The layer's ``1/sqrt(d)`` scaling stays that of the ``d`` features of the head, as x-transformers
@@ -385,14 +387,14 @@ class PoPE(PositionEncoding):
         # Frequencies in float64, phases in float32, each forward: a model cast to bf16 keeps exact phases.
         frequencies = polar_frequencies(self.dims.head_dim, self.spec["theta"]).to(query_positions.device).float()
         phases = (query_positions[..., None].float() * frequencies)[:, None]  # (batch|1, 1, seq, d)
-        key_phases = phases
-        if self.phase_bias is not None:
-            key_phases = phases + self.phase_bias.float().clamp(-2 * math.pi, 0.0)[None, :, None, :]
+        query_phases = phases
+        if self.phase_bias is not None:  # t theta - delta on q: cos((t - s) theta - delta), as delta on k
+            query_phases = phases - self.phase_bias.float().clamp(-2 * math.pi, 0.0)[None, :, None, :]
         return {
-            "query_cos": phases.cos(),
-            "query_sin": phases.sin(),
-            "key_cos": key_phases.cos(),
-            "key_sin": key_phases.sin(),
+            "query_cos": query_phases.cos(),
+            "query_sin": query_phases.sin(),
+            "key_cos": phases.cos(),
+            "key_sin": phases.sin(),
         }
 
     def transform_qkv(self, query, key, value, tables):
