@@ -742,7 +742,7 @@ class ForgetGate(LayerPositionTerm):
     so every gate starts near ``sigmoid(0) = 1/2``).
 
     ``layer_tables`` gives the cumulative log gates of the queries and of the keys, ``(batch, heads, q_len)`` and
-    ``(batch, heads, kv_len)`` in float32: the keys' ``c = cumsum(log f)`` over every key (cached keys first: each
+    ``(batch, heads, kv_len)`` in at least float32: the keys' ``c = cumsum(log f)`` over every key (cached keys first: each
     key's ``log f`` is kept with the KV cache, as the reference's ``FgateDynamicCache`` does), and the queries'
     ``c`` the same sums read at the current tokens, ``c_last - (log f of the current tokens after the query)``, which
     holds for a dynamic cache and a static one alike (unwritten rows hold 0 and add nothing). Two tables, so that a
@@ -755,7 +755,8 @@ class ForgetGate(LayerPositionTerm):
         self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
 
     def layer_tables(self, hidden_states, attention_inputs, store):
-        log_forget = F.logsigmoid(self.forget_gate(hidden_states).float())  # (batch, q_len, heads)
+        logits = self.forget_gate(hidden_states)  # (batch, q_len, heads)
+        log_forget = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         if store is None:
             key_cumulative = log_forget.cumsum(1)
             query_cumulative = key_cumulative.clone()
