@@ -742,11 +742,11 @@ class ForgetGate(LayerPositionTerm):
     so every gate starts near ``sigmoid(0) = 1/2``).
 
     ``layer_tables`` gives the cumulative log gates of the queries and of the keys, ``(batch, heads, q_len)`` and
-    ``(batch, heads, kv_len)`` in at least float32: the keys' ``c = cumsum(log f)`` over every key (cached keys first: each
-    key's ``log f`` is kept with the KV cache, as the reference's ``FgateDynamicCache`` does), and the queries'
-    ``c`` the same sums read at the current tokens, ``c_last - (log f of the current tokens after the query)``, which
-    holds for a dynamic cache and a static one alike (unwritten rows hold 0 and add nothing). Two tables, so that a
-    FlexAttention ``score_mod`` reads each at one index."""
+    ``(batch, heads, kv_len)`` in at least float32: the keys' ``c = cumsum(log f)`` over every key (cached keys
+    first: each key's ``log f`` is kept with the KV cache, as the reference's ``FgateDynamicCache`` does), and the
+    queries' ``c`` the same sums read at the current tokens, ``c_last - (log f of the current tokens after the
+    query)``, which holds for a dynamic cache and a static one alike (unwritten rows hold 0 and add nothing). Two
+    tables, so that a FlexAttention ``score_mod`` reads each at one index."""
 
     cache_states = ("log_forget",)
 

@@ -75,7 +75,7 @@ def test_fox_in_an_encoder_config_says_why_it_is_refused():
 
 
 def pope_scheme(phase_bias: bool = True, heads: int = 2, head_dim: int = 6):
-    dims = AttentionDims(hidden_size=heads * head_dim, num_heads=heads, head_dim=head_dim, max_positions=64, causal=False)
+    dims = AttentionDims(heads * head_dim, heads, head_dim, max_positions=64, causal=False)
     return POSITION_ENCODINGS["pope"]({"type": "pope", "theta": 100.0, "phase_bias": phase_bias}, dims)
 
 
