@@ -807,6 +807,9 @@ class FoX(PositionEncoding):
     relative = True
     families = ("decoder",)
     has_layer_term = True
+    # Compiled CPU FlexAttention (torch 2.13) compiles the score_mod at a first length (equal to eager: 2.7e-6) and
+    # emits C++ that does not compile at a second one ("cur_qSplitSize3 was not declared"), as for tupe.
+    flex_compiles_on_cpu = False
     options = {}
 
     @classmethod
