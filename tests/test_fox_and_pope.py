@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_config, make_model, random_ids
+from conftest import assert_flex_training_step_equals_eager, make_config, make_model, random_ids
 from torch.nn import functional as F
 
 import hf_posenc
+from hf_posenc import posenc_attention
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
@@ -116,3 +117,29 @@ def test_pope_phase_bias_starts_at_zero_and_learns():
     ids = random_ids(2, 8)
     model(ids, labels=ids).loss.backward()
     assert bias.grad is not None and bias.grad.abs().min() > 0
+
+
+def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):
+    """Compiled CPU FlexAttention (torch 2.13) cannot recompile FoX's score_mod at a second length; CUDA runs it."""
+    config = make_config("gpt2", "fox")
+    spec, softmax = config.position_encoding, config.attention_normalizer
+    with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
+        cpu = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+        cuda = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
+    assert (cpu, cuda) == ("sdpa", "flex_attention")
+    assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
+@pytest.mark.parametrize("scheme", ["fox", "pope"])
+def test_fox_and_pope_compiled_on_cuda_equal_eager_values_and_grads(scheme):
+    """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient against eager
+    (FoX: the gates' gradients through the score_mod's two captured tables; PoPE: q, k of width 64, v of 32)."""
+    ids = random_ids(2, 24).cuda()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 20:] = 0
+    models = {
+        attn: make_model("gpt2", scheme, attn=attn, n_embd=64, n_head=2).cuda().train()
+        for attn in ("eager", "flex_attention")
+    }
+    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-4, rtol=1e-3)
