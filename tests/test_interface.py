@@ -20,9 +20,10 @@ from hf_posenc.position_interface import EmbeddingInputs, PositionEncoding
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["t5", "alibi"])
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox"])
 def test_beam_search_with_cache_equals_without_cache(scheme):
-    """Beam search reorders the cache every step: the cached key positions must follow their keys."""
+    """Beam search reorders the cache every step: the cached key positions (and FoX's per-layer gates) must follow
+    their keys."""
     model = make_model("gpt2", scheme, attn="sdpa")
     prompt = random_ids(2, 8, seed=3)
     attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
