@@ -755,19 +755,17 @@ class ForgetGate(LayerPositionTerm):
         self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
 
     def layer_tables(self, hidden_states, attention_inputs, store):
-        logits = self.forget_gate(hidden_states)  # (batch, q_len, heads)
+        logits = self.forget_gate(hidden_states).transpose(1, 2)  # (batch, heads, q_len)
         log_forget = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        # Both tables are results of arithmetic, never views (the score_mod capture rule), whatever the sizes.
         if store is None:
-            key_cumulative = log_forget.cumsum(1)
+            key_cumulative = log_forget.cumsum(-1)
             query_cumulative = key_cumulative.clone()
         else:
-            key_cumulative = store("log_forget", log_forget).cumsum(1)
-            later = log_forget.sum(1, keepdim=True) - log_forget.cumsum(1)
-            query_cumulative = key_cumulative[:, -1:] - later
-        return {
-            "fox_query_cumulative": query_cumulative.transpose(1, 2).contiguous(),
-            "fox_key_cumulative": key_cumulative.transpose(1, 2).contiguous(),
-        }
+            key_cumulative = store("log_forget", log_forget.transpose(1, 2)).transpose(1, 2).cumsum(-1)
+            later = log_forget.sum(-1, keepdim=True) - log_forget.cumsum(-1)
+            query_cumulative = key_cumulative[..., -1:] - later
+        return {"fox_query_cumulative": query_cumulative, "fox_key_cumulative": key_cumulative}
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["layer"]
