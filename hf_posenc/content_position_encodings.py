@@ -791,8 +791,8 @@ class FoX(PositionEncoding):
     at or before the query: a learned, data-dependent ALiBi (each token decays everything before it by its gate). The
     paper runs it with no other position encoding; ``{"type": "fox"}`` is such a model. The gates depend on the
     tokens, not on position ids, so shifting the positions changes nothing. Tokens between two others decay them
-    whether or not a mask hides them (padding on either side of a row is never between two real tokens, so a padded
-    row equals the row alone); the gates of hidden tokens receive no gradient from real ones.
+    whether or not a mask hides them: padding on either side of a row is never between two real tokens, so its gates
+    reach no real token and a padded row equals the row alone; a hole inside a 2-D mask decays the keys before it.
 
     Backends: the bias is the difference of two per-token tables (:class:`ForgetGate`): eager and SDPA add it as a
     ``(batch, heads, q_len, kv_len)`` per-layer term, FlexAttention reads the tables in its ``score_mod``. An encoder
