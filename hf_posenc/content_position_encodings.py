@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import initialization as init
 
 from .options import Option
@@ -862,3 +863,91 @@ class RelativeKey(PositionEncoding):
             if self.spec["variant"] == "key_query":
                 tables["relative_key_key_starts"] = run_starts(index.transpose(-1, -2), rows)
         return tables
+
+
+class ForgetGate(LayerPositionTerm):
+    """One layer's FoX forget gates: ``forget_gate`` (``nn.Linear(hidden, heads)``, the reference's ``fgate_proj``,
+    initialised by the family as the reference's ``_initialize_weights``: weight ``N(0, initializer_range)``, bias 0,
+    so every gate starts near ``sigmoid(0) = 1/2``).
+
+    ``layer_tables`` gives the cumulative log gates of the queries and of the keys, ``(batch, heads, q_len)`` and
+    ``(batch, heads, kv_len)`` in at least float32: the keys' ``c = cumsum(log f)`` over every key (cached keys
+    first: each key's ``log f`` is kept with the KV cache, as the reference's ``FgateDynamicCache`` does), and the
+    queries' ``c`` the same sums read at the current tokens, ``c_last - (log f of the current tokens after the
+    query)``, which holds for a dynamic cache and a static one alike (unwritten rows hold 0 and add nothing). Two
+    tables, so that a FlexAttention ``score_mod`` reads each at one index."""
+
+    cache_states = ("log_forget",)
+
+    def __init__(self, dims: AttentionDims):
+        super().__init__()
+        self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
+
+    def layer_tables(self, hidden_states, attention_inputs, store):
+        logits = self.forget_gate(hidden_states).transpose(1, 2)  # (batch, heads, q_len)
+        log_forget = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        # Both tables are results of arithmetic, never views (the score_mod capture rule), whatever the sizes.
+        if store is None:
+            key_cumulative = log_forget.cumsum(-1)
+            query_cumulative = key_cumulative.clone()
+        else:
+            key_cumulative = store("log_forget", log_forget.transpose(1, 2)).transpose(1, 2).cumsum(-1)
+            later = log_forget.sum(-1, keepdim=True) - log_forget.cumsum(-1)
+            query_cumulative = key_cumulative[..., -1:] - later
+        return {"fox_query_cumulative": query_cumulative, "fox_key_cumulative": key_cumulative}
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["layer"]
+        return tables["fox_query_cumulative"][..., :, None] - tables["fox_key_cumulative"][..., None, :]
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+        query_cumulative = attention_inputs["layer"]["fox_query_cumulative"]
+        key_cumulative = attention_inputs["layer"]["fox_key_cumulative"]
+
+        def forget_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            bias = query_cumulative[batch_idx, head_idx, q_idx] - key_cumulative[batch_idx, head_idx, kv_idx]
+            return score + bias.to(score.dtype)
+
+        return forget_score_mod
+
+
+class FoX(PositionEncoding):
+    """FoX, the Forgetting Transformer (Lin, Nikishin, He, Courville, ICLR 2025, eqs. (5)-(7); reference code
+    ``zhixuan-lin/forgetting-transformer``, ``ForgettingAttentionLayer`` with ``fgate_type="full"``), decoder only:
+
+    per head a forget gate from the layer's input, ``f_t = sigmoid(w_h . x_t + b_h)``, and the score bias
+    ``D_ij = sum_{l=j+1..i} log f_l = c_i - c_j``, ``c = cumsum(log f)``, added to the scaled ``q_i . k_j`` of the keys
+    at or before the query: a learned, data-dependent ALiBi (each token decays everything before it by its gate). The
+    paper runs it with no other position encoding; ``{"type": "fox"}`` is such a model. The gates depend on the
+    tokens, not on position ids, so shifting the positions changes nothing. Tokens between two others decay them
+    whether or not a mask hides them: padding on either side of a row is never between two real tokens, so its gates
+    reach no real token and a padded row equals the row alone; a hole inside a 2-D mask decays the keys before it.
+
+    Backends: the bias is the difference of two per-token tables (:class:`ForgetGate`): eager and SDPA add it as a
+    ``(batch, heads, q_len, kv_len)`` per-layer term, FlexAttention reads the tables in its ``score_mod``. An encoder
+    form does not exist (the sums run from a key to a later query; a bidirectional decay is not in the paper): an
+    encoder config raises ``ValueError``.
+    """
+
+    name = "fox"
+    description = "Forgetting Transformer (decoder): forget gates f = sigmoid(w.x + b), bias sum_{l=j+1..i} log f_l"
+    relative = True
+    families = ("decoder",)
+    has_layer_term = True
+    # Compiled CPU FlexAttention (torch 2.13) compiles the score_mod at a first length (equal to eager: 2.7e-6) and
+    # emits C++ that does not compile at a second one ("cur_qSplitSize3 was not declared"), as for tupe.
+    flex_compiles_on_cpu = False
+    options = {}
+
+    @classmethod
+    def check_family(cls, spec, causal):
+        if not causal:
+            raise ValueError(
+                "position_encoding 'fox' has no encoder form: its bias sums the forget gates of the tokens from a key "
+                "to a later query (a decay of the past, Lin et al. 2025), so it runs in a decoder only (posenc_gpt2, "
+                "or PosEncBertConfig(is_decoder=True))."
+            )
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return ForgetGate(dims)

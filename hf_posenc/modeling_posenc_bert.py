@@ -139,6 +139,7 @@ class PosEncBertSelfAttention(nn.Module):
             past_key_values=past_key_values,
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
+            hidden_states=hidden_states,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
 

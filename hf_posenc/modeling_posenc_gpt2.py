@@ -96,6 +96,7 @@ class PosEncGPT2Attention(nn.Module):
             past_key_values=past_key_values,
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
+            hidden_states=hidden_states,
         )
         output = self.c_proj(output.reshape(*hidden_states.shape[:-1], -1))
         return self.resid_dropout(output), weights

@@ -37,6 +37,7 @@ from .position_encodings import POSITION_ENCODINGS
 from .position_interface import (
     AttentionInputs,
     LayerPositionTerm,
+    PositionCache,
     PositionEncoding,
     QueryKeyProjection,
     ValueRows,
@@ -652,18 +653,27 @@ def positional_attention(
     past_key_values=None,
     layer_idx: int | None = None,
     project_query_key: QueryKeyProjection | None = None,
+    hidden_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
     may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
 
     ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
-    vectors; ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``. Returns the output
-    ``(batch, q_len, heads, head_dim)`` and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
+    vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
+    term's ``layer_tables``, whose per-token states are kept in ``past_key_values``); ``scaling`` is the layer's
+    factor on ``q.k``, times the scheme's ``content_scale``. Returns the output ``(batch, q_len, heads, head_dim)``
+    and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
     scaling = scaling * encoding.content_scale
     score_term = value_rows = None
     if position_term is not None:
+        store = None
+        if past_key_values is not None:
+            cache = PositionCache(past_key_values, encoding.dims.num_layers)
+            store = partial(cache.append_layer_state, scheme=encoding, term=position_term, layer_idx=layer_idx)
+        layer_tables = position_term.layer_tables(hidden_states, attention_inputs, store)
+        attention_inputs = {**attention_inputs, "layer": layer_tables}
         score_term = partial(position_term.score_term, scaling=scaling, project_query_key=project_query_key)
         value_rows = position_term.value_rows(attention_inputs)
     tables = attention_inputs["position"]

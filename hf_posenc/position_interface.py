@@ -45,7 +45,9 @@ AttentionInputs = dict[str, Any]
 * ``"row_has_key"``: boolean ``(batch|1, 1, q_len, 1)``, False on query rows that see no key (their output is set to
   0), or None when nothing is masked;
 * ``"query_positions"``: ``(batch|1, q_len)``; ``"key_positions"``: ``(batch|1, kv_len)``, cached keys included;
-* ``"position"``: the dict of tensors the scheme's ``prepare`` returned.
+* ``"position"``: the dict of tensors the scheme's ``prepare`` returned;
+* ``"layer"`` (inside an attention layer only, for its :class:`LayerPositionTerm`): the dict of tensors that term's
+  ``layer_tables`` computed from the layer's input.
 """
 
 
@@ -102,6 +104,14 @@ class PositionCache:
         """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
         return self.append(1 + scheme.cache_states.index(name), states)
 
+    def append_layer_state(
+        self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
+    ) -> torch.Tensor:
+        """:meth:`append` for the per-token state ``name`` (one of ``term.cache_states``) of the layer term of
+        attention layer ``layer_idx``: its slots follow the scheme's own, ``len(term.cache_states)`` per layer."""
+        first = 1 + len(scheme.cache_states) + layer_idx * len(term.cache_states)
+        return self.append(first + term.cache_states.index(name), states)
+
 
 @dataclass
 class EmbeddingInputs:
@@ -143,10 +153,33 @@ class ValueRows(NamedTuple):
     max_distance: int | None = None
 
 
+LayerStateStore = Callable[[str, torch.Tensor], torch.Tensor]
+"""Keeps one attention layer's per-token states with the KV cache: ``store(name, states)`` stores the current
+tokens' ``(batch, q_len, features)`` state ``name`` (one of the term's ``cache_states``) and returns every key's,
+``(batch, kv_len, features)``, cached keys first (:meth:`PositionCache.append_layer_state`; a static cache returns
+``max_cache_len`` rows, those not yet written zeros)."""
+
+
 class LayerPositionTerm(nn.Module):
-    """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, CoPE), owned by each
-    attention layer. It holds that layer's parameters; parameters shared by all layers reach it through the
-    per-forward ``attention_inputs["position"]`` tensors that the scheme's ``prepare`` computes once."""
+    """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, CoPE) or the layer's
+    input (FoX), owned by each attention layer. It holds that layer's parameters; parameters shared by all layers
+    reach it through the per-forward ``attention_inputs["position"]`` tensors that the scheme's ``prepare`` computes
+    once, and what it computes from the layer's input through ``attention_inputs["layer"]`` (:meth:`layer_tables`).
+
+    Class attribute ``cache_states``: names of the per-token states each layer keeps with the KV cache (see
+    :meth:`layer_tables`)."""
+
+    cache_states: tuple[str, ...] = ()
+
+    def layer_tables(
+        self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs, store: LayerStateStore | None
+    ) -> dict[str, torch.Tensor]:
+        """Tensors computed once per layer and forward from the layer's input ``hidden_states`` ``(batch, q_len,
+        hidden)`` (what the layer projects q, k and v from), before the scores; :meth:`score_term`,
+        :meth:`score_mod` and :meth:`value_rows` read them as ``attention_inputs["layer"]``. ``store`` keeps
+        per-token states of the keys with the KV cache (:data:`LayerStateStore`), None when there is no cache (the
+        current tokens are then every key)."""
+        return {}
 
     def score_term(
         self,

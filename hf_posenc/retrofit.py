@@ -128,6 +128,7 @@ class RetrofitAttention:
             past_key_values=past_key_values,
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
+            hidden_states=hidden_states,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
 

@@ -9,7 +9,9 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import functional as F
+from transformers import initialization as init
 
 from .options import Option
 from .position_interface import PositionEncoding
@@ -379,4 +381,74 @@ class XPos(PositionEncoding):
     def transform_qkv(self, query, key, value, tables):
         query = apply_rotary(query, tables["query_cos"].to(query.dtype), tables["query_sin"].to(query.dtype))
         key = apply_rotary(key, tables["key_cos"].to(key.dtype), tables["key_sin"].to(key.dtype))
+        return query, key, value
+
+
+def polar_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """PoPE's ``theta_c = theta^(-c/d)``, ``c = 0 .. d - 1``: one frequency per feature (RoPE has one per pair),
+    float64."""
+    return theta ** (-torch.arange(head_dim, dtype=torch.float64) / head_dim)
+
+
+def polar_features(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[softplus(x) cos(phi), softplus(x) sin(phi)]``: each of the ``d`` real features of ``x`` ``(batch, heads,
+    seq, d)`` becomes a complex number of magnitude ``softplus(x_c)`` and phase ``phi_c`` (``cos``, ``sin``
+    broadcasting to ``x``), written as ``2 d`` real features; computed in at least float32, returned in ``x``'s
+    dtype."""
+    magnitude = F.softplus(x.to(torch.promote_types(x.dtype, torch.float32)))
+    return torch.cat((magnitude * cos, magnitude * sin), dim=-1).to(x.dtype)
+
+
+class PoPE(PositionEncoding):
+    """PoPE, polar coordinate position embeddings (Gopalakrishnan, Csordás, Schmidhuber, Mozer 2025,
+    arXiv 2509.10534; x-transformers' ``PolarEmbedding`` and ``apply_polar_pos_emb``): each of the ``d`` features of
+    a head is a complex number whose magnitude comes from the content and whose phase from the position only,
+
+        ``q~_tc = softplus(q_tc) e^{i t theta_c}``, ``k~_sc = softplus(k_sc) e^{i (s theta_c + delta_c)}``,
+        ``score_ts = Re sum_c q~_tc conj(k~_sc) = sum_c softplus(q_tc) softplus(k_sc) cos((t - s) theta_c - delta_c)``,
+
+    with ``theta_c = theta^(-c/d)``, ``c = 0 .. d - 1`` (:func:`polar_frequencies`; d frequencies, where RoPE has
+    d/2) and ``delta`` ``(heads, d)`` a learned key phase bias shared by all layers (``phase_bias``; as
+    x-transformers: zeros at init, read clamped to ``[-2 pi, 0]``). ``delta`` is subtracted from the query's phase
+    rather than added to the key's, which gives the same scores and keeps one ``delta`` per query head under
+    grouped-query attention (keys shared by several query heads). Written in real numbers, q and k of width ``d``
+    become ``[m cos, m sin]`` of width ``2 d`` (:func:`polar_features`), so ``q~ . k~`` is the sum above and every
+    backend runs it unchanged (v keeps width ``d``; the KV cache stores the transformed keys, so cached keys keep
+    their phases). The layer's ``1/sqrt(d)`` scaling stays that of the ``d`` features of the head, as x-transformers
+    applies its ``dim_head ** -0.5`` to the polar features. Relative: the score depends on ``t - s`` only.
+    """
+
+    name = "pope"
+    description = "PoPE: softplus magnitudes from the content, phases from position, learned key phase bias"
+    relative = True
+    options = {
+        "theta": Option(10000.0, (float, int), "frequency base: theta_c = theta^(-c/d)", lambda v: v > 1, "> 1"),
+        "phase_bias": Option(True, (bool,), "learned key phase bias delta per head and frequency, in [-2 pi, 0]"),
+    }
+
+    def __init__(self, spec, dims):
+        super().__init__(spec, dims)
+        self.phase_bias = nn.Parameter(torch.zeros(dims.num_heads, dims.head_dim)) if spec["phase_bias"] else None
+
+    def init_weights(self, initializer_range):
+        if self.phase_bias is not None:
+            init.zeros_(self.phase_bias)
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        # Frequencies in float64, phases in float32, each forward: a model cast to bf16 keeps exact phases.
+        frequencies = polar_frequencies(self.dims.head_dim, self.spec["theta"]).to(query_positions.device).float()
+        phases = (query_positions[..., None].float() * frequencies)[:, None]  # (batch|1, 1, seq, d)
+        query_phases = phases
+        if self.phase_bias is not None:  # t theta - delta on q: cos((t - s) theta - delta), as delta on k
+            query_phases = phases - self.phase_bias.float().clamp(-2 * math.pi, 0.0)[None, :, None, :]
+        return {
+            "query_cos": query_phases.cos(),
+            "query_sin": query_phases.sin(),
+            "key_cos": phases.cos(),
+            "key_sin": phases.sin(),
+        }
+
+    def transform_qkv(self, query, key, value, tables):
+        query = polar_features(query, tables["query_cos"], tables["query_sin"])
+        key = polar_features(key, tables["key_cos"], tables["key_sin"])
         return query, key, value

@@ -222,6 +222,7 @@ COMPILED_FLEX_CASES = [  # (family, scheme, normalizer): every score_mod, every 
     ),
     ("bert", {"type": "deberta", "att_type": "p2c", "position_buckets": 0, "max_relative_positions": 3}, "softmax"),
     ("bert", {"type": "relative_key", "max_positions": 12}, "softmax"),
+    ("gpt2", "fox", "softmax"),  # two per-token tables of the layer's forget gates
     ("bert", "t5", "l2"),
     ("gpt2", "alibi", "exp"),
     ("bert", "rope", "relu2"),

@@ -8,21 +8,23 @@ import pytest
 import torch
 from accelerate.utils import send_to_device
 from conftest import make_config, make_model, random_ids
+from transformers.cache_utils import DynamicCache, StaticCache
 
 import hf_posenc
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS, Softmax
 from hf_posenc.modeling_posenc_common import prepare_attention
 from hf_posenc.options import Option
 from hf_posenc.position_encodings import POSITION_ENCODINGS
-from hf_posenc.position_interface import EmbeddingInputs, PositionEncoding
+from hf_posenc.position_interface import EmbeddingInputs, LayerPositionTerm, PositionCache, PositionEncoding
 
 
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["t5", "alibi"])
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox"])
 def test_beam_search_with_cache_equals_without_cache(scheme):
-    """Beam search reorders the cache every step: the cached key positions must follow their keys."""
+    """Beam search reorders the cache every step: the cached key positions (and FoX's per-layer gates) must follow
+    their keys."""
     model = make_model("gpt2", scheme, attn="sdpa")
     prompt = random_ids(2, 8, seed=3)
     attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
@@ -149,3 +151,28 @@ def test_embed_sees_ids_mask_and_keeps_state_in_the_cache(monkeypatch):
         single = model.transformer.position_encoding.embed(EmbeddingInputs(embeds, torch.arange(9)[None], ids + 1))
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(doubled[:, 2] - single[:, 2], embeds[:, 2] / 3)  # one extra copy in a mean of 3
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_layer_states_have_their_own_cache_slots_after_the_schemes(static):
+    """``PositionCache.append_layer_state``: slot 0 the key positions, then the scheme's states, then each layer's
+    term states (two per layer here), every slot appended to as the keys are and read back whole."""
+    scheme = RunningMeanScheme({"type": RunningMeanScheme.name}, None)
+    term = LayerPositionTerm()
+    term.cache_states = ("first", "second")
+    cache = StaticCache(make_config("gpt2"), max_cache_len=5) if static else DynamicCache()
+    position_cache = PositionCache(cache, num_layers=2)
+    for step, length in enumerate((3, 1)):
+        position_cache.append_key_positions(torch.arange(length)[None], 1)
+        position_cache.append_state("inputs", torch.full((1, length, 1), -1.0), scheme)
+        for layer in range(2):
+            for index, name in enumerate(term.cache_states):
+                value = torch.full((1, length, 2), 10.0 * layer + index + step / 10)
+                stored = position_cache.append_layer_state(name, value, scheme, term, layer)
+    assert len(cache.layers) == 2 + 2 + 2 * 2
+    for layer in range(2):
+        for index in range(2):
+            keys = cache.layers[4 + 2 * layer + index].keys[0, 0]
+            expected = torch.tensor([10.0 * layer + index] * 3 + [10.0 * layer + index + 0.1] + [0.0] * static)
+            torch.testing.assert_close(keys, expected[:, None].expand(-1, 2))
+    assert stored.shape == (1, 5 if static else 4, 2)
