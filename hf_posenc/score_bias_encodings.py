@@ -25,7 +25,7 @@ def t5_relative_bucket(
     Half the buckets (per direction, when bidirectional) hold the exact distances ``0 .. n/2 - 1``; the rest split
     ``[n/2, max_distance)`` logarithmically, and larger distances share the last bucket. With 32 buckets and
     ``max_distance=128`` (bidirectional), ``i - j = 0..30`` maps to the table of kexue.fm/archives/8130:
-    0..7, then 8,8,8,8, 9,9,9,9, 10 (x8), 11 (x7). Keys to the right of the query (``j > i``) use the upper half.
+    0..7, then 8,8,8,8, 9,9,9,9, 10 (x7), 11 (x8). Keys to the right of the query (``j > i``) use the upper half.
     Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer".
     """
     if bidirectional:
