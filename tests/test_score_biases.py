@@ -305,6 +305,23 @@ def test_t5_decay_init_starts_each_logarithmic_bucket_one_nat_below_the_one_befo
         torch.testing.assert_close(decay[:, 0, :], by_distance.expand(4, 31))  # keys to the right: the same fall
 
 
+def test_t5_default_init_leaves_far_keys_alive_under_relu2():
+    """At init ``q.k`` is near 0, so the bias's sign decides which keys ``relu2`` keeps. T5's zero-mean draw leaves
+    about half the far (head, key) pairs positive; the decay option makes every key past the exact distances
+    negative: no weight and no gradient through it."""
+    ids = random_ids(2, 32)
+    alive = {}
+    for init in ("reference", "decay"):
+        torch.manual_seed(0)
+        config = make_config("bert", {"type": "t5", "init": init}, "relu2", hidden_size=64, initializer_range=0.02)
+        model = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            weights = model(ids, output_attentions=True).attentions[0]  # (batch, heads, query, key)
+        distance = (torch.arange(32)[:, None] - torch.arange(32)[None, :]).abs()
+        alive[init] = (weights[..., distance >= 8] > 0).float().mean().item()
+    assert 0.25 < alive["reference"] < 0.75 and alive["decay"] == 0.0, alive
+
+
 def test_t5_never_reached_buckets_keep_their_initial_steps():
     """Train a decoder on 12-token blocks: the loss reaches distances 0..10 (buckets 0..10 of 32). Every bucket
     training never reaches keeps its initial step, so its bias is the farthest trained bucket's plus its initial
