@@ -168,7 +168,7 @@ class T5Bias(RelativeScoreBias):
         """The mean bias value of each bucket at init, ``(num_buckets, 1)``: 0 (``init="reference"``); for
         ``"decay"``, ``-1, -2, ...`` nats at the logarithmic buckets of each direction, 0 at the exact ones."""
         half = self.spec["num_buckets"] // (1 if self.dims.causal else 2)
-        if self.spec["init"] == "decay":  # bucket half / 2 (the first logarithmic one) is one bucket past the exact
+        if self.spec["init"] == "decay":  # the first logarithmic bucket, half // 2, starts at -1
             per_direction = (torch.arange(half) - half // 2 + 1).clamp(min=0) * self.decay_per_bucket
         else:
             per_direction = torch.zeros(half)
