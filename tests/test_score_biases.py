@@ -3,6 +3,7 @@ position-only scheme, and the fast path (dense bias on SDPA, score_mod on flex) 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -220,8 +221,12 @@ def t5_bias_by_hand_inverse(values, causal):
 
 def old_t5_folder(model, folder):
     """``model`` saved as hf_posenc saved ``t5`` before the steps: its bias values / table_scale under
-    ``relative_attention_bias`` (old bias = table_scale * stored value, per bucket). Returns the stored values."""
+    ``relative_attention_bias`` (old bias = table_scale * stored value, per bucket), and no ``init`` option in its
+    config. Returns the stored values."""
     model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["position_encoding"]["init"]
+    (folder / "config.json").write_text(json.dumps(config))
     weights = safetensors.torch.load_file(folder / "model.safetensors")
     (key,) = [k for k in weights if k.endswith("relative_attention_steps.weight")]
     values = torch.randn_like(weights.pop(key))
