@@ -49,7 +49,6 @@ from .recipe_common import (
     upload_folder,
     write_model_card,
 )
-from .score_bias_encodings import T5Bias, t5_bias_from_steps
 
 
 EMBEDDED_CORPUS = Path(__file__).parent / "data" / "emma.txt.xz"
@@ -213,10 +212,9 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
     * ``sinusoidal`` (Vaswani et al. 2017; tensor2tensor): token embeddings ``N(0, d^-1/2)``. GPT-2's 0.02 leaves the
       fixed table (entries of size ~0.7) eight times louder than ``d^-1/2`` does and the tokens nearly invisible:
       trained with GPT-2's init the model stays on the unigram plateau.
-    * ``t5`` (Raffel et al. 2020; ``T5PreTrainedModel._init_weights``): relative attention bias values ``N(0, d^-1/2)``
-      (on top of the scheme's initial far steps, ``T5Bias``).
 
-    ``learned`` is GPT-2's / BERT's own init; ``rope``, ``alibi`` and ``none`` have no parameters.
+    ``learned`` is GPT-2's / BERT's own init; ``t5`` draws T5's values itself (``T5Bias``, ``init="reference"``);
+    ``rope``, ``alibi`` and ``none`` have no parameters.
     """
     scheme = model.config.position_encoding["type"]
     std = model.config.hidden_size**-0.5
@@ -225,13 +223,6 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
         if scheme == "sinusoidal":
             model.get_input_embeddings().weight.normal_(0.0, std)
             changed.append(f"token embeddings ~ N(0, {std:.4f})")
-        if scheme == "t5":
-            for name, module in model.named_modules():
-                if isinstance(module, T5Bias):  # T5's values, on top of the scheme's falling far steps
-                    steps = module.initial_steps().expand_as(module.relative_attention_steps.weight)
-                    falling = t5_bias_from_steps(steps, bidirectional=not module.dims.causal) * module.table_scale
-                    module.store_bias(falling + torch.randn_like(falling) * std)
-                    changed.append(f"{name} bias ~ N(0, {std:.4f}) + its initial steps")
     return changed
 
 

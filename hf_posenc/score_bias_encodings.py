@@ -25,7 +25,7 @@ def t5_relative_bucket(
     Half the buckets (per direction, when bidirectional) hold the exact distances ``0 .. n/2 - 1``; the rest split
     ``[n/2, max_distance)`` logarithmically, and larger distances share the last bucket. With 32 buckets and
     ``max_distance=128`` (bidirectional), ``i - j = 0..30`` maps to the table of kexue.fm/archives/8130:
-    0..7, then 8,8,8,8, 9,9,9,9, 10 (x8), 11 (x7). Keys to the right of the query (``j > i``) use the upper half.
+    0..7, then 8,8,8,8, 9,9,9,9, 10 (x7), 11 (x8). Keys to the right of the query (``j > i``) use the upper half.
     Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer".
     """
     if bidirectional:
@@ -92,6 +92,9 @@ def refuse_old_t5_table(model: nn.Module, unexpected_keys: set[str]) -> None:
         )
 
 
+T5_INITS = ("reference", "decay")
+
+
 class T5Bias(RelativeScoreBias):
     """T5 bucketed relative bias: ``b_ij += beta_h[bucket(i - j)]``, one table shared by all layers.
 
@@ -105,15 +108,24 @@ class T5Bias(RelativeScoreBias):
     far slower than the attention logits it competes with; read through ``s`` it moves ``s`` times faster
     (``benchmarks/bias_learning_pace.py``: 1.95 -> 1.66 nats/byte after 600 steps).
 
-    Steps, not values, so that a model keeps its bias past its training length. A bucket that training
-    never reaches (distances beyond the training length) gets no gradient: stored as a value it would keep its
-    initial ~0 while the farthest trained buckets go to about -2 (every key past the training length then gains ~+2);
-    stored as a step it keeps the bias of the nearest trained bucket plus its initial step. Each step starts at
-    ``N(0, initializer_range / s)`` (T5's small init), plus ``far_step / s`` (-1 nat of bias) at each logarithmic
-    bucket: the keys beyond the training length share few buckets (the last one takes every distance from
-    ``max_distance`` on), and at the trained buckets' level their number drowns the near keys. Training moves the
-    steps of the buckets it reaches; the others keep falling. Same benchmark, loss at 64 / 128 / 256 / 512 bytes
-    after training at 64: values 1.663 / 2.009 / 2.802 / 3.082, steps 1.626 / 1.592 / 1.593 / 1.593.
+    Steps, not values, so that a model keeps its bias past its training length: a bucket that training never reaches
+    (distances beyond the training length) gets no gradient; stored as a value it would keep its initial value while
+    the farthest trained buckets move away from it, stored as a step it keeps the bias of the nearest trained bucket
+    plus its initial step.
+
+    Init (option ``init``), drawn as bias values and stored as their steps, so the values are distributed exactly as
+    drawn whatever ``s``: the stored steps are ``t5_steps_from_bias(values) / s``.
+
+    * ``"reference"`` (default): Transformers' ``T5PreTrainedModel._init_weights``, ``relative_attention_bias``
+      ``~ N(0, initializer_factor * d_model^-1/2)`` with T5's ``initializer_factor = 1``: values ``N(0,
+      hidden_size^-1/2)`` (``initializer_range`` is not used, as in T5). The Mesh-TensorFlow code that trained T5
+      (and T5X) draws the same table Glorot-uniform over ``(heads, buckets)``, std ``sqrt(2 / (heads + buckets))``;
+      both are a small zero-mean table, no locality prior.
+    * ``"decay"``: the same draw plus ``-1`` nat per logarithmic bucket (0 up to the exact distances, then -1, -2, ...
+      at the logarithmic buckets of each direction), a locality prior T5 does not have. The keys beyond the training
+      length share few buckets (the last one takes every distance from ``max_distance`` on); the decay makes the
+      attention they take fall geometrically past the last trained bucket. Under ``relu2`` it makes every key past
+      the exact distances dead at init (their scores ``q.k + b < 0``).
 
     A T5 checkpoint's table (bias values) converts as ``t5_steps_from_bias(weight) / s`` (:meth:`store_bias`). A model
     saved by hf_posenc before the steps stored ``values / s`` as ``relative_attention_bias``: ``load_state_dict``
@@ -128,8 +140,15 @@ class T5Bias(RelativeScoreBias):
         "table_scale": Option(
             None, (float, int), "bias = table_scale * table (None: sqrt(head_dim))", lambda v: v > 0, "a number > 0"
         ),
+        "init": Option(
+            "reference",
+            (str,),
+            "'reference': T5's N(0, hidden_size^-1/2) bias values; 'decay': the same, -1 nat per logarithmic bucket",
+            lambda v: v in T5_INITS,
+            " or ".join(map(repr, T5_INITS)),
+        ),
     }
-    far_step = -1.0
+    decay_per_bucket = -1.0
 
     @classmethod
     def check_spec(cls, spec):
@@ -145,18 +164,22 @@ class T5Bias(RelativeScoreBias):
         self.relative_attention_steps = nn.Embedding(spec["num_buckets"], dims.num_heads)
         self.table_scale = spec["table_scale"] or math.sqrt(dims.head_dim)
 
-    def initial_steps(self) -> torch.Tensor:
-        """The mean of each stored step at init, ``(num_buckets, 1)``: ``far_step / s`` at the logarithmic buckets
-        (those past the exact distances, in each direction), 0 elsewhere."""
+    def initial_bias(self) -> torch.Tensor:
+        """The mean bias value of each bucket at init, ``(num_buckets, 1)``: 0 (``init="reference"``); for
+        ``"decay"``, ``-1, -2, ...`` nats at the logarithmic buckets of each direction, 0 at the exact ones."""
         half = self.spec["num_buckets"] // (1 if self.dims.causal else 2)
-        per_direction = torch.arange(half) >= half // 2
-        logarithmic = per_direction if self.dims.causal else torch.cat([per_direction, per_direction])
-        return (logarithmic.float() * self.far_step / self.table_scale)[:, None]
+        if self.spec["init"] == "decay":  # the first logarithmic bucket, half // 2, starts at -1
+            per_direction = (torch.arange(half) - half // 2 + 1).clamp(min=0) * self.decay_per_bucket
+        else:
+            per_direction = torch.zeros(half)
+        bias = per_direction if self.dims.causal else torch.cat([per_direction, per_direction])
+        return bias[:, None]
 
     def init_weights(self, initializer_range):
+        """T5's values (``N(0, hidden_size^-1/2)``, plus :meth:`initial_bias`), stored as their steps."""
         weight = self.relative_attention_steps.weight
-        noise = torch.randn(weight.shape) * (initializer_range / self.table_scale)
-        init.copy_(weight, noise + self.initial_steps())
+        values = torch.randn(weight.shape) * self.dims.hidden_size**-0.5 + self.initial_bias()
+        init.copy_(weight, t5_steps_from_bias(values, bidirectional=not self.dims.causal) / self.table_scale)
 
     def store_bias(self, values: torch.Tensor) -> None:
         """Write bias values ``(num_buckets, heads)`` (a T5 checkpoint's table, or an init drawn as values)."""

@@ -69,6 +69,8 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
         ("position_encoding", {"type": "rope", "rotary_fraction": 1.5}, r"'rotary_fraction'=1.5 is out of range"),
         ("position_encoding", {"type": "learned", "max_positions": 0}, r"'max_positions'=0 is out of range"),
         ("position_encoding", {"type": "t5", "max_distance": 16}, r"max_distance=16 must be larger than .* = 16"),
+        ("position_encoding", {"type": "t5", "init": "zeros"}, r"'init'='zeros' is out of range; valid: 'refer"),
+        ("position_encoding", {"type": "t5", "init": None}, r"option 'init' must be str, got None"),
         ("position_encoding", {"theta": 2.0}, r"has no 'type' key; valid types: \['alibi'"),
         ("position_encoding", 3, r"must be a name or a dict .* got 3"),
         ("attention_normalizer", ["softmax"], r"must be a name or a dict .* got \['softmax'\]"),
@@ -106,6 +108,11 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
         "num_buckets": {"default": 32, "doc": "number of buckets"},
         "max_distance": {"default": 128, "doc": "distance of the last bucket"},
         "table_scale": {"default": None, "doc": "bias = table_scale * table (None: sqrt(head_dim))"},
+        "init": {
+            "default": "reference",
+            "doc": "'reference': T5's N(0, hidden_size^-1/2) bias values; 'decay': the same, -1 nat per logarithmic "
+            "bucket",
+        },
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()

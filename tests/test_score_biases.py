@@ -3,6 +3,7 @@ position-only scheme, and the fast path (dense bias on SDPA, score_mod on flex) 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -220,8 +221,12 @@ def t5_bias_by_hand_inverse(values, causal):
 
 def old_t5_folder(model, folder):
     """``model`` saved as hf_posenc saved ``t5`` before the steps: its bias values / table_scale under
-    ``relative_attention_bias`` (old bias = table_scale * stored value, per bucket). Returns the stored values."""
+    ``relative_attention_bias`` (old bias = table_scale * stored value, per bucket), and no ``init`` option in its
+    config. Returns the stored values."""
     model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["position_encoding"]["init"]
+    (folder / "config.json").write_text(json.dumps(config))
     weights = safetensors.torch.load_file(folder / "model.safetensors")
     (key,) = [k for k in weights if k.endswith("relative_attention_steps.weight")]
     values = torch.randn_like(weights.pop(key))
@@ -250,43 +255,97 @@ def test_t5_old_checkpoint_is_refused_by_from_pretrained(tmp_path, model_type):
             auto.from_pretrained(tmp_path)
 
 
+def test_t5_reference_init_draws_t5s_bias_values():
+    """``init="reference"``: the bias values are N(0, hidden_size^-1/2), as Transformers' T5 draws its
+    ``relative_attention_bias`` (``T5PreTrainedModel._init_weights``, ``initializer_factor`` 1): the same std in every
+    bucket (drawn as values, not a random walk of steps) whatever ``table_scale``. 60 draws of a 32 x 4 table."""
+    t5 = transformers.T5EncoderModel(
+        transformers.T5Config(vocab_size=8, d_model=64, d_kv=16, num_heads=4, num_layers=1, d_ff=8)
+    )
+    transformers_std = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.std().item()
+    assert transformers_std == pytest.approx(64**-0.5, rel=0.2)  # one 32 x 4 draw
+    for causal in (False, True):
+        tables = []
+        for seed in range(60):
+            encoding = scheme("t5", causal, heads=4, head_dim=16)  # hidden_size 64, table_scale 4
+            torch.manual_seed(seed)
+            encoding.init_weights(0.02)
+            tables.append(encoding.bias_table(CPU).detach())
+        values = torch.stack(tables)  # (seeds, buckets, heads)
+        assert values.mean().abs() < 0.01
+        assert values.std().item() == pytest.approx(64**-0.5, rel=0.05)
+        per_bucket = values.transpose(0, 1).flatten(1).std(dim=1)  # 240 draws per bucket
+        assert ((per_bucket / 64**-0.5 - 1).abs() < 0.25).all(), per_bucket
+        unscaled = scheme("t5", causal, heads=4, head_dim=16, table_scale=1.0)
+        torch.manual_seed(seed)
+        unscaled.init_weights(0.02)
+        torch.testing.assert_close(unscaled.bias_table(CPU), tables[-1])  # the same values, stored 4x larger
+        steps = encoding.relative_attention_steps.weight
+        torch.testing.assert_close(unscaled.relative_attention_steps.weight, 4 * steps)
+
+
 @pytest.mark.parametrize("model_type", ["bert", "gpt2"])
-def test_t5_initial_bias_is_small_over_exact_distances_and_falls_one_nat_per_log_bucket(model_type):
-    """Steps start at N(0, initializer_range / table_scale), minus 1 / table_scale at each logarithmic bucket."""
-    torch.manual_seed(0)
-    width = {"hidden_size": 64} if model_type == "bert" else {"n_embd": 64}  # 4 heads of 16: table_scale 4
-    config = make_config(model_type, "t5", initializer_range=0.02, **width)
+def test_t5_decay_init_starts_each_logarithmic_bucket_one_nat_below_the_one_before(model_type):
+    """``init="decay"``: the reference draw plus 0 nats over the exact distances and -1, -2, ... at the logarithmic
+    buckets. Per bucket, and per distance from the dense bias against the bucket table of kexue.fm/archives/8130
+    (32 buckets, max_distance 128, bidirectional: distances 0..30 -> buckets 0..7, 8 x4, 9 x4, 10 x7, 11 x8)."""
+    width = {"hidden_size": 64} if model_type == "bert" else {"n_embd": 64}
     auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
-    model = auto.from_config(config)
-    encoding = model.base_model.position_encoding
-    assert encoding.table_scale == 4.0
-    causal = model_type == "gpt2"
-    steps = encoding.relative_attention_steps.weight.detach() * 4.0
-    exact = torch.cat([torch.arange(16)] if causal else [torch.arange(8), torch.arange(16, 24)])
-    logarithmic = torch.cat([torch.arange(16, 32)] if causal else [torch.arange(8, 16), torch.arange(24, 32)])
-    assert 0.012 < steps[exact].std().item() < 0.03  # 0.02 in bias units
-    torch.testing.assert_close(steps[logarithmic], torch.full_like(steps[logarithmic], -1.0), atol=0.1, rtol=0)
-    bias = encoding.bias_table(CPU).detach()
-    assert bias[exact].abs().max() < 0.2
+    tables, biases = {}, {}
+    for init in ("reference", "decay"):
+        torch.manual_seed(0)
+        encoding = auto.from_config(make_config(model_type, {"type": "t5", "init": init}, **width)).base_model
+        tables[init] = encoding.position_encoding.bias_table(CPU).detach()
+        biases[init] = dense_bias(encoding.position_encoding, list(range(31))).detach()
+    fall = tables["decay"] - tables["reference"]  # the same draw underneath
+    if model_type == "bert":  # per direction: 8 exact buckets at 0, then 8 logarithmic ones
+        by_bucket = [0, 0, 0, 0, 0, 0, 0, 0, -1, -2, -3, -4, -5, -6, -7, -8] * 2
+    else:  # 16 exact buckets, then 16 logarithmic ones
+        by_bucket = [0] * 16 + [-1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14, -15, -16]
+    torch.testing.assert_close(fall, torch.tensor(by_bucket, dtype=torch.float32)[:, None].expand(32, 4))
+    if model_type == "bert":
+        by_distance = torch.tensor([0.0] * 8 + [-1.0] * 4 + [-2.0] * 4 + [-3.0] * 7 + [-4.0] * 8)
+        decay = biases["decay"] - biases["reference"]  # (heads, query, key)
+        torch.testing.assert_close(decay[:, 30, :].flip(-1), by_distance.expand(4, 31))  # keys to the left
+        torch.testing.assert_close(decay[:, 0, :], by_distance.expand(4, 31))  # keys to the right: the same fall
 
 
-def test_t5_never_reached_buckets_stay_below_the_farthest_trained_one():
-    """Train a decoder on 12-token blocks: the loss reaches distances 0..10 (buckets 0..10 of 32). The bias of every
-    bucket training never reaches stays at or below the farthest trained bucket's, in every head (stored as
-    values, the unreached buckets kept their initial ~0 while the trained far ones fell, here to -0.5 and -1.3, so
-    every key past the training length gained)."""
+def test_t5_default_init_leaves_far_keys_alive_under_relu2():
+    """At init ``q.k`` is near 0, so the bias's sign decides which keys ``relu2`` keeps. T5's zero-mean draw leaves
+    about half the far (head, key) pairs positive; the decay option makes every key past the exact distances
+    negative: no weight and no gradient through it."""
+    ids = random_ids(2, 32)
+    alive = {}
+    for init in ("reference", "decay"):
+        torch.manual_seed(0)
+        config = make_config("bert", {"type": "t5", "init": init}, "relu2", hidden_size=64, initializer_range=0.02)
+        model = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            weights = model(ids, output_attentions=True).attentions[0]  # (batch, heads, query, key)
+        distance = (torch.arange(32)[:, None] - torch.arange(32)[None, :]).abs()
+        alive[init] = (weights[..., distance >= 8] > 0).float().mean().item()
+    assert 0.25 < alive["reference"] < 0.75 and alive["decay"] == 0.0, alive
+
+
+def test_t5_never_reached_buckets_keep_their_initial_steps():
+    """Train a decoder on 12-token blocks: the loss reaches distances 0..10 (buckets 0..10 of 32). Every bucket
+    training never reaches keeps its initial step, so its bias is the farthest trained bucket's plus its initial
+    difference from it: stored as values, such a bucket would keep its initial value however far the trained ones
+    moved."""
     torch.manual_seed(0)
     config = make_config("gpt2", "t5", n_layer=1, n_head=2, initializer_range=0.02)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    encoding = model.transformer.position_encoding
+    initial = encoding.bias_table(CPU).detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
     for _ in range(60):
         ids = torch.randint(3, 60, (16, 12))
         model(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    bias = model.transformer.position_encoding.bias_table(CPU).detach()
-    # Buckets 11..15 (exact distances) keep the farthest trained bias plus their initial steps, N(0, 0.02) each.
-    assert (bias[11:] <= bias[10] + 0.1).all(), (bias[11:] - bias[10]).max()
+    bias = encoding.bias_table(CPU).detach()
+    assert (bias[10] - initial[10]).abs().min() > 0.1  # the farthest trained bucket moved, in every head
+    torch.testing.assert_close(bias[11:] - bias[10], initial[11:] - initial[10])
 
 
 POSITION_ONLY = ["t5", "alibi", "kerple", "fire"]
