@@ -618,7 +618,7 @@ def attention_in_query_chunks(
         if term is not None:
             scores = scores + term[:, :, start:stop]
         if mask is not None and mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask[..., start:stop, :], torch.finfo(compute_dtype).min)
+            scores = scores.masked_fill(~mask[..., start:stop, :], torch.finfo(scores.dtype).min)
         elif mask is not None:
             scores = scores + mask[..., start:stop, :]
         chunk_inputs = {
