@@ -21,7 +21,8 @@ from hf_posenc.position_interface import AttentionDims
 
 def stick_breaking(heads=2, max_positions=16, **options):
     dims = AttentionDims(hidden_size=8 * heads, num_heads=heads, head_dim=8, max_positions=max_positions, causal=True)
-    return ATTENTION_NORMALIZERS["stick_breaking"](resolve_attention_normalizer({"type": "stick_breaking", **options}), dims)
+    spec = resolve_attention_normalizer({"type": "stick_breaking", **options}, causal=True)
+    return ATTENTION_NORMALIZERS["stick_breaking"](spec, dims)
 
 
 def loop_weights(scores, visible, query_positions, key_positions, attend_current=False):
@@ -34,8 +35,10 @@ def loop_weights(scores, visible, query_positions, key_positions, attend_current
             for i in range(q_len):
                 left = 1.0
                 for j in reversed(range(kv_len)):
-                    before = key_positions[b, j] <= query_positions[b, i] if attend_current else (
-                        key_positions[b, j] < query_positions[b, i]
+                    before = (
+                        key_positions[b, j] <= query_positions[b, i]
+                        if attend_current
+                        else (key_positions[b, j] < query_positions[b, i])
                     )
                     if not (visible[b, 0, i, j] and before):
                         continue
@@ -112,7 +115,9 @@ def test_a_model_gives_zero_attention_output_to_a_row_with_no_visible_key():
     for attn in ("eager", "sdpa"):
         model = make_model("gpt2", "none", "stick_breaking", attn=attn)
         captured = []
-        hook = model.transformer.h[0].attn.c_proj.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+        hook = model.transformer.h[0].attn.c_proj.register_forward_hook(
+            lambda module, args, output, captured=captured: captured.append(args[0])
+        )
         with torch.no_grad():
             outputs[attn] = model(ids, attention_mask=mask).logits
         hook.remove()
