@@ -466,7 +466,8 @@ class StickBreaking(AttentionNormalizer):
         # sum_{k > j} log(1 - sigmoid(b_ik)): summed from the query outward, then shifted one key to exclude k = j.
         after = log_remains.flip(-1).cumsum(-1).flip(-1)
         after = nn.functional.pad(after[..., 1:], (0, 1))
-        log_weights = torch.where(keys, nn.functional.logsigmoid(scores) + after, -math.inf)
+        # log sigmoid(b) = b + log(1 - sigmoid(b)): one logsigmoid for both (an error of at most eps |b| in the log)
+        log_weights = torch.where(keys, scores + log_remains + after, -math.inf)
         return torch.exp(log_weights)
 
 
