@@ -66,7 +66,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
             to eager, see ``supported_backends``).
         flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: l2, exp, relu2,
             swish_l2), which compiled FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
-        in_query_chunks: no SDPA kernel computes it, and ``"sdpa"`` in ``backends`` means the attention runs the
+        sdpa_in_query_chunks: no SDPA kernel computes it, and ``"sdpa"`` in ``backends`` means the attention runs the
             eager composition a chunk of queries at a time, each chunk checkpointed (``posenc_attention``'s
             ``attention_in_query_chunks``): only ``(batch, heads, chunk, kv_len)`` weights exist at a time and the
             backward recomputes them (stick_breaking).
@@ -77,7 +77,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     options = GATE_OPTIONS
     backends: tuple[str, ...] = ("eager",)
     flex_needs_lse: bool = False
-    in_query_chunks: bool = False
+    sdpa_in_query_chunks: bool = False
     families: tuple[str, ...] = FAMILIES
     family_reason: str = ""
 
@@ -437,7 +437,7 @@ class StickBreaking(AttentionNormalizer):
     model also adds ``(1 - sum_j a_ij)`` times a learned per-head vector to the output and a per-head GroupNorm
     (``SBAttention`` of IBM's dolomite-engine); those are model choices outside the normalizer, not made here.
     W_V and W_O keep the family's init (factor 1), as the reference's: at init ``sigmoid(b) ~ 1/2``, so a row sums
-    to about 1. Backends: eager, and ``sdpa`` meaning its chunked path (``in_query_chunks``), whose memory grows like
+    to about 1. Backends: eager, and ``sdpa`` meaning its chunked path (``sdpa_in_query_chunks``), whose memory grows like
     ``chunk x kv_len`` rather than ``q_len x kv_len`` per layer kept for the backward.
     """
 
@@ -451,7 +451,7 @@ class StickBreaking(AttentionNormalizer):
         )
     }
     backends = ("eager", "sdpa")
-    in_query_chunks = True
+    sdpa_in_query_chunks = True
     families = ("decoder",)
     family_reason = "causal by construction: each key's weight is what the keys between it and the query leave"
 

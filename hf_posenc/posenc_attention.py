@@ -5,7 +5,9 @@ the scores with the scheme's position terms (the shared bias folded into the mas
 normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
-* ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
+* ``sdpa``: softmax only; a position-only term goes in as a dense float mask; a normalizer no kernel computes
+  (``sdpa_in_query_chunks``: stick_breaking) runs here as the eager composition a checkpointed chunk of queries
+  at a time;
 * ``flex_attention``: softmax, and (off CPU) l2, exp, relu2 and swish_l2 from its log-sum-exp; a position-only term
   goes in as a ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only, returns no
   log-sum-exp and is wrong for heads narrower than 24, so there a forward that needs gradients or has such heads
@@ -596,7 +598,7 @@ def _eager(query, key, value, attention_inputs, normalizer, score_term, value_ro
 def attention_in_query_chunks(
     query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
 ):
-    """The ``sdpa`` backend of a normalizer no SDPA kernel computes (``normalizer.in_query_chunks``, stick_breaking):
+    """The ``sdpa`` backend of a normalizer no SDPA kernel computes (``normalizer.sdpa_in_query_chunks``, stick_breaking):
     the eager composition (scores, the mask, the normalizer, dropout, ``P V`` and the value term) a chunk of queries
     at a time (``relative_tables.in_query_chunks``, each chunk checkpointed), so only ``(batch, heads, chunk,
     kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k, v, its output
@@ -740,7 +742,7 @@ def positional_attention(
                 attend, query, key, value, score_mod, block_mask, scaling, lse, value_rows, causal
             )
             output = output + term.to(output.dtype)
-    elif backend == "sdpa" and normalizer.in_query_chunks:
+    elif backend == "sdpa" and normalizer.sdpa_in_query_chunks:
         output = attention_in_query_chunks(
             query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
         )
