@@ -437,8 +437,8 @@ class StickBreaking(AttentionNormalizer):
     model also adds ``(1 - sum_j a_ij)`` times a learned per-head vector to the output and a per-head GroupNorm
     (``SBAttention`` of IBM's dolomite-engine); those are model choices outside the normalizer, not made here.
     W_V and W_O keep the family's init (factor 1), as the reference's: at init ``sigmoid(b) ~ 1/2``, so a row sums
-    to about 1. Backends: eager, and ``sdpa`` meaning its chunked path (``sdpa_in_query_chunks``), whose memory grows like
-    ``chunk x kv_len`` rather than ``q_len x kv_len`` per layer kept for the backward.
+    to about 1. Backends: eager, and ``sdpa`` meaning its chunked path (``sdpa_in_query_chunks``), whose memory
+    grows like ``chunk x kv_len`` rather than ``q_len x kv_len`` per layer kept for the backward.
     """
 
     name = "stick_breaking"
