@@ -599,12 +599,13 @@ def attention_in_query_chunks(
     query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
 ):
     """The ``sdpa`` backend of a normalizer no SDPA kernel computes (``normalizer.sdpa_in_query_chunks``:
-    stick_breaking): the eager composition (scores, the mask, the normalizer, dropout, ``P V`` and the value term) a chunk of queries
-    at a time (``relative_tables.in_query_chunks``, each chunk checkpointed), so only ``(batch, heads, chunk,
-    kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k, v, its output
-    and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its row's scores, so
-    the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive, boolean, or None with
-    causality by index (SDPA's ``is_causal``); dropout masks are recomputed from the saved RNG state."""
+    stick_breaking): the eager composition (scores, the mask, the normalizer, dropout, ``P V`` and the value term) a
+    chunk of queries at a time (``relative_tables.in_query_chunks``, each chunk checkpointed), so only ``(batch,
+    heads, chunk, kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k,
+    v, its output and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its
+    row's scores, so the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive,
+    boolean, or None with causality by index (SDPA's ``is_causal``); dropout masks are recomputed from the saved RNG
+    state."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     term = score_term(query, key, attention_inputs) if score_term is not None else None
