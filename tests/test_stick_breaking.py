@@ -254,3 +254,21 @@ def test_chunked_path_keeps_no_query_by_key_tensor_for_the_backward(monkeypatch)
     monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 2 * 16 * q_len)  # 16 queries a chunk
     assert largest_tensor_saved_for_backward("eager", q_len) >= 2 * q_len * q_len  # the (heads, q, k) weights
     assert largest_tensor_saved_for_backward("sdpa", q_len) <= 2 * q_len * 16  # q, k, v and chunk outputs only
+
+
+def test_chunked_path_with_attention_dropout_recomputes_the_same_mask():
+    """Training with attention dropout: one chunk draws the same dropout mask as eager (same RNG state, same shape),
+    and the checkpoint's recompute in the backward restores that state, so the loss and every gradient equal eager's
+    (a recompute with another mask would give gradients of another forward)."""
+    ids = random_ids(2, 9)
+    results = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model("gpt2", "t5", "stick_breaking", attn=attn, attn_pdrop=0.3).train()
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        torch.manual_seed(6)  # the backward must not depend on the RNG state after the forward
+        loss.backward()
+        results[attn] = loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=1e-6, rtol=1e-6)
+    for name, grad in results["eager"][1].items():
+        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
