@@ -607,6 +607,7 @@ def attention_in_query_chunks(
     boolean, or None with causality by index (SDPA's ``is_causal``); dropout masks are recomputed from the saved RNG
     state."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])  # as eager reads them
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     term = score_term(query, key, attention_inputs) if score_term is not None else None
     mask, visible, row_has_key = attention_inputs["mask"], attention_inputs["visible"], attention_inputs["row_has_key"]
