@@ -14,7 +14,7 @@ import hf_posenc
 from hf_posenc import relative_tables
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
-from hf_posenc.posenc_attention import build_dense_mask, positional_attention
+from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
@@ -272,3 +272,20 @@ def test_chunked_path_with_attention_dropout_recomputes_the_same_mask():
     torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=1e-6, rtol=1e-6)
     for name, grad in results["eager"][1].items():
         torch.testing.assert_close(results["sdpa"][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_request_but_eager_runs_the_chunked_path(device):
+    """No kernel computes stick-breaking: the default and a flex request run its chunked ``sdpa`` path on CPU and on
+    CUDA (routing only: no GPU needed), trained with a learned bias or not; ``output_attentions`` needs eager."""
+    normalizer = resolve_attention_normalizer("stick_breaking", causal=True)
+    for scheme in ("none", "t5"):
+        spec = hf_posenc.PosEncGPT2Config(position_encoding=scheme).position_encoding
+        for requested in (None, "sdpa", "flex_attention"):
+            for needs_grad in (False, True):
+                backend = choose_backend(
+                    requested, spec, normalizer, torch.device(device), position_bias_needs_grad=needs_grad
+                )
+                assert backend == "sdpa", (scheme, requested, needs_grad)
+        assert choose_backend("eager", spec, normalizer, torch.device(device)) == "eager"
+        assert choose_backend(None, spec, normalizer, torch.device(device), need_weights=True) == "eager"
