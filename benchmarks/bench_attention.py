@@ -100,6 +100,12 @@ def supports(family: str, scheme: str) -> bool:
     return ("encoder" if family == "bert" else "decoder") in hf_posenc.list_position_encodings()[scheme]["families"]
 
 
+def normalizer_supports(family: str, normalizer: str) -> bool:
+    """Whether the normalizer has a form for the family (``stick_breaking``: decoders only)."""
+    families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
+    return ("encoder" if family == "bert" else "decoder") in families
+
+
 def stock_model(family: str, args: argparse.Namespace) -> transformers.PreTrainedModel:
     """A randomly initialised stock BertModel / GPT2Model on sdpa, dropout off so train and eval do the same work."""
     max_len = max(args.seq_lens + [args.memory_seq_len or 0])
@@ -153,7 +159,7 @@ def build_cases(family: str, args: argparse.Namespace) -> list[Case]:
         for backend in backends:
             cases.append(Case(family, scheme, "softmax", backend, "forward", on_backend(converted, backend)))
         cases.append(Case(family, scheme, "softmax", "sdpa", "train", copy.deepcopy(converted)))
-    for normalizer in args.normalizers:
+    for normalizer in [n for n in args.normalizers if normalizer_supports(family, n)]:
         converted = hf_posenc.convert(stock, attention_normalizer=normalizer)
         for mode in ("forward", "train"):
             for backend in ("eager", "sdpa") if normalizer == "softmax" else (runs_on(converted),):
@@ -301,7 +307,7 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for family in args.families:
         combos = [(s, "softmax") for s in args.schemes if supports(family, s)]
-        combos += [("learned", n) for n in args.normalizers if n != "softmax"]
+        combos += [("learned", n) for n in args.normalizers if n != "softmax" and normalizer_supports(family, n)]
         for scheme, normalizer in combos:
             command = [sys.executable, __file__, "--memory-child", family, scheme, normalizer]
             command += ["--memory-seq-len", str(args.memory_seq_len), "--device", args.device, "--seq-lens", "1"]

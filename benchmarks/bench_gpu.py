@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows.append(run_row(Row(family, shape, "stock", "sdpa", "sdpa"), stock, ids, device, args))
             for scheme, normalizer in cases(args):
                 families = hf_posenc.list_position_encodings()[scheme]["families"]
-                if ("decoder" if causal else "encoder") not in families:
+                normalizer_families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
+                if ("decoder" if causal else "encoder") not in set(families) & set(normalizer_families):
                     continue
                 name = scheme if normalizer == "softmax" else f"{scheme} + {normalizer}"
                 build = partial(with_loss, posenc_model, family, size, max_len, scheme, normalizer)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from .options import CatalogueEntry, Option
-from .position_interface import BACKENDS, AttentionDims, AttentionInputs
+from .position_interface import BACKENDS, FAMILIES, AttentionDims, AttentionInputs
 
 
 try:  # torch >= 2.9; before it, flex_attention(..., return_lse=True)
@@ -66,11 +66,20 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
             to eager, see ``supported_backends``).
         flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: l2, exp, relu2,
             swish_l2), which compiled FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
+        sdpa_in_query_chunks: no SDPA kernel computes it, and ``"sdpa"`` in ``backends`` means the attention runs the
+            eager composition a chunk of queries at a time, each chunk checkpointed (``posenc_attention``'s
+            ``attention_in_query_chunks``): only ``(batch, heads, chunk, kv_len)`` weights exist at a time and the
+            backward recomputes them (stick_breaking).
+        families: ``"encoder"`` and/or ``"decoder"``: where the normalizer has a form, checked when the config is
+            built (``check_family``, as for the schemes); ``family_reason`` says why it lacks the other.
     """
 
     options = GATE_OPTIONS
     backends: tuple[str, ...] = ("eager",)
     flex_needs_lse: bool = False
+    sdpa_in_query_chunks: bool = False
+    families: tuple[str, ...] = FAMILIES
+    family_reason: str = ""
 
     def __init_subclass__(cls, **kwargs):
         """Every normalizer takes the gate options beside its own."""
@@ -87,6 +96,20 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
             self.toeplitz_gate = nn.Parameter(torch.ones(dims.num_heads, width))
         else:
             self.toeplitz_gate = None
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {**super().describe(), "families": list(cls.families)}
+
+    @classmethod
+    def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
+        """Raise ``ValueError`` if the normalizer has no form for this family (``causal``: a decoder)."""
+        family = "decoder" if causal else "encoder"
+        if family not in cls.families:
+            raise ValueError(
+                f"attention_normalizer {spec['type']!r} has no {family} form ({cls.family_reason}); it runs in: "
+                f"{list(cls.families)} (posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
+            )
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
@@ -395,6 +418,59 @@ class SwishL2(AttentionNormalizer):
         return output.to(positive.dtype)
 
 
+class StickBreaking(AttentionNormalizer):
+    """``a_ij = sigmoid(b_ij) prod_{j<k<i} (1 - sigmoid(b_ik))`` over the keys before the query (Tan, Shen, Yang,
+    Courville, Panda, "Scaling Stick-Breaking Attention", ICLR 2025, arXiv 2410.17980): the nearest key takes its
+    share ``sigmoid(b)`` of a unit stick, the next one its share of what is left, and so on outward; rows sum to
+    ``1 - prod_j (1 - sigmoid(b_ij)) < 1``, and a row with no earlier key gives 0. Causal by construction: decoders
+    only.
+
+    In log space, as the reference (``shawntan/stickbreaking-attention``, ``sb_ref.py`` and its Triton kernels):
+    ``log a_ij = logsigmoid(b_ij) + sum_{j<k<i} logsigmoid(-b_ik)``, the sum a reverse cumulative sum along the keys
+    in at least float32. Keys: those the mask shows that sit at an earlier position than the query (its position
+    id; cached keys keep theirs); the query's own key is left out, as in the reference (``attend_current=False``,
+    its default and its decoding path), unless ``attend_current``. A masked key (padding, a static cache's unused
+    slot) weighs exactly 0 and is absent from the product (a factor 1, ``log 1 = 0``), so a row alone equals the
+    row in a left-padded batch.
+
+    No position encoding is needed (the paper uses none): the order of the keys is in the product. The reference
+    model also adds ``(1 - sum_j a_ij)`` times a learned per-head vector to the output and a per-head GroupNorm
+    (``SBAttention`` of IBM's dolomite-engine); those are model choices outside the normalizer, not made here.
+    W_V and W_O keep the family's init (factor 1), as the reference's: at init ``sigmoid(b) ~ 1/2``, so a row sums
+    to about 1. Backends: eager, and ``sdpa`` meaning its chunked path (``sdpa_in_query_chunks``), whose memory
+    grows like ``chunk x kv_len`` rather than ``q_len x kv_len`` per layer kept for the backward.
+    """
+
+    name = "stick_breaking"
+    description = (
+        "sigmoid(b_ij) prod_{j<k<i} (1 - sigmoid(b_ik)), nearest earlier keys first (rows sum to < 1); decoder only"
+    )
+    options = {
+        "attend_current": Option(
+            False, (bool,), "the query's own key takes the first share of the stick (the reference's default: no)"
+        )
+    }
+    backends = ("eager", "sdpa")
+    sdpa_in_query_chunks = True
+    families = ("decoder",)
+    family_reason = "causal by construction: each key's weight is what the keys between it and the query leave"
+
+    def normalize(self, scores, attention_inputs):
+        query_positions = attention_inputs["query_positions"][:, None, :, None]
+        key_positions = attention_inputs["key_positions"][:, None, None, :]
+        keys = key_positions <= query_positions if self.spec["attend_current"] else key_positions < query_positions
+        if attention_inputs["visible"] is not None:
+            keys = keys & attention_inputs["visible"]
+        # Masked keys break no stick: log(1 - sigmoid(b)) is replaced by 0 there (and never evaluated at finfo.min).
+        log_remains = torch.where(keys, nn.functional.logsigmoid(-scores), 0.0)
+        # sum_{k > j} log(1 - sigmoid(b_ik)): summed from the query outward, then shifted one key to exclude k = j.
+        after = log_remains.flip(-1).cumsum(-1).flip(-1)
+        after = nn.functional.pad(after[..., 1:], (0, 1))
+        # log sigmoid(b) = b + log(1 - sigmoid(b)): one logsigmoid for both (an error of at most eps |b| in the log)
+        log_weights = torch.where(keys, scores + log_remains + after, -math.inf)
+        return torch.exp(log_weights)
+
+
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {
-    normalizer.name: normalizer for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2)
+    normalizer.name: normalizer for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2, StickBreaking)
 }

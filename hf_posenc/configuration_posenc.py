@@ -43,8 +43,13 @@ def resolve_position_encoding(
     return spec
 
 
-def resolve_attention_normalizer(value: Any) -> dict[str, Any]:
-    return resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
+def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
+    """Full spec of an attention normalizer; for an encoder or a decoder (``causal``; None: a bare spec, no family
+    check) a normalizer with no form for the family raises ``ValueError``."""
+    spec = resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
+    if causal is not None:
+        ATTENTION_NORMALIZERS[spec["type"]].check_family(spec, causal)
+    return spec
 
 
 @strict
@@ -73,7 +78,7 @@ class PosEncBertConfig(BertConfig):
         self.position_encoding = resolve_position_encoding(
             self.position_encoding, self.max_position_embeddings, causal=self.is_decoder, hidden_size=self.hidden_size
         )
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=self.is_decoder)
         super().__post_init__(**kwargs)
 
 
@@ -98,5 +103,5 @@ class PosEncGPT2Config(GPT2Config):
         self.position_encoding = resolve_position_encoding(
             self.position_encoding, self.n_positions, causal=True, hidden_size=self.n_embd
         )
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer)
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=True)
         super().__post_init__(**kwargs)

@@ -65,7 +65,7 @@ def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPosi
 
 
 def build_attention_normalizer(config, causal: bool) -> AttentionNormalizer:
-    config.attention_normalizer = resolve_attention_normalizer(config.attention_normalizer)
+    config.attention_normalizer = resolve_attention_normalizer(config.attention_normalizer, causal)
     spec = config.attention_normalizer
     return ATTENTION_NORMALIZERS[spec["type"]](spec, attention_dims(config, causal))
 

@@ -5,7 +5,9 @@ the scores with the scheme's position terms (the shared bias folded into the mas
 normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
-* ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
+* ``sdpa``: softmax only; a position-only term goes in as a dense float mask; a normalizer no kernel computes
+  (``sdpa_in_query_chunks``: stick_breaking) runs here as the eager composition a checkpointed chunk of queries
+  at a time;
 * ``flex_attention``: softmax, and (off CPU) l2, exp, relu2 and swish_l2 from its log-sum-exp; a position-only term
   goes in as a ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only, returns no
   log-sum-exp and is wrong for heads narrower than 24, so there a forward that needs gradients or has such heads
@@ -43,7 +45,7 @@ from .position_interface import (
     ValueRows,
     flex_compiles_length_sized_tables,
 )
-from .relative_tables import band_dot_products, sum_rows
+from .relative_tables import band_dot_products, in_query_chunks, sum_rows
 
 
 logger = logging.get_logger(__name__)
@@ -597,6 +599,58 @@ def _eager(query, key, value, attention_inputs, normalizer, score_term, value_ro
     return output, weights
 
 
+def attention_in_query_chunks(
+    query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
+):
+    """The ``sdpa`` backend of a normalizer no SDPA kernel computes (``normalizer.sdpa_in_query_chunks``:
+    stick_breaking): the eager composition (scores, the mask, the normalizer, dropout, ``P V`` and the value term) a
+    chunk of queries at a time (``relative_tables.in_query_chunks``, each chunk checkpointed), so only ``(batch,
+    heads, chunk, kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k,
+    v, its output and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its
+    row's scores, so the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive,
+    boolean, or None with causality by index (SDPA's ``is_causal``); dropout masks are recomputed from the saved RNG
+    state."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])  # as eager reads them
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    term = score_term(query, key, attention_inputs) if score_term is not None else None
+    mask, visible, row_has_key = attention_inputs["mask"], attention_inputs["visible"], attention_inputs["row_has_key"]
+    if mask is None and causal and q_len > 1:  # key j visible from query i when j <= i + kv_len - q_len
+        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        visible = mask = (torch.arange(kv_len, device=query.device) <= rows)[None, None]
+    query_positions = attention_inputs["query_positions"]
+
+    def chunk_output(start: int, stop: int) -> torch.Tensor:
+        scores = torch.matmul(query[:, :, start:stop].to(compute_dtype), key.to(compute_dtype).transpose(-1, -2))
+        scores = scores * scaling
+        if term is not None:
+            scores = scores + term[:, :, start:stop]
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask[..., start:stop, :], torch.finfo(scores.dtype).min)
+        elif mask is not None:
+            scores = scores + mask[..., start:stop, :]
+        chunk_inputs = {
+            **attention_inputs,
+            "query_positions": query_positions[:, start:stop],
+            "visible": None if visible is None else visible[..., start:stop, :],
+            "row_has_key": None if row_has_key is None else row_has_key[..., start:stop, :],
+        }
+        weights = normalizer(scores, chunk_inputs)
+        if row_has_key is not None:
+            weights = weights * row_has_key[..., start:stop, :]
+        weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
+        output = torch.matmul(weights, value)
+        if value_rows is not None:
+            index, starts = value_rows.index, value_rows.starts
+            rows_of_chunk = value_rows._replace(
+                index=index[:, start:stop], starts=None if starts is None else starts[:, start:stop]
+            )
+            output = output + value_rows_term(weights, rows_of_chunk)
+        return output
+
+    return in_query_chunks(chunk_output, (query.shape[0], query.shape[1], q_len, kv_len))
+
+
 def _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training) -> bool:
     """A float mask that requires grad (a learned position term) on CPU, without dropout: CPU SDPA kernels do not
     differentiate the mask and would fall back to the math path, so :func:`attention_with_learned_bias` runs SDPA's
@@ -703,6 +757,10 @@ def positional_attention(
                 attend, query, key, value, score_mod, block_mask, scaling, lse, value_rows, causal
             )
             output = output + term.to(output.dtype)
+    elif backend == "sdpa" and normalizer.sdpa_in_query_chunks:
+        output = attention_in_query_chunks(
+            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
+        )
     elif backend == "sdpa":
         output = _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal)
     else:

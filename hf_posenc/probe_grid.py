@@ -86,14 +86,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: int = 1) -> list[dict]:
     """The probes of the grid that fall to this process (every ``num_processes``-th, from ``process_index``)."""
-    families = hf_posenc.list_position_encodings()
+    encodings, normalizers = hf_posenc.list_position_encodings(), hf_posenc.list_attention_normalizers()
+
+    def has_form(family: str, scheme: str, variant: str) -> bool:  # both have a form for the family
+        kind = "encoder" if family == "bert" else "decoder"
+        normalizer = parse_variant(variant)[0]["type"]
+        scheme_families = encodings[parse_scheme(scheme)["type"]]["families"]
+        return kind in scheme_families and kind in normalizers[normalizer]["families"]
+
     grid = [
         (family, scheme, variant, seed)
         for family in args.families
         for scheme in args.schemes
         for variant in args.variants
         for seed in args.seeds
-        if ("encoder" if family == "bert" else "decoder") in families[parse_scheme(scheme)["type"]]["families"]
+        if has_form(family, scheme, variant)
     ]
     results = []
     mine = list(enumerate(grid))[process_index::num_processes]

@@ -521,7 +521,7 @@ def retrofit(
             f"{spec['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
         )
     model.config.position_encoding = spec
-    model.config.attention_normalizer = resolve_attention_normalizer(attention_normalizer)
+    model.config.attention_normalizer = resolve_attention_normalizer(attention_normalizer, family.causal(model.config))
     new_modules = patch(model, family)
     for module in new_modules:
         submodules = list(module.modules())

@@ -24,7 +24,8 @@ CLI_ENV = {
 }
 
 SCHEMES = list(hf_posenc.list_position_encodings())
-NORMALIZERS = list(hf_posenc.list_attention_normalizers())
+NORMALIZER_CATALOGUE = hf_posenc.list_attention_normalizers()
+NORMALIZERS = list(NORMALIZER_CATALOGUE)
 FAMILIES = ["bert", "gpt2"]
 CATALOGUE = hf_posenc.list_position_encodings()
 RELATIVE_SCHEMES = [name for name, entry in CATALOGUE.items() if entry["relative"]]
@@ -127,9 +128,20 @@ def supports(family: str, scheme: str) -> bool:
     return scheme in (ENCODER_SCHEMES if family == "bert" else DECODER_SCHEMES)
 
 
+def normalizer_supports(family: str, normalizer: str) -> bool:
+    """Whether the normalizer has a form for the family (``stick_breaking`` is causal: decoders only)."""
+    return ("encoder" if family == "bert" else "decoder") in NORMALIZER_CATALOGUE[normalizer]["families"]
+
+
 def family_combos(combos: list[tuple[str, str]]) -> list:
-    """``(family, scheme, normalizer)`` for each combination and each family that has a form for the scheme."""
-    return [(family, *combo) for family in FAMILIES for combo in combos if supports(family, combo[0])]
+    """``(family, scheme, normalizer)`` for each combination and each family that has a form for both the scheme and
+    the normalizer."""
+    return [
+        (family, *combo)
+        for family in FAMILIES
+        for combo in combos
+        if supports(family, combo[0]) and normalizer_supports(family, combo[1])
+    ]
 
 
 @pytest.fixture(params=FAMILIES)

@@ -195,8 +195,9 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
         model = make_model(family, scheme, normalizer, attn=attn)
         with torch.no_grad():
             outputs[attn] = model(ids, attention_mask=attention_mask).logits
-    spec = model.config.position_encoding
+    spec, normalizer_spec = model.config.position_encoding, model.config.attention_normalizer
     runs_flex = "flex_attention" in POSITION_ENCODINGS[scheme].supported_backends(spec)
+    runs_flex &= "flex_attention" in ATTENTION_NORMALIZERS[normalizer].supported_backends(normalizer_spec)
     assert bool(calls) == runs_flex
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)

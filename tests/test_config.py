@@ -116,7 +116,9 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
-    assert set(normalizers) == {"softmax", "l2", "exp", "relu2", "swish_l2"}
+    assert set(normalizers) == {"softmax", "l2", "exp", "relu2", "swish_l2", "stick_breaking"}
+    assert normalizers["stick_breaking"]["families"] == ["decoder"]
+    assert normalizers["l2"]["families"] == ["encoder", "decoder"]
     assert "sqrt" in normalizers["l2"]["description"]
     assert normalizers["l2"]["backends"] == ["eager", "flex_attention"]  # flex where it returns the log-sum-exp
     assert all(entry["options"]["toeplitz_gate"]["default"] is False for entry in normalizers.values())

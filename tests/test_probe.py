@@ -61,3 +61,15 @@ def test_recipe_parses_schemes_with_options_and_rejects_unknown_variants(capsys)
     with pytest.raises(SystemExit):
         probe_recipe.parse_args(["--variants", "softmax+gated"])
     assert "unknown flag(s) ['gated']" in capsys.readouterr().err
+
+
+def test_stick_breaking_without_a_position_encoding_fits_and_the_grid_leaves_out_encoders(tmp_path):
+    """``none`` + stick_breaking: a row sums to 1 - prod_j (1 - sigmoid(b_j)), which grows with the keys before the
+    query, so the decoder tells the positions apart; the recipe's grid has no encoder cell for it (decoder only)."""
+    result = hf_posenc.probe("none", "stick_breaking", family="gpt2", length=8, steps=100, learning_rate=3e-3)
+    assert result["fitted"], result["relative_mse"]
+    argv = ["--families", "bert", "gpt2", "--schemes", "none", "--variants", "softmax", "stick_breaking"]
+    results = probe_recipe.main([*argv, "--length", "4", "--max_train_steps", "2", "--output_dir", str(tmp_path)])
+    assert [(r["family"], r["variant"]) for r in results] == [
+        ("bert", "softmax"), ("gpt2", "softmax"), ("gpt2", "stick_breaking")
+    ]  # fmt: skip

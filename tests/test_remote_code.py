@@ -49,6 +49,7 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
         ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
         ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
+        ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
     ],
 )
 def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):

@@ -191,7 +191,11 @@ def test_patched_decoder_generates_the_same_with_and_without_cache_and_padding(
 
 @pytest.mark.parametrize(
     ("model_type", "class_name", "scheme", "normalizer"),
-    [("gpt2", "GPT2LMHeadModel", "alibi", "l2"), ("llama", "LlamaForCausalLM", "t5", "l2")],
+    [
+        ("gpt2", "GPT2LMHeadModel", "alibi", "l2"),
+        ("llama", "LlamaForCausalLM", "t5", "l2"),
+        ("llama", "LlamaForCausalLM", "none", "stick_breaking"),
+    ],
 )
 def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_without_cache(
     saved_stock, model_type, class_name, scheme, normalizer
@@ -202,6 +206,11 @@ def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_wit
     del batch["position_ids"]
     kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+
+
+def test_a_decoder_only_normalizer_in_a_stock_encoder_raises_naming_why(saved_stock):
+    with pytest.raises(ValueError, match="'stick_breaking' has no encoder form \\(causal by construction"):
+        hf_posenc.retrofit(load_stock(saved_stock, "bert", "BertForMaskedLM"), "rope", "stick_breaking")
 
 
 @pytest.mark.parametrize(
