@@ -16,7 +16,13 @@ CONFIG_CLASSES = [hf_posenc.PosEncBertConfig, hf_posenc.PosEncGPT2Config]
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
 def test_names_expand_to_full_dicts_with_defaults(config_class):
     config = config_class(position_encoding="t5", attention_normalizer="l2")
-    assert config.position_encoding == {"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": None}
+    assert config.position_encoding == {
+        "type": "t5",
+        "num_buckets": 32,
+        "max_distance": 128,
+        "table_scale": None,
+        "init": "reference",
+    }
     assert config.attention_normalizer == {"type": "l2", "toeplitz_gate": False, "toeplitz_max_distance": 128}
 
 
@@ -36,6 +42,7 @@ def test_config_json_stores_the_full_spec(config_class, tmp_path):
         "type": "rope",
         "theta": 500.0,
         "rotary_fraction": 1.0,
+        "kept_frequency_fraction": 1.0,
         "apply_to_value": False,
         "scaling": None,
     }
@@ -138,6 +145,7 @@ def test_a_field_reassigned_after_construction_is_resolved_when_the_model_is_bui
         "type": "rope",
         "theta": 10000.0,
         "rotary_fraction": 1.0,
+        "kept_frequency_fraction": 1.0,
         "apply_to_value": False,
         "scaling": None,
     }
