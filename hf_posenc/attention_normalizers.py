@@ -349,7 +349,7 @@ class Softmax(AttentionNormalizer):
     def sink_logits(self, device: torch.device) -> torch.Tensor | None:
         """``c_h`` ``(heads,)`` in float32, or None without a sink."""
         if self.sink is not None:
-            return self.sink.float()
+            return self.sink.to(torch.promote_types(self.sink.dtype, torch.float32))
         if self.fixed_sink is not None:
             return torch.full((self.dims.num_heads,), self.fixed_sink, device=device)
         return None
@@ -625,12 +625,14 @@ class ScalableSoftmax(AttentionNormalizer):
         init.constant_(self.scale, float(self.spec["initial_scale"]))
 
     def row_factors(self, log_counts: torch.Tensor) -> torch.Tensor:
-        """``s_h log n_i`` ``(batch|1, heads, q_len, 1)`` from ``log n_i`` ``(batch|1, 1, q_len, 1)``."""
-        return self.scale.float()[:, None, None] * log_counts
+        """``s_h log n_i`` ``(batch|1, heads, q_len, 1)`` from ``log n_i`` ``(batch|1, 1, q_len, 1)``, in at least
+        float32."""
+        dtype = torch.promote_types(log_counts.dtype, torch.float32)
+        return self.scale.to(dtype)[:, None, None] * log_counts.to(dtype)
 
     def normalize(self, scores, attention_inputs):
         counts = visible_key_counts(attention_inputs, *scores.shape[-2:], self.dims.causal, scores.device)
-        scaled = scores * self.row_factors(counts.log()).to(scores.dtype)
+        scaled = scores * self.row_factors(counts.to(scores.dtype).log())
         visible = attention_inputs.get("visible")
         if visible is not None:  # the factor may be 0 (one key) or negative: masked keys are masked again
             scaled = scaled.masked_fill(~visible, torch.finfo(scaled.dtype).min)

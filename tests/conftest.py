@@ -23,8 +23,12 @@ ENCODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "encoder" in ent
 # Every scheme with softmax, and every other normalizer with a representative absolute and relative scheme: the
 # behaviours of a normalizer do not depend on which scheme feeds it scores, so the full cross product adds only time.
 REPRESENTATIVE_SCHEMES = ["learned", "t5"]
+# Options that make a normalizer another formula, run through the same properties as the registry's names.
+NORMALIZER_VARIANTS = [{"type": "softmax", "sink": "learned"}]
 COMBOS = [(scheme, "softmax") for scheme in SCHEMES] + [
-    (scheme, normalizer) for normalizer in NORMALIZERS if normalizer != "softmax" for scheme in REPRESENTATIVE_SCHEMES
+    (scheme, normalizer)
+    for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS
+    for scheme in REPRESENTATIVE_SCHEMES
 ]
 VOCAB = 61
 

@@ -47,6 +47,8 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         ("gpt2", "rope", {"type": "swish_l2", "toeplitz_gate": True}, "AutoModelForCausalLM"),
         ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
         ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
+        ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
+        ("bert", "alibi", {"type": "softmax", "sink": "learned"}, "AutoModelForMaskedLM"),
     ],
 )
 def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):
