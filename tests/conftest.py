@@ -126,6 +126,13 @@ def family_combos(combos: list[tuple[str, str]]) -> list:
     return [(family, *combo) for family in FAMILIES for combo in combos if supports(family, combo[0])]
 
 
+def pytest_make_parametrize_id(config, val, argname):
+    """A spec dict's test id names its type and options (``softmax-sink=learned``), not ``normalizer68``."""
+    if isinstance(val, dict) and "type" in val:
+        return "-".join([str(val["type"]), *(f"{key}={value}" for key, value in val.items() if key != "type")])
+    return None
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
