@@ -649,10 +649,10 @@ class ScalableSoftmax(AttentionNormalizer):
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         log_counts = _visible_key_count_lse(attend, query, key, block_mask)
         log_counts = torch.where(torch.isfinite(log_counts), log_counts, 0.0)  # rows with no key: output 0 anyway
-        factors = self.row_factors(log_counts[..., None]).expand(*query.shape[:-1], 1)
+        # (batch, heads, q_len), a tensor of its own: FlexAttention gives a captured view no gradient
+        table = self.row_factors(log_counts[..., None]).squeeze(-1).expand(*query.shape[:-1]).clone()
         if score_mod is None:
-            return attend(query * factors.to(query.dtype), key, value, block_mask=block_mask, scale=scale)
-        table = factors[..., 0].contiguous()
+            return attend(query * table[..., None].to(query.dtype), key, value, block_mask=block_mask, scale=scale)
 
         def scaled_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             return score_mod(score, batch_idx, head_idx, q_idx, kv_idx) * table[batch_idx, head_idx, q_idx]
