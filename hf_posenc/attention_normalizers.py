@@ -2,7 +2,8 @@
 
 Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105, "F" below). With softmax
 every row of weights sums to 1, so n identical tokens under a relative-only scheme give n identical outputs; every
-other normalizer here (and the Toeplitz gate, an option of each) lets the row sums vary with the position.
+other normalizer here (and the Toeplitz gate, an option of each) lets the row sums vary with the position, except
+``ssmax``, a softmax of rescaled scores (equal scores stay equal).
 
 A normalizer sees scores whose masked keys (padding, causal) are already ``finfo.min``, and must give them a weight
 of exactly 0; the attention composition guarantees every row it sees has a visible key, and sets rows without one

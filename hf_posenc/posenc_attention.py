@@ -5,8 +5,9 @@ the scores with the scheme's position terms (the shared bias folded into the mas
 normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
-* ``sdpa``: softmax only; a position-only term goes in as a dense float mask;
-* ``flex_attention``: softmax, and (off CPU) l2, exp, relu2 and swish_l2 from its log-sum-exp; a position-only term
+* ``sdpa``: softmax, and the normalizers that are a softmax of transformed scores (ssmax, softmax's sink) through
+  their ``sdpa_arguments``; a position-only term goes in as a dense float mask;
+* ``flex_attention``: softmax, and (off CPU) the others from its log-sum-exp; a position-only term
   goes in as a ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only, returns no
   log-sum-exp and is wrong for heads narrower than 24, so there a forward that needs gradients or has such heads
   runs SDPA instead, and the other normalizers run eager.
