@@ -66,8 +66,9 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     Class attributes:
         backends: attention backends that can compute it without materialising the weights (the gate narrows it
             to eager, see ``supported_backends``).
-        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: l2, exp, relu2,
-            swish_l2), which compiled FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
+        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: every normalizer but
+            softmax; softmax with a sink, ``needs_lse_on_flex``), which compiled FlexAttention on CPU does not return
+            (torch 2.13), so on CPU it runs SDPA where it can (ssmax, a sink), else eager.
     """
 
     options = GATE_OPTIONS
