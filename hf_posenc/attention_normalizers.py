@@ -2,7 +2,8 @@
 
 Source: Su Jianlin, "A hidden flaw of relative position encodings" (kexue.fm/archives/9105, "F" below). With softmax
 every row of weights sums to 1, so n identical tokens under a relative-only scheme give n identical outputs; every
-other normalizer here (and the Toeplitz gate, an option of each) lets the row sums vary with the position.
+other normalizer here (and the Toeplitz gate, an option of each) lets the row sums vary with the position, except
+``ssmax``, a softmax of rescaled scores (equal scores stay equal).
 
 A normalizer sees scores whose masked keys (padding, causal) are already ``finfo.min``, and must give them a weight
 of exactly 0; the attention composition guarantees every row it sees has a visible key, and sets rows without one
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
+from transformers import initialization as init
 
 from .options import CatalogueEntry, Option
 from .position_interface import BACKENDS, FAMILIES, AttentionDims, AttentionInputs
@@ -64,8 +66,9 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     Class attributes:
         backends: attention backends that can compute it without materialising the weights (the gate narrows it
             to eager, see ``supported_backends``).
-        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: l2, exp, relu2,
-            swish_l2), which compiled FlexAttention on CPU does not return (torch 2.13), so on CPU it runs eager.
+        flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: every normalizer but
+            softmax; softmax with a sink, ``needs_lse_on_flex``), which compiled FlexAttention on CPU does not return
+            (torch 2.13), so on CPU it runs SDPA where it can (ssmax, a sink), else eager.
         sdpa_in_query_chunks: no SDPA kernel computes it, and ``"sdpa"`` in ``backends`` means the attention runs the
             eager composition a chunk of queries at a time, each chunk checkpointed (``posenc_attention``'s
             ``attention_in_query_chunks``): only ``(batch, heads, chunk, kv_len)`` weights exist at a time and the
@@ -116,6 +119,24 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         """The backends that can run the normalizer with these options: the gate needs the weights (eager)."""
         return ("eager",) if spec["toeplitz_gate"] else cls.backends
 
+    @classmethod
+    def needs_lse_on_flex(cls, spec: dict[str, Any]) -> bool:
+        """Whether ``flex_output`` reads FlexAttention's log-sum-exp with these options (``flex_needs_lse``)."""
+        return cls.flex_needs_lse
+
+    @classmethod
+    def weights_are_softmax(cls, spec: dict[str, Any]) -> bool:
+        """Whether the weights are ``softmax(b)`` of the scores as they are, which a scheme's value term reads on SDPA
+        and FlexAttention (from SDPA's softmax, or the softmax's log-sum-exp); any other normalizer's value term runs
+        eager."""
+        return False
+
+    def init_weights(self, initializer_range: float) -> None:
+        """The normalizer's own parameters, through ``transformers.initialization`` (loaded weights are kept): the
+        Toeplitz gate at 1, so that a fresh gated model equals the ungated one."""
+        if self.toeplitz_gate is not None:
+            init.ones_(self.toeplitz_gate)
+
     def value_init_scale(self) -> float:
         """Factor on the initial std of W_V and W_O (1: the family's usual init); see the module docstring."""
         return 1.0
@@ -163,6 +184,51 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         when a normalizer makes several, each of which gets its own compiled function. ``score_mod`` is the scheme's
         position-only term or None; ``block_mask`` the mask or None (nothing masked)."""
         return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+    def sdpa_arguments(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        attention_inputs: AttentionInputs,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v and SDPA's ``attn_mask`` (None, boolean, or additive with every score term folded in) such that
+        SDPA's softmax gives this normalizer's output, for normalizers with ``"sdpa"`` in ``backends``: softmax as
+        they are. ``causal``: a None mask means SDPA's ``is_causal``."""
+        return query, key, value, attn_mask
+
+
+def additive_mask(
+    attn_mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor:
+    """SDPA's ``attn_mask`` (None with ``is_causal`` when ``causal``, boolean, or already additive) as an additive
+    float mask in the query's dtype: ``finfo.min`` where a key is hidden, 0 elsewhere."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return attn_mask
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if attn_mask is None:  # key j visible from query i when j <= i + kv_len - q_len (SDPA's is_causal), or all
+        positions = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        visible = torch.arange(kv_len, device=query.device) <= positions if causal and q_len > 1 else None
+        attn_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device) if visible is None else visible
+    zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    return zeros.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
+
+
+def visible_key_counts(
+    attention_inputs: AttentionInputs, q_len: int, kv_len: int, causal: bool, device: torch.device
+) -> torch.Tensor:
+    """``n_i``, the keys query ``i`` may see, ``(batch|1, 1, q_len, 1)`` float32, at least 1 (a row with no visible
+    key is zeroed by the composition): from ``visible`` (eager, SDPA with a mask), else every key, or in a causal layer
+    with no mask (SDPA's ``is_causal``) the keys up to ``i + kv_len - q_len``."""
+    visible = attention_inputs.get("visible")
+    if visible is not None:
+        return visible.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
+    counts = torch.full((q_len,), float(kv_len), device=device)
+    if causal:
+        counts = torch.arange(kv_len - q_len + 1, kv_len + 1, device=device, dtype=torch.float32).clamp(min=1)
+    return counts[None, None, :, None]
 
 
 def flex_pass(
@@ -252,15 +318,94 @@ def _row_factor(log_factor: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(has_key, factor, 0.0)[..., None]
 
 
+def _valid_sink(value: Any) -> bool:
+    return value == "learned" or (not isinstance(value, str) and math.isfinite(value))
+
+
 class Softmax(AttentionNormalizer):
-    """``a_ij = e^(b_ij) / sum_j e^(b_ij)``: rows sum to 1 (the l1 normalisation behind the flaw in F)."""
+    """``a_ij = e^(b_ij) / sum_j e^(b_ij)``: rows sum to 1 (the l1 normalisation behind the flaw in F).
+
+    Option ``sink``: a logit ``c_h`` every row also normalises over, with no value attached, ``a_ij = e^(b_ij) /
+    (e^(c_h) + sum_j e^(b_ij))``, so rows sum to ``1 - sigmoid(c_h - lse_i) < 1`` (``lse_i = log sum_j e^(b_ij)``):
+    ``"learned"``, one trainable logit per head and layer, as gpt-oss's attention sinks (OpenAI 2025; Transformers'
+    ``GptOssAttention.sinks``, initialised ``N(0, initializer_range)`` as Transformers' ``GptOssPreTrainedModel``
+    does); or a number, a fixed logit (``0.0``: Miller's softmax-plus-one, "Attention is off by one", 2023).
+    Eager appends the sink as a column to the scores; SDPA appends it as a key of zeros with a zero value whose
+    logit the additive mask holds (one ``(batch|1, heads, q, k + 1)`` mask per layer, differentiated into a learned
+    sink); FlexAttention from its log-sum-exp, ``O = softmax(b) V sigmoid(lse - c_h)``. W_V, W_O init unchanged.
+    """
 
     name = "softmax"
-    description = "e^b / sum_j e^b (rows sum to 1); W_V, W_O init unchanged"
+    description = (
+        "e^b / sum_j e^b (rows sum to 1); sink: e^b / (e^c + sum_j e^b), c learned per head or fixed (rows sum "
+        "to less than 1); W_V, W_O init unchanged"
+    )
+    options = {
+        "sink": Option(
+            None,
+            (str, float, int),
+            'a logit in every row\'s denominator with no value: "learned" (per head and layer, gpt-oss) or a number '
+            "(0.0: softmax-plus-one); None: no sink",
+            _valid_sink,
+            '"learned" or a finite number',
+        ),
+    }
     backends = BACKENDS
 
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
+        super().__init__(spec, dims)
+        learned = spec["sink"] == "learned"
+        self.sink = nn.Parameter(torch.zeros(dims.num_heads)) if learned else None
+        self.fixed_sink = None if learned or spec["sink"] is None else float(spec["sink"])
+
+    @classmethod
+    def needs_lse_on_flex(cls, spec: dict[str, Any]) -> bool:
+        return spec["sink"] is not None
+
+    @classmethod
+    def weights_are_softmax(cls, spec: dict[str, Any]) -> bool:
+        return spec["sink"] is None and not spec["toeplitz_gate"]
+
+    def init_weights(self, initializer_range: float) -> None:
+        super().init_weights(initializer_range)
+        if self.sink is not None:
+            init.normal_(self.sink, mean=0.0, std=initializer_range)
+
+    def sink_logits(self, device: torch.device) -> torch.Tensor | None:
+        """``c_h`` ``(heads,)`` in float32, or None without a sink."""
+        if self.sink is not None:
+            return self.sink.to(torch.promote_types(self.sink.dtype, torch.float32))
+        if self.fixed_sink is not None:
+            return torch.full((self.dims.num_heads,), self.fixed_sink, device=device)
+        return None
+
     def normalize(self, scores, attention_inputs):
-        return torch.softmax(scores, dim=-1)
+        sink = self.sink_logits(scores.device)
+        if sink is None:
+            return torch.softmax(scores, dim=-1)
+        column = sink.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        sink = self.sink_logits(query.device)
+        if sink is None:
+            return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+        output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
+        has_key = torch.isfinite(lse)
+        kept = torch.sigmoid(torch.where(has_key, lse, 0.0) - sink[:, None])  # the mass the sink leaves the keys
+        return output * torch.where(has_key, kept, 0.0)[..., None].to(output.dtype)
+
+    def sdpa_arguments(self, query, key, value, attn_mask, attention_inputs, causal):
+        sink = self.sink_logits(query.device)
+        if sink is None:
+            return query, key, value, attn_mask
+        batch, heads, q_len, _ = query.shape
+        mask = additive_mask(attn_mask, causal, query, key)
+        mask = mask.expand(mask.shape[0] if mask.dim() == 4 else 1, heads, q_len, key.shape[-2])
+        column = sink.to(mask.dtype)[None, :, None, None].expand(mask.shape[0], heads, q_len, 1)
+        key = torch.cat([key, key.new_zeros(batch, heads, 1, key.shape[-1])], dim=-2)
+        value = torch.cat([value, value.new_zeros(batch, heads, 1, value.shape[-1])], dim=-2)
+        return query, key, value, torch.cat([mask, column], dim=-1)
 
 
 class L2(AttentionNormalizer):
@@ -418,6 +563,175 @@ class SwishL2(AttentionNormalizer):
         return output.to(positive.dtype)
 
 
+def _finite(value: Any) -> bool:
+    return math.isfinite(value)
+
+
+class Sigmoid(AttentionNormalizer):
+    """``a_ij = sigmoid(b_ij + beta)``, no row normalisation (Ramapuram et al., "Theory, Analysis, and Best Practices
+    for Sigmoid Self-Attention", ICLR 2025, arXiv 2409.04431).
+
+    The paper's bias is ``beta = -log n`` with ``n`` the sequence length the model is trained at; here ``n`` is the
+    config's ``max_position_embeddings`` (option ``bias``, None, the default) or ``bias`` gives ``beta`` itself
+    (e.g. ``-log`` of a shorter training length). A row of ``n_i`` keys sums to anything in ``(0, n_i)``. Masked keys:
+    ``sigmoid(finfo.min + beta) = 0`` exactly. Init: near-zero scores give rows summing to ``n sigmoid(beta)``, which
+    is ``n / (n + 1) < 1`` with the default ``beta`` (softmax: 1), so W_V and W_O keep the usual init (factor 1); a
+    ``bias`` that makes ``n sigmoid(beta) > 1`` scales them by ``(n sigmoid(beta))^(-1/2)``. FlexAttention (where it
+    returns the log-sum-exp), the log-offset form of attention-gym's activation mods: with ``s = log sigmoid(b +
+    beta)``, ``O = softmax(s) V exp(lse(s))``, one pass.
+    """
+
+    name = "sigmoid"
+    description = "sigmoid(b + beta), beta = -log(max_position_embeddings) or option bias (no row normalisation)"
+    options = {
+        "bias": Option(
+            None, (float, int), "beta in sigmoid(b + beta); None: -log(max_position_embeddings)", _finite, "finite"
+        ),
+    }
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
+
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
+        super().__init__(spec, dims)
+        self.logit_bias = -math.log(dims.max_positions) if spec["bias"] is None else spec["bias"]
+
+    def value_init_scale(self) -> float:
+        row_sum = self.dims.max_positions / (1.0 + math.exp(-self.logit_bias))
+        return row_sum**-0.5 if row_sum > 1.0 else 1.0
+
+    def normalize(self, scores, attention_inputs):
+        return torch.sigmoid(scores + self.logit_bias)
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        logit_bias = self.logit_bias
+
+        def log_sigmoid(score):
+            return nn.functional.logsigmoid(score + logit_bias)
+
+        output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale, log_sigmoid)
+        return output * _row_factor(lse, lse).to(output.dtype)
+
+
+class ScalableSoftmax(AttentionNormalizer):
+    """Scalable-Softmax, ``a_ij = softmax_j(s_h log(n_i) b_ij)`` (Nakanishi, "Scalable-Softmax Is Superior for
+    Attention", 2025, arXiv 2501.19399): ``s_h`` a learned scalar per head and layer, ``n_i`` the number of keys
+    query ``i`` sees (a decoder's query ``i`` sees ``i + 1``; cached keys count, padding and other masked keys do not).
+
+    The factor multiplies the whole score, position terms included (the formula's ``z_i``). ``s_h`` starts at
+    ``initial_scale`` (0.43, the value of the paper's Figure 1 and of the unofficial implementation
+    gdevos/Scalable-Softmax; the paper's text does not state its init). Rows sum to 1 (softmax's law, so with identical
+    tokens it cannot locate positions: equal scores times any factor stay equal); W_V, W_O init unchanged. A row that
+    sees one key has ``log n_i = 0`` and gives that key weight 1. Llama 4's attention temperature tuning (Transformers'
+    ``Llama4TextAttention``) is a relative: it multiplies the queries of its NoPE layers by ``1 + 0.1
+    log(1 + floor((p_i + 1) / 8192))``, a fixed function of the query's position ``p_i`` (not of the keys it sees,
+    not learned, 1 below 8192 tokens) that leaves the scores' scale unchanged at training lengths, where SSMax rescales
+    every row by its own ``log n_i`` from the start.
+
+    SDPA: the queries times ``s_h log n_i``, and an additive mask's finite entries (position biases, content terms)
+    times the same factor. FlexAttention (where it returns the log-sum-exp, for ``log n_i``: a pass of zero scores
+    on zero q, k of width 16 under the mask, as relu2): without a ``score_mod`` the factor is folded into q; with one,
+    the ``score_mod`` is multiplied by a ``(batch, heads, q)`` table read at the query (no scalar read per score).
+    """
+
+    name = "ssmax"
+    description = (
+        "softmax(s_h log(n_i) b), s_h learned per head and layer, n_i the keys row i sees; W_V, W_O init unchanged"
+    )
+    options = {
+        "initial_scale": Option(0.43, (float, int), "the initial value of s_h", _finite, "finite"),
+    }
+    backends = BACKENDS
+    flex_needs_lse = True
+
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
+        super().__init__(spec, dims)
+        self.scale = nn.Parameter(torch.full((dims.num_heads,), float(spec["initial_scale"])))
+
+    def init_weights(self, initializer_range: float) -> None:
+        super().init_weights(initializer_range)
+        init.constant_(self.scale, float(self.spec["initial_scale"]))
+
+    def row_factors(self, log_counts: torch.Tensor) -> torch.Tensor:
+        """``s_h log n_i`` ``(batch|1, heads, q_len, 1)`` from ``log n_i`` ``(batch|1, 1, q_len, 1)``, in at least
+        float32."""
+        dtype = torch.promote_types(log_counts.dtype, torch.float32)
+        return self.scale.to(dtype)[:, None, None] * log_counts.to(dtype)
+
+    def normalize(self, scores, attention_inputs):
+        counts = visible_key_counts(attention_inputs, *scores.shape[-2:], self.dims.causal, scores.device)
+        scaled = scores * self.row_factors(counts.to(scores.dtype).log())
+        visible = attention_inputs.get("visible")
+        if visible is not None:  # the factor may be 0 (one key) or negative: masked keys are masked again
+            scaled = scaled.masked_fill(~visible, torch.finfo(scaled.dtype).min)
+        return torch.softmax(scaled, dim=-1)
+
+    def sdpa_arguments(self, query, key, value, attn_mask, attention_inputs, causal):
+        counts = visible_key_counts(attention_inputs, query.shape[-2], key.shape[-2], causal, query.device)
+        factors = self.row_factors(counts.log())
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+            attn_mask = torch.where(masked, attn_mask, attn_mask * factors.to(attn_mask.dtype))
+        return query * factors.to(query.dtype), key, value, attn_mask
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        log_counts = _visible_key_count_lse(attend, query, key, block_mask)
+        log_counts = torch.where(torch.isfinite(log_counts), log_counts, 0.0)  # rows with no key: output 0 anyway
+        # (batch, heads, q_len), a tensor of its own: FlexAttention gives a captured view no gradient
+        table = self.row_factors(log_counts[..., None]).squeeze(-1).expand(*query.shape[:-1]).clone()
+        if score_mod is None:
+            return attend(query * table[..., None].to(query.dtype), key, value, block_mask=block_mask, scale=scale)
+
+        def scaled_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            return score_mod(score, batch_idx, head_idx, q_idx, kv_idx) * table[batch_idx, head_idx, q_idx]
+
+        return attend(query, key, value, score_mod=scaled_score_mod, block_mask=block_mask, scale=scale)
+
+
+def _log_positive_expm1(score: torch.Tensor) -> torch.Tensor:
+    """``log(e^b - 1) = b + log(1 - e^(-b))`` for ``b > 0``, ``-inf`` elsewhere (softpick's numerator)."""
+    return _log_where(score > 0, lambda b: b + torch.log(-torch.expm1(-b)), score, 1.0)
+
+
+def _log_abs_expm1(score: torch.Tensor) -> torch.Tensor:
+    """``log |e^b - 1| = relu(b) + log(1 - e^(-|b|))``, ``-inf`` at ``b = 0`` (softpick's denominator)."""
+    return _log_where(score != 0, lambda b: torch.relu(b) + torch.log(-torch.expm1(-b.abs())), score, 1.0)
+
+
+class Softpick(AttentionNormalizer):
+    """``a_ij = relu(e^(b_ij) - 1) / sum_j |e^(b_ij) - 1|`` over the visible keys (Zuhri, Fuadi, Aji, "Softpick: No
+    Attention Sink, No Massive Activations with Rectified Softmax", 2025, arXiv 2504.20966): rows sum to at most 1,
+    and to 0 when no score is positive.
+
+    Computed in the paper's shifted form, numerator and denominator times ``e^(-m)``: ``relu(e^(b - m) - e^(-m)) /
+    sum_j |e^(b - m) - e^(-m)|``, here with ``m = max(0, max_j b_ij)`` (the paper: the row max, whose ``e^(-m)``
+    overflows for a row of scores below -88), so nothing exceeds 1. Masked keys are left out of both sums (the
+    reference zeroes the non-finite ones); the paper's ``eps`` in the denominator is dropped (it only mattered for a
+    row of exact zeros, which gets weights 0 here). Init: near-zero scores give ``relu(b) / sum |b|``, rows summing
+    to at most 1, so W_V and W_O keep the usual init. FlexAttention (where it returns the log-sum-exp), two passes of
+    the log-offset form: ``s+ = log(e^b - 1)`` where ``b > 0`` (``-inf`` elsewhere) and ``s| = log |e^b - 1|``,
+    ``O = softmax(s+) V exp(lse(s+) - lse(s|))``; the gradient at a score of exactly 0 is 0 on both paths.
+    """
+
+    name = "softpick"
+    description = "relu(e^b - 1) / sum_j |e^b - 1| (rows sum to at most 1, may be all 0); W_V, W_O init unchanged"
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
+
+    def normalize(self, scores, attention_inputs):
+        shift = scores.amax(dim=-1, keepdim=True).clamp(min=0).detach()  # the ratio does not see it
+        centred = torch.exp(scores - shift) - torch.exp(-shift)  # e^(-m) (e^b - 1), in [-1, 1]
+        visible = attention_inputs.get("visible")
+        if visible is not None:
+            centred = centred.masked_fill(~visible, 0.0)
+        total = centred.abs().sum(dim=-1, keepdim=True)
+        return torch.relu(centred) / torch.where(total > 0, total, 1.0)
+
+    def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
+        output, lse_positive = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_positive_expm1)
+        _, lse_total = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_abs_expm1)
+        return output * _row_factor(lse_positive - lse_total, lse_positive).to(output.dtype)
+
+
 class StickBreaking(AttentionNormalizer):
     """``a_ij = sigmoid(b_ij) prod_{j<k<i} (1 - sigmoid(b_ik))`` over the keys before the query (Tan, Shen, Yang,
     Courville, Panda, "Scaling Stick-Breaking Attention", ICLR 2025, arXiv 2410.17980): the nearest key takes its
@@ -472,5 +786,6 @@ class StickBreaking(AttentionNormalizer):
 
 
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {
-    normalizer.name: normalizer for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2, StickBreaking)
+    normalizer.name: normalizer
+    for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2, Sigmoid, ScalableSoftmax, Softpick, StickBreaking)
 }

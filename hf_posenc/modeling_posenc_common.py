@@ -11,7 +11,6 @@ import torch
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
@@ -256,8 +255,8 @@ class PosEncPreTrainedMixin:
         super()._init_weights(module)
         if isinstance(module, (PositionEncoding, LayerPositionTerm)):  # after its submodules' default init
             module.init_weights(self.config.initializer_range)
-        if isinstance(module, AttentionNormalizer) and module.toeplitz_gate is not None:
-            init.ones_(module.toeplitz_gate)  # a fresh gated model equals the ungated one
+        if isinstance(module, AttentionNormalizer):  # the Toeplitz gate at 1, a learned sink, SSMax's s_h
+            module.init_weights(self.config.initializer_range)
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Transformers' key adjustments, then a clear error for a ``t5`` table saved in the old layout."""

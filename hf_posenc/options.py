@@ -32,7 +32,11 @@ class Option:
             raise ValueError(f"{owner}: option {key!r} must be {names}, got {value!r} ({type(value).__name__}).")
         if self.check is not None and not self.check(value):
             raise ValueError(f"{owner}: option {key!r}={value!r} is out of range; valid: {self.valid}.")
-        return float(value) if float in self.types and not isinstance(value, bool) else value
+        return (
+            float(value)
+            if float in self.types and isinstance(value, (int, float)) and not isinstance(value, bool)
+            else value
+        )
 
 
 class CatalogueEntry:

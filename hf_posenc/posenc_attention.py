@@ -5,10 +5,11 @@ the scores with the scheme's position terms (the shared bias folded into the mas
 normalizer, the values and the layer's value term. ``choose_backend`` picks what runs it:
 
 * ``eager``: every scheme and normalizer (weights are materialised);
-* ``sdpa``: softmax only; a position-only term goes in as a dense float mask; a normalizer no kernel computes
+* ``sdpa``: softmax, and the normalizers that are a softmax of transformed scores (ssmax, softmax's sink) through
+  their ``sdpa_arguments``; a position-only term goes in as a dense float mask; a normalizer no kernel computes
   (``sdpa_in_query_chunks``: stick_breaking) runs here as the eager composition a checkpointed chunk of queries
   at a time;
-* ``flex_attention``: softmax, and (off CPU) l2, exp, relu2 and swish_l2 from its log-sum-exp; a position-only term
+* ``flex_attention``: softmax, and (off CPU) the others from its log-sum-exp; a position-only term
   goes in as a ``score_mod`` (nothing materialised). Compiled FlexAttention on CPU is inference only, returns no
   log-sum-exp and is wrong for heads narrower than 24, so there a forward that needs gradients or has such heads
   runs SDPA instead, and the other normalizers run eager.
@@ -33,7 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.utils import logging
 
-from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, flex_pass
+from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, additive_mask, flex_pass
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import (
@@ -180,13 +181,14 @@ def choose_backend(
     normalizer_class = ATTENTION_NORMALIZERS[attention_normalizer["type"]]
     normalizer_backends = normalizer_class.supported_backends(attention_normalizer)
     value_term = scheme_class.has_value_term(position_encoding)
+    softmax_weights = normalizer_class.weights_are_softmax(attention_normalizer)
     flex_listed = "flex_attention" in set(scheme_backends) & set(normalizer_backends)
     refusal_for = partial(
         flex_refusal,
         device,
         dtype,
         head_dim,
-        normalizer_class.flex_needs_lse or value_term,
+        normalizer_class.needs_lse_on_flex(attention_normalizer) or value_term,
         query_length=query_length,
         given_mask=given_mask,
         compiles_on_cpu=scheme_class.flex_compiles_on_cpu,
@@ -197,7 +199,7 @@ def choose_backend(
         attention_dropout and device.type == "cuda" and flex_listed and refusal_for(attention_dropout=False) is None
     )
     if refusal is None and value_term and flex_listed:
-        refusal = value_term_flex_refusal(consecutive, "sdpa" in normalizer_backends)
+        refusal = value_term_flex_refusal(consecutive, softmax_weights)
     if isinstance(given_mask, BlockMask):
         if refusal is not None or not flex_listed:
             raise ValueError(
@@ -211,6 +213,8 @@ def choose_backend(
         if backend != "eager" and need_weights:
             continue
         if backend not in scheme_backends or backend not in normalizer_backends:
+            continue
+        if backend == "sdpa" and value_term and not softmax_weights:  # the value term reads softmax's weights
             continue
         if backend == "sdpa" and attention_dropout and value_term:
             if not torch.compiler.is_compiling():
@@ -237,7 +241,8 @@ def value_term_flex_refusal(consecutive: bool, softmax: bool) -> str | None:
     """Why FlexAttention cannot compute a layer's value term (:class:`ValueRows`) in this forward, or None. It reads
     the weights of the keys inside the clip from a band of scores and the log-sum-exp
     (:func:`clipped_value_rows_term`), so the keys must be at the model's default, consecutive positions with no
-    cached key (``consecutive``) and the weights softmax's (``softmax``: the normalizer SDPA runs)."""
+    cached key (``consecutive``) and the weights softmax's (``softmax``:
+    ``AttentionNormalizer.weights_are_softmax``)."""
     if not consecutive:
         return (
             "the value term on FlexAttention needs the model's default positions and no cached key (given "
@@ -546,22 +551,6 @@ def clipped_value_rows_term(
     return torch.matmul(per_row, value_rows.table.to(per_row.dtype))
 
 
-def additive_mask(
-    attn_mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor
-) -> torch.Tensor:
-    """SDPA's ``attn_mask`` (None with ``is_causal`` when ``causal``, boolean, or already additive) as an additive
-    float mask in the query's dtype: ``finfo.min`` where a key is hidden, 0 elsewhere."""
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        return attn_mask
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if attn_mask is None:  # key j visible from query i when j <= i + kv_len - q_len (SDPA's is_causal), or all
-        positions = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        visible = torch.arange(kv_len, device=query.device) <= positions if causal and q_len > 1 else None
-        attn_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device) if visible is None else visible
-    zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-    return zeros.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
-
-
 def chain_score_mods(first: Callable | None, second: Callable | None) -> Callable | None:
     """One FlexAttention ``score_mod`` adding both terms (the scheme's position-only one, the layer's content one);
     None when neither exists."""
@@ -659,7 +648,7 @@ def _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training) -> boo
     return needs_grad and query.device.type == "cpu" and not (training and dropout > 0)
 
 
-def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal):
+def _sdpa(query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal):
     attn_mask = attention_inputs["mask"]
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
     if score_term is not None:
@@ -669,6 +658,7 @@ def _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, 
             attn_mask = score_term.to(query.dtype).masked_fill(~attn_mask, torch.finfo(query.dtype).min)
         else:
             attn_mask = attn_mask + score_term.to(attn_mask.dtype)
+    query, key, value, attn_mask = normalizer.sdpa_arguments(query, key, value, attn_mask, attention_inputs, causal)
     if value_rows is not None:  # training with attention dropout ran eager (choose_backend)
         bias = additive_mask(attn_mask, causal, query, key)
         output = attention_with_learned_bias(query, key, value, bias, scaling, value_rows)
@@ -762,7 +752,9 @@ def positional_attention(
             query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
         )
     elif backend == "sdpa":
-        output = _sdpa(query, key, value, attention_inputs, score_term, value_rows, scaling, dropout, training, causal)
+        output = _sdpa(
+            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
+        )
     else:
         output, weights = _eager(
             query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training

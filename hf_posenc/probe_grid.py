@@ -58,12 +58,18 @@ def _number_or_string(value: str):
 
 
 def parse_variant(text: str) -> tuple[dict, bool]:
-    """``normalizer[+gate][+boundary]`` -> (the normalizer's config dict, boundary tokens)."""
+    """``normalizer[+gate][+sink][+boundary]`` -> (the normalizer's config dict, boundary tokens); ``+sink``: softmax's
+    learned sink."""
     name, *flags = text.split("+")
-    unknown = set(flags) - {"gate", "boundary"}
+    unknown = set(flags) - {"gate", "sink", "boundary"}
     if unknown:
-        raise ValueError(f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+boundary'.")
-    return {"type": name, "toeplitz_gate": "gate" in flags}, "boundary" in flags
+        raise ValueError(f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+boundary'.")
+    if "sink" in flags and name != "softmax":
+        raise ValueError(f"variant {text!r}: '+sink' is an option of softmax only.")
+    spec = {"type": name, "toeplitz_gate": "gate" in flags}
+    if "sink" in flags:
+        spec["sink"] = "learned"
+    return spec, "boundary" in flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

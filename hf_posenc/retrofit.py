@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
 
+from .attention_normalizers import AttentionNormalizer
 from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
 from .modeling_posenc_common import (
     build_attention_normalizer,
@@ -528,7 +529,7 @@ def retrofit(
         for submodule in submodules:
             model._init_weights(submodule)
         for submodule in submodules:  # the scheme's own init after its submodules' family init, as in PosEnc models
-            if isinstance(submodule, (PositionEncoding, LayerPositionTerm)):
+            if isinstance(submodule, (PositionEncoding, LayerPositionTerm, AttentionNormalizer)):
                 submodule.init_weights(getattr(model.config, "initializer_range", 0.02))
     if spec["type"] == "learned" and table is not None:
         with torch.no_grad():

@@ -348,7 +348,8 @@ def probe_parser() -> argparse.ArgumentParser:
 The probe of kexue.fm/archives/9105: n identical tokens in, positions 1..n out, for a grid of model family x
 position encoding x normalizer variant. Prints and saves the table of final mean squared errors (probe_table.md,
 probe_results.json) and a heat map (probe_heatmap.png). A variant is a normalizer name, optionally with +gate (the
-Toeplitz gate) and +boundary (boundary tokens). A scheme is a name, optionally with options: shaw:use_value=false.
+Toeplitz gate), +sink (softmax's learned sink) and +boundary (boundary tokens). A scheme is a name, optionally with
+options: shaw:use_value=false.
 Several processes split the grid.
 
   hf-posenc probe --families gpt2 --schemes t5 alibi --variants softmax l2 softmax+gate softmax+boundary

@@ -34,8 +34,12 @@ ENCODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "encoder" in ent
 # Every scheme with softmax, and every other normalizer with a representative absolute and relative scheme: the
 # behaviours of a normalizer do not depend on which scheme feeds it scores, so the full cross product adds only time.
 REPRESENTATIVE_SCHEMES = ["learned", "t5"]
+# Options that make a normalizer another formula, run through the same properties as the registry's names.
+NORMALIZER_VARIANTS = [{"type": "softmax", "sink": "learned"}]
 COMBOS = [(scheme, "softmax") for scheme in SCHEMES] + [
-    (scheme, normalizer) for normalizer in NORMALIZERS if normalizer != "softmax" for scheme in REPRESENTATIVE_SCHEMES
+    (scheme, normalizer)
+    for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS
+    for scheme in REPRESENTATIVE_SCHEMES
 ]
 VOCAB = 61
 
@@ -142,6 +146,13 @@ def family_combos(combos: list[tuple[str, str]]) -> list:
         for combo in combos
         if supports(family, combo[0]) and normalizer_supports(family, combo[1])
     ]
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A spec dict's test id names its type and options (``softmax-sink=learned``), not ``normalizer68``."""
+    if isinstance(val, dict) and "type" in val:
+        return "-".join([str(val["type"]), *(f"{key}={value}" for key, value in val.items() if key != "type")])
+    return None
 
 
 @pytest.fixture(params=FAMILIES)

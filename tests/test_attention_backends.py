@@ -228,6 +228,11 @@ COMPILED_FLEX_CASES = [  # (family, scheme, normalizer): every score_mod, every 
     ("gpt2", "alibi", "exp"),
     ("bert", "rope", "relu2"),
     ("gpt2", "t5", "swish_l2"),
+    ("bert", "t5", "sigmoid"),
+    ("gpt2", "t5", "ssmax"),  # s_h log n_i as a per-query table read in the score_mod
+    ("bert", "rope", "ssmax"),  # no score_mod: s_h log n_i folded into q
+    ("gpt2", "alibi", "softpick"),
+    ("bert", "t5", {"type": "softmax", "sink": "learned"}),
 ]
 
 
@@ -394,13 +399,16 @@ def test_positional_attention_matches_the_formula_with_a_cache():
 @pytest.mark.parametrize(
     ("backend", "scheme_name", "normalizer_name"),
     [("eager", "t5", "softmax"), ("eager", "none", "softmax"), ("eager", "t5", "l2")]
-    + [("sdpa", "t5", "softmax"), ("sdpa", "none", "softmax")],  # l2 never runs on sdpa
+    + [("sdpa", "t5", "softmax"), ("sdpa", "none", "softmax")]  # l2 never runs on sdpa
+    + [("eager", "t5", name) for name in ("sigmoid", "ssmax", "softpick", {"type": "softmax", "sink": 0.5})]
+    + [("sdpa", "t5", "ssmax"), ("sdpa", "none", "ssmax"), ("sdpa", "t5", {"type": "softmax", "sink": 0.5})],
 )
 def test_rows_without_a_visible_key_give_zero_and_others_are_unchanged(backend, scheme_name, normalizer_name):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
     encoding = scheme(scheme_name)
-    normalizer = ATTENTION_NORMALIZERS[normalizer_name](resolve_attention_normalizer(normalizer_name), DIMS)
+    normalizer_spec = resolve_attention_normalizer(normalizer_name)
+    normalizer = ATTENTION_NORMALIZERS[normalizer_spec["type"]](normalizer_spec, DIMS)
     positions = torch.arange(4)[None]
     visible = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     visible[..., 1, :] = False  # query 1 sees nothing

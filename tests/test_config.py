@@ -30,7 +30,9 @@ def test_names_expand_to_full_dicts_with_defaults(config_class):
 def test_defaults_are_the_stock_model(config_class):
     config = config_class()
     assert config.position_encoding["type"] == "learned"
-    assert config.attention_normalizer == {"type": "softmax", "toeplitz_gate": False, "toeplitz_max_distance": 128}
+    assert config.attention_normalizer == {
+        "type": "softmax", "sink": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
@@ -123,7 +125,10 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     }
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
-    assert set(normalizers) == {"softmax", "l2", "exp", "relu2", "swish_l2", "stick_breaking"}
+    assert set(normalizers) == {
+        "softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "ssmax", "softpick", "stick_breaking"
+    }  # fmt: skip
+    assert normalizers["softmax"]["options"]["sink"]["default"] is None
     assert normalizers["stick_breaking"]["families"] == ["decoder"]
     assert normalizers["l2"]["families"] == ["encoder", "decoder"]
     assert "sqrt" in normalizers["l2"]["description"]

@@ -91,7 +91,7 @@ class GatedSoftmax(Softmax):
     """Softmax with an option that only eager can run (as the Toeplitz gate of every normalizer)."""
 
     name = "gated_softmax_for_test"
-    options = {"gate": Option(False, (bool,), "an eager-only option")}
+    options = {**Softmax.options, "gate": Option(False, (bool,), "an eager-only option")}
 
     @classmethod
     def supported_backends(cls, spec):

@@ -21,25 +21,53 @@ from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
 
-NORMALIZERS = ["softmax", "l2", "exp", "relu2", "swish_l2"]
+NORMALIZERS = ["softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "ssmax", "softpick"]
+# Names of the tests for options that make another formula: softmax with a learned sink, and with a fixed one.
+SPECS = {"sink": {"type": "softmax", "sink": "learned"}, "plus_one": {"type": "softmax", "sink": 0.0}}
+CASES = NORMALIZERS + list(SPECS)
 ATOL = 1e-5
 CPU = torch.device("cpu")
 
 
+def spec_of(name, **options):
+    return {**SPECS.get(name, {"type": name}), **options}
+
+
 def normalizer(name, causal=False, num_heads=2, max_positions=16, **options):
+    """A normalizer layer; a learned sink and SSMax's s_h get values that differ per head."""
     dims = AttentionDims(hidden_size=8 * num_heads, num_heads=num_heads, head_dim=8, max_positions=max_positions,
                          causal=causal)  # fmt: skip
-    return ATTENTION_NORMALIZERS[name](resolve_attention_normalizer({"type": name, **options}), dims)
+    spec = resolve_attention_normalizer(spec_of(name, **options))
+    layer = ATTENTION_NORMALIZERS[spec["type"]](spec, dims)
+    with torch.no_grad():
+        for parameter_name, parameter in layer.named_parameters():
+            if parameter_name in ("sink", "scale"):
+                parameter.copy_(torch.linspace(-1.0, 1.5, num_heads) if parameter_name == "sink" else
+                                torch.linspace(0.3, 0.8, num_heads))  # fmt: skip
+    return layer
 
 
-def reference_weights(name, scores, visible, gate=None):
+def reference_weights(name, scores, visible, gate=None, layer=None):
     """a_ij by the formula in float64, written out independently of the library: masked keys 0, rows with no
-    visible key 0, then times the gate values ``c_ij``. ``scores``, ``visible``, ``gate`` broadcast together."""
+    visible key 0, then times the gate values ``c_ij``. ``scores``, ``visible``, ``gate`` broadcast together; the
+    formula's parameters (sigmoid's n, a sink's logits, SSMax's s_h per head) are read from ``layer``."""
     visible = visible.expand(scores.shape)
     b = scores.double().masked_fill(~visible, 0.0)  # the values at masked keys are never read
     on = visible.double()
     if name == "softmax":
         weights = b.exp() * on / (b.exp() * on).sum(-1, keepdim=True)
+    elif name in SPECS:  # e^b / (e^c_h + sum_j e^b)
+        sink = layer.sink.detach() if name == "sink" else torch.zeros(layer.dims.num_heads)
+        weights = b.exp() * on / ((b.exp() * on).sum(-1, keepdim=True) + sink.double().exp()[:, None, None])
+    elif name == "sigmoid":
+        weights = on / (1 + (-(b - math.log(layer.dims.max_positions))).exp())
+    elif name == "ssmax":  # softmax(s_h log(n_i) b), n_i the visible keys of row i
+        factor = layer.scale.detach().double()[:, None, None] * on.sum(-1, keepdim=True).clamp(min=1).log()
+        weights = (factor * b).exp() * on / ((factor * b).exp() * on).sum(-1, keepdim=True)
+    elif name == "softpick":
+        shifted = (b.exp() - 1) * on
+        total = shifted.abs().sum(-1, keepdim=True)
+        weights = shifted.clamp(min=0) / torch.where(total > 0, total, 1.0)
     elif name == "l2":
         weights = b.exp() * on / ((2 * b).exp() * on).sum(-1, keepdim=True).sqrt()
     elif name == "exp":
@@ -85,7 +113,7 @@ def hf_position_ids(attention_mask):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("name", CASES)
 def test_each_normalizer_matches_its_formula_with_masked_keys(name, causal):
     torch.manual_seed(0)
     scores = 3 * torch.randn(2, 2, 4, 5, dtype=torch.float64)
@@ -93,8 +121,9 @@ def test_each_normalizer_matches_its_formula_with_masked_keys(name, causal):
     visible[0, ..., 3:] = False  # padding
     if causal:
         visible = visible & torch.ones(4, 5, dtype=torch.bool).tril(1)
-    weights = normalizer(name)(scores.masked_fill(~visible, torch.finfo(torch.float64).min), {"visible": visible})
-    torch.testing.assert_close(weights, reference_weights(name, scores, visible))
+    layer = normalizer(name).double()
+    weights = layer(scores.masked_fill(~visible, torch.finfo(torch.float64).min), {"visible": visible})
+    torch.testing.assert_close(weights, reference_weights(name, scores, visible, layer=layer))
     assert torch.equal(
         weights.masked_select(~visible.expand_as(weights)), torch.zeros(int((~visible).sum()) * 2).double()
     )
@@ -109,6 +138,54 @@ def test_softmax_rows_sum_to_one_l2_rows_have_unit_norm_and_free_sum():
     swish = normalizer("swish_l2")(scores, {})
     torch.testing.assert_close(swish.norm(dim=-1), torch.ones(3, 2, 4))
     assert (swish < 0).any()  # swish is signed
+
+
+def test_row_sums_follow_each_normalizers_law():
+    """sigmoid: ``n_i sigmoid(b + beta)`` for equal scores, beta = -log(max_positions); ssmax: 1, and a row of one key
+    gives it 1 (log 1 = 0); softpick: at most 1, 1 when every score is positive, 0 when none is; a sink: ``1 -
+    sigmoid(c_h - lse_i)``; every masked key exactly 0."""
+    causal = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    min_ = torch.finfo(torch.float32).min
+    equal = torch.full((1, 2, 4, 4), 0.5).masked_fill(~causal, min_)
+    sums = normalizer("sigmoid", max_positions=16)(equal, {"visible": causal}).sum(-1)
+    torch.testing.assert_close(sums, torch.arange(1.0, 5.0).expand(1, 2, 4) / (1 + math.exp(-0.5) * 16))
+    torch.manual_seed(0)
+    scores = torch.randn(1, 2, 4, 4).masked_fill(~causal, min_)
+    ssmax = normalizer("ssmax", causal=True)(scores, {"visible": causal})
+    torch.testing.assert_close(ssmax.sum(-1), torch.ones(1, 2, 4))
+    assert torch.equal(ssmax[..., 0, 0], torch.ones(1, 2)) and (ssmax[~causal.expand_as(ssmax)] == 0).all()
+    softpick = normalizer("softpick")
+    mixed = softpick(torch.tensor([[[[2.0, -1.0, 0.5], [1.0, 2.0, 3.0], [-1.0, -2.0, 0.0]]]]), {})
+    assert (mixed.sum(-1) <= 1).all() and mixed[0, 0, 0].sum() < 1 and mixed[0, 0, 0, 1] == 0
+    torch.testing.assert_close(mixed[0, 0, 1].sum(), torch.tensor(1.0))
+    assert torch.equal(mixed[0, 0, 2], torch.zeros(3))
+    for name in SPECS:
+        layer = normalizer(name)
+        scores = torch.randn(1, 2, 3, 5)
+        sink = layer.sink_logits(CPU)[:, None]
+        expected = 1 - torch.sigmoid(sink - torch.logsumexp(scores, -1))
+        torch.testing.assert_close(layer(scores, {}).sum(-1), expected)
+        assert (expected < 1).all()
+
+
+def test_new_normalizer_options_are_checked():
+    for bad, match in [
+        (
+            {"type": "softmax", "sink": "fixed"},
+            r"option 'sink'='fixed' is out of range; valid: \"learned\" or a finite",
+        ),
+        ({"type": "softmax", "sink": float("inf")}, "option 'sink'=inf is out of range"),
+        ({"type": "softmax", "sink": True}, "option 'sink' must be str or float or int"),
+        ({"type": "sigmoid", "bias": float("nan")}, "option 'bias'=nan is out of range; valid: finite"),
+        ({"type": "ssmax", "initial_scale": "0.4"}, "option 'initial_scale' must be float or int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            resolve_attention_normalizer(bad)
+    assert resolve_attention_normalizer({"type": "softmax", "sink": 1})["sink"] == 1.0
+    assert resolve_attention_normalizer({"type": "sigmoid", "bias": -3})["bias"] == -3.0
+    assert normalizer("sigmoid", max_positions=16, bias=-2).logit_bias == -2.0
+    assert normalizer("sigmoid", max_positions=16).logit_bias == -math.log(16)
+    assert normalizer("sigmoid", max_positions=16, bias=0.0).value_init_scale() == pytest.approx(8**-0.5)
 
 
 @pytest.mark.parametrize("name", ["softmax", "l2"])
@@ -157,7 +234,7 @@ def test_gate_values_follow_clipped_distances_per_head():
         torch.testing.assert_close(gated.gate_values(queries, keys).double(), expected)
 
 
-@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("name", CASES)
 def test_gated_normalizer_is_the_formula_times_the_gate(name):
     torch.manual_seed(0)
     gated = normalizer(name, toeplitz_gate=True, toeplitz_max_distance=2).double()
@@ -167,7 +244,7 @@ def test_gated_normalizer_is_the_formula_times_the_gate(name):
     inputs = {"visible": visible, "query_positions": torch.tensor([[0, 2, 4]]), "key_positions": torch.arange(5)[None]}
     weights = gated(scores.masked_fill(~visible, torch.finfo(torch.float64).min), inputs)
     gate = reference_gate(gated.toeplitz_gate.detach(), inputs["query_positions"], inputs["key_positions"], 2, False)
-    torch.testing.assert_close(weights, reference_weights(name, scores, visible, gate))
+    torch.testing.assert_close(weights, reference_weights(name, scores, visible, gate, layer=gated))
 
 
 def test_the_gate_runs_on_eager_only():
@@ -198,16 +275,16 @@ def masked_batch(family):
 
 
 @pytest.mark.parametrize("gate", [False, True])
-@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("scheme", ["learned", "t5"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_model_attention_weights_match_the_float64_reference(family, scheme, name, gate):
-    spec = {"type": name, "toeplitz_gate": gate, "toeplitz_max_distance": 3}
+    spec = spec_of(name, toeplitz_gate=gate, toeplitz_max_distance=3)
     model = make_model(family, scheme, spec, attn="eager").double()
     perturb_gates(model)
     ids, attention_mask, position_ids, visible = masked_batch(family)
     captured = []
-    layers = [m for m in model.modules() if type(m) is ATTENTION_NORMALIZERS[name]]
+    layers = [m for m in model.modules() if type(m) is ATTENTION_NORMALIZERS[spec["type"]]]
     layers[0].register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     with torch.no_grad():
         output = model(ids, attention_mask=attention_mask, position_ids=position_ids, output_attentions=True)
@@ -215,7 +292,7 @@ def test_model_attention_weights_match_the_float64_reference(family, scheme, nam
     if gate:
         table = layers[0].toeplitz_gate.detach()
         expected_gate = reference_gate(table, position_ids, position_ids, 3, causal=family == "gpt2")
-    expected = reference_weights(name, captured[0], visible, expected_gate)
+    expected = reference_weights(name, captured[0], visible, expected_gate, layer=layers[0])
     torch.testing.assert_close(output.attentions[0], expected)
     assert torch.isfinite(output.logits).all()
 
@@ -297,7 +374,7 @@ def test_gated_model_save_load_is_exact_and_gradients_reach_the_gate(family, tmp
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", NORMALIZERS + ["gated"])
+@pytest.mark.parametrize("name", CASES + ["gated"])
 def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
     """8 queries at the end of 4096 keys, a T5 bias, bf16 q/k/v; the weights are computed in float32."""
     torch.manual_seed(0)
@@ -305,10 +382,12 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
     query_positions, key_positions = torch.arange(n - 8, n)[None], torch.arange(n)[None]
     q, k, v = (torch.randn(1, heads, length, 16).bfloat16() for length in (8, n, n))
     dims = AttentionDims(hidden_size=32, num_heads=heads, head_dim=16, max_positions=n, causal=causal)
-    spec = {"type": "softmax", "toeplitz_gate": True} if name == "gated" else {"type": name}
+    spec = {"type": "softmax", "toeplitz_gate": True} if name == "gated" else spec_of(name)
     layer = ATTENTION_NORMALIZERS[spec["type"]](resolve_attention_normalizer(spec), dims)
     if name == "gated":
         torch.nn.init.normal_(layer.toeplitz_gate, 1.0, 0.5)
+    if name == "sink":
+        torch.nn.init.normal_(layer.sink, 2.0, 1.0)
     t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": 1.0}, dims)
     torch.nn.init.normal_(t5.relative_attention_steps.weight)
     visible = (query_positions[:, None, :, None] >= key_positions[:, None, None, :]) if causal else None
@@ -323,14 +402,17 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
         scores = q.double() @ k.double().transpose(-1, -2) * 0.25 + bias.double()
         gate = layer.gate_values(query_positions, key_positions) if name == "gated" else None
         full = torch.ones(1, 1, 8, n, dtype=torch.bool) if visible is None else visible
-        expected = reference_weights(spec["type"], scores, full, gate) @ v.double()
+        expected = reference_weights("softmax" if name == "gated" else name, scores, full, gate, layer) @ v.double()
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and torch.isfinite(weights).all()
     scale = expected.abs().amax()
     torch.testing.assert_close(out.transpose(1, 2).double() / scale, expected / scale, atol=2e-2, rtol=0)
 
 
 FUSED = [("bert", "l2"), ("gpt2", "exp"), ("bert", "relu2"), ("gpt2", "relu2"), ("bert", "swish_l2")]
-FUSED += [("gpt2", "swish_l2")]
+FUSED += [("gpt2", "swish_l2"), ("bert", "sigmoid"), ("gpt2", "sigmoid"), ("bert", "softpick"), ("gpt2", "softpick")]
+FUSED += [("bert", "ssmax"), ("gpt2", "ssmax"), ("bert", "sink"), ("gpt2", "plus_one")]
+FLEX_CALLS = {"l2": 2, "exp": 1, "relu2": 2, "swish_l2": 3, "sigmoid": 1, "softpick": 2, "sink": 1, "plus_one": 1}
+FLEX_CALLS["ssmax"] = 2  # the visible-key count (log n_i), then softmax with s_h log n_i in the score_mod
 
 
 @pytest.mark.parametrize(("family", "name"), FUSED)  # uncompiled flex is slow
@@ -343,7 +425,7 @@ def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeyp
     calls = []
 
     def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs["return_aux"].lse)
+        calls.append(kwargs.get("return_aux"))
         return flex_attention(*args, **kwargs)
 
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
@@ -356,11 +438,13 @@ def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeyp
         attention_mask[2] = 0
     outputs = {}
     for attn in ("eager", "flex_attention"):
-        model = make_model(family, "t5", name, attn=attn)
+        model = make_model(family, "t5", spec_of(name), attn=attn)
         with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():  # a learned sink / s_h that differ per head
+                if parameter_name.endswith(("normalizer.sink", "normalizer.scale")):
+                    parameter.copy_(torch.linspace(-1.0, 1.5, parameter.numel()))
             outputs[attn] = model.base_model(ids, attention_mask=attention_mask).last_hidden_state
-    passes = {"l2": 2, "exp": 1, "relu2": 2, "swish_l2": 3}[name]  # relu2: and the visible-key count
-    assert len(calls) == 2 * passes  # two layers
+    assert len(calls) == 2 * FLEX_CALLS[name]  # two layers (relu2: and the visible-key count)
     assert torch.isfinite(outputs["flex_attention"]).all()
     real = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][real], outputs["eager"][real], atol=ATOL, rtol=1e-4)
@@ -383,7 +467,7 @@ def scores_mod(scores):
     return lambda score, batch_idx, head_idx, q_idx, kv_idx: scores[head_idx, q_idx, kv_idx]
 
 
-@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("name", CASES)
 def test_fused_flex_values_and_gradients_equal_eager_at_zero_and_negative_scores(name):
     """Scores with exact zeros, values near 0 of both signs, large negatives (-120: float32 swish underflows there),
     a row with no positive score and a row with no visible key; output and the gradients of the scores and values
@@ -413,8 +497,9 @@ def test_fused_flex_values_and_gradients_equal_eager_at_zero_and_negative_scores
             weights = layer(masked.masked_fill(~visible.any(-1, keepdim=True), 0.0), {"visible": visible})
             output = (weights * visible.any(-1, keepdim=True)) @ v
         (output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum().backward()
-        results[path] = (output, b.grad, v.grad)
-    expected = reference_weights(name, scores, visible) @ value
+        results[path] = (output, b.grad, v.grad, [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad()
+    expected = reference_weights(name, scores, visible, layer=layer) @ value
     torch.testing.assert_close(results["eager"][0], expected)
     torch.testing.assert_close(results["flex"][0], expected)
     if name == "relu2":
@@ -425,18 +510,25 @@ def test_fused_flex_values_and_gradients_equal_eager_at_zero_and_negative_scores
     if name == "swish_l2":
         assert torch.equal(results["flex"][1][exact_zero], torch.zeros(3, dtype=torch.float64))
         assert results["eager"][1][exact_zero].abs().min() > 1e-3
+    else:  # softpick: the weight's and the denominator's derivative are both 0 at 0 on both paths
+        torch.testing.assert_close(results["flex"][1][exact_zero], results["eager"][1][exact_zero])
     torch.testing.assert_close(results["flex"][1][~exact_zero], results["eager"][1][~exact_zero])
     assert torch.isfinite(results["flex"][1]).all()
+    for flex_grad, eager_grad in zip(results["flex"][3], results["eager"][3], strict=True):  # a sink, s_h
+        torch.testing.assert_close(flex_grad, eager_grad)
 
 
-@pytest.mark.parametrize("name", ["relu2", "swish_l2"])
+@pytest.mark.parametrize("name", ["relu2", "swish_l2", "sigmoid", "ssmax", "softpick", "sink"])
 def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradients(name, monkeypatch):
     """Through ``positional_attention`` with a causal, left-padded mask: the bias table's gradient reaches it through
     the scheme's score_mod in every pass of the normalizer."""
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
     torch.manual_seed(0)
     dims = AttentionDims(hidden_size=32, num_heads=2, head_dim=16, max_positions=16, causal=True)
-    layer = ATTENTION_NORMALIZERS[name](resolve_attention_normalizer(name), dims).double()
+    spec = resolve_attention_normalizer(spec_of(name))
+    layer = ATTENTION_NORMALIZERS[spec["type"]](spec, dims).double()
+    for parameter in layer.parameters():  # a learned sink / s_h that differ per head
+        torch.nn.init.uniform_(parameter, 0.2, 1.0)
     t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 8, "max_distance": 16, "table_scale": 1.0}, dims)
     torch.nn.init.normal_(t5.relative_attention_steps.weight)
     t5 = t5.double()
@@ -459,7 +551,8 @@ def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradi
         output[:, 2:].pow(2).sum().backward()  # queries 0, 1 see no key: output 0 on both paths
         table = t5.relative_attention_steps.weight
         gradients[backend] = [output.detach(), table.grad] + [tensor.grad for tensor in qkv]
-        for tensor in [*qkv, table]:
+        gradients[backend] += [parameter.grad for parameter in layer.parameters()]
+        for tensor in [*qkv, table, *layer.parameters()]:
             tensor.grad = None
     for flex, eager in zip(gradients["flex_attention"], gradients["eager"], strict=True):
         torch.testing.assert_close(flex, eager)
@@ -467,7 +560,7 @@ def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradi
 
 def test_fused_normalizers_run_eager_on_cpu_and_flex_elsewhere():
     t5 = {"type": "t5", "num_buckets": 32, "max_distance": 128}
-    for name in ("l2", "exp", "relu2", "swish_l2"):
+    for name in ("l2", "exp", "relu2", "swish_l2", "sigmoid", "softpick"):
         spec = resolve_attention_normalizer(name)
         with torch.no_grad():
             assert choose_backend("flex_attention", t5, spec, CPU) == "eager"
@@ -476,16 +569,56 @@ def test_fused_normalizers_run_eager_on_cpu_and_flex_elsewhere():
         assert choose_backend("sdpa", t5, spec, torch.device("cuda")) == "flex_attention"
 
 
+def test_ssmax_and_a_sink_run_sdpa_and_flex_from_the_log_sum_exp_off_cpu():
+    """SDPA computes them exactly (queries and additive terms scaled by s_h log n_i; the sink as a zero key); flex
+    reads the log-sum-exp (n_i, the sink's share), which compiled CPU FlexAttention does not return: CPU requests for
+    flex run SDPA. A scheme's value term reads softmax weights on SDPA and flex: with them it runs eager."""
+    t5 = {"type": "t5", "num_buckets": 32, "max_distance": 128}
+    shaw = resolve_position_encoding_for_test("shaw")
+    for name in ("ssmax", "sink", "plus_one"):
+        spec = resolve_attention_normalizer(spec_of(name))
+        assert choose_backend("sdpa", t5, spec, CPU) == "sdpa"
+        assert choose_backend("sdpa", t5, spec, torch.device("cuda")) == "sdpa"
+        with torch.no_grad():
+            assert choose_backend("flex_attention", t5, spec, CPU) == "sdpa"
+            assert choose_backend("flex_attention", t5, spec, torch.device("cuda")) == "flex_attention"
+            assert choose_backend("flex_attention", shaw, spec, torch.device("cuda"), consecutive=True) == "eager"
+        assert choose_backend("sdpa", shaw, spec, CPU) == "eager"
+    with torch.no_grad():  # without a sink softmax keeps its value-term paths
+        softmax = resolve_attention_normalizer("softmax")
+        assert (
+            choose_backend("flex_attention", shaw, softmax, torch.device("cuda"), consecutive=True) == "flex_attention"
+        )
+    assert choose_backend("sdpa", shaw, softmax, CPU) == "sdpa"
+
+
+def resolve_position_encoding_for_test(name):
+    return make_config("bert", name).position_encoding
+
+
+def test_models_initialise_a_learned_sink_as_gpt_oss_and_s_h_at_its_initial_scale(family):
+    """gpt-oss's sinks start N(0, initializer_range) (Transformers' GptOssPreTrainedModel); s_h at ``initial_scale``;
+    a saved model's values are loaded, not re-initialised."""
+    sink = make_model(family, "rope", {"type": "softmax", "sink": "learned"}, initializer_range=0.5)
+    sinks = torch.cat([p for name, p in sink.named_parameters() if name.endswith("normalizer.sink")])
+    assert sinks.shape == (8,) and sinks.std() > 0.1 and sinks.abs().max() < 3.0
+    ssmax = make_model(family, "rope", {"type": "ssmax", "initial_scale": 0.3})
+    scales = [p for name, p in ssmax.named_parameters() if name.endswith("normalizer.scale")]
+    assert len(scales) == 2 and all(torch.equal(s, torch.full((4,), 0.3)) for s in scales)
+
+
 # --- initialisation ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NORMALIZERS)
+@pytest.mark.parametrize("name", CASES)
 def test_value_init_scale_undoes_the_row_sum_at_init(name):
     """At init the scores are near 0 (a small constant c for n equal tokens): a normalizer whose row sums to r(n)
     (softmax: 1) scales W_V and W_O by r(n)^(-1/2) each, so the output starts at softmax's scale; r(n) <= 1 keeps 1."""
     n = 64
     layer = normalizer(name, max_positions=n)
-    row_sum = layer(torch.full((1, 1, 1, n), 0.01, dtype=torch.float64), {"visible": None}).sum().item()
+    row_sum = (
+        layer.double()(torch.full((1, 2, 1, n), 0.01, dtype=torch.float64), {"visible": None}).sum(-1).max().item()
+    )
     expected = row_sum**-0.5 if row_sum > 1.0 + 1e-6 else 1.0
     assert layer.value_init_scale() == pytest.approx(expected, rel=0.01)
 

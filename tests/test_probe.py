@@ -61,6 +61,12 @@ def test_recipe_parses_schemes_with_options_and_rejects_unknown_variants(capsys)
     with pytest.raises(SystemExit):
         probe_recipe.parse_args(["--variants", "softmax+gated"])
     assert "unknown flag(s) ['gated']" in capsys.readouterr().err
+    assert probe_recipe.parse_variant("softmax+sink+boundary") == (
+        {"type": "softmax", "toeplitz_gate": False, "sink": "learned"}, True
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        probe_recipe.parse_args(["--variants", "l2+sink"])
+    assert "'+sink' is an option of softmax only" in capsys.readouterr().err
 
 
 def test_stick_breaking_without_a_position_encoding_fits_and_the_grid_leaves_out_encoders(tmp_path):

@@ -50,6 +50,8 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
         ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
         ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
+        ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
+        ("bert", "alibi", {"type": "softmax", "sink": "learned"}, "AutoModelForMaskedLM"),
     ],
 )
 def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):

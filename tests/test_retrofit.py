@@ -191,11 +191,10 @@ def test_patched_decoder_generates_the_same_with_and_without_cache_and_padding(
 
 @pytest.mark.parametrize(
     ("model_type", "class_name", "scheme", "normalizer"),
-    [
-        ("gpt2", "GPT2LMHeadModel", "alibi", "l2"),
-        ("llama", "LlamaForCausalLM", "t5", "l2"),
-        ("llama", "LlamaForCausalLM", "none", "stick_breaking"),
-    ],
+    [("gpt2", "GPT2LMHeadModel", "alibi", "l2"), ("llama", "LlamaForCausalLM", "t5", "l2")]
+    + [("llama", "LlamaForCausalLM", "none", "stick_breaking")]
+    + [("llama", "LlamaForCausalLM", "rope", "ssmax"), ("gpt2", "GPT2LMHeadModel", "none", "softpick")]
+    + [("llama", "LlamaForCausalLM", "rope", {"type": "softmax", "sink": "learned"})],
 )
 def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_without_cache(
     saved_stock, model_type, class_name, scheme, normalizer
@@ -211,6 +210,20 @@ def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_wit
 def test_a_decoder_only_normalizer_in_a_stock_encoder_raises_naming_why(saved_stock):
     with pytest.raises(ValueError, match="'stick_breaking' has no encoder form \\(causal by construction"):
         hf_posenc.retrofit(load_stock(saved_stock, "bert", "BertForMaskedLM"), "rope", "stick_breaking")
+
+
+def test_retrofit_initialises_the_normalizers_own_parameters(saved_stock):
+    """SSMax's s_h at its initial_scale, a learned sink N(0, initializer_range) (gpt-oss), per layer."""
+    ssmax = hf_posenc.retrofit(
+        load_stock(saved_stock, "gpt2", "GPT2LMHeadModel"), "rope", {"type": "ssmax", "initial_scale": 0.3}
+    )
+    scales = [p for name, p in ssmax.named_parameters() if name.endswith("normalizer.scale")]
+    assert scales and all(torch.equal(s, torch.full_like(s, 0.3)) for s in scales)
+    sink = hf_posenc.retrofit(
+        load_stock(saved_stock, "llama", "LlamaForCausalLM"), "rope", {"type": "softmax", "sink": "learned"}
+    )
+    sinks = torch.cat([p for name, p in sink.named_parameters() if name.endswith("normalizer.sink")])
+    assert sinks.abs().sum() > 0 and sinks.abs().max() < 10 * sink.config.initializer_range
 
 
 @pytest.mark.parametrize(
