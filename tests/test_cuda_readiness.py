@@ -40,7 +40,7 @@ def flex_normalizers() -> list[str]:
 CASES = family_combos(
     [(scheme, "softmax") for scheme in flex_schemes()]
     + [("t5", normalizer) for normalizer in flex_normalizers() if normalizer != "softmax"]
-)
+) + [(family, "t5", {"type": "softmax", "sink": "learned"}) for family in ("bert", "gpt2")]
 
 
 def capture_cuda_flex_calls(
