@@ -472,9 +472,10 @@ class Exp(AttentionNormalizer):
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
-        # e^lse applied in float32, so a float16 output overflows only where O itself passes 65504, not where e^lse
+        # e^lse applied in at least float32, so a float16 output overflows only where O itself passes 65504, not where e^lse
         # does (lse > 11.09); no range check here: it would sync the host once per layer (an overflow shows as inf)
-        return (output.float() * _row_factor(lse, lse)).to(output.dtype)
+        wide = torch.promote_types(output.dtype, torch.float32)
+        return (output.to(wide) * _row_factor(lse, lse).to(wide)).to(output.dtype)
 
 
 def _check_exp_range(values: torch.Tensor, dtype: torch.dtype) -> None:
