@@ -23,6 +23,7 @@ from hf_posenc import modeling_posenc_common, posenc_attention, position_interfa
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
 from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import PositionEncoding
 
 
 CUDA = torch.device("cuda")  # choose_backend is pure logic: the CUDA rules run without a GPU
@@ -41,6 +42,15 @@ CASES = family_combos(
     [(scheme, "softmax") for scheme in flex_schemes()]
     + [("t5", normalizer) for normalizer in flex_normalizers() if normalizer != "softmax"]
 ) + [(family, "t5", {"type": "softmax", "sink": "learned"}) for family in ("bert", "gpt2")]
+
+
+def gives_score_mod(scheme: str) -> bool:
+    entry = POSITION_ENCODINGS[scheme]
+    return entry.score_mod is not PositionEncoding.score_mod or entry.has_layer_term
+
+
+# The schemes without a score_mod hand FlexAttention only the mask_mod, the same for all of them: `learned` stands in.
+LOWERING_CASES = [case for case in CASES if gives_score_mod(case[1]) or case[2] != "softmax" or case[1] == "learned"]
 
 
 def capture_cuda_flex_calls(
@@ -174,7 +184,7 @@ def test_training_graphs_pass_tritons_checks_and_spread_gradients(family, scheme
     assert_backward_graphs_build_for_triton(calls)
 
 
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), CASES)
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), LOWERING_CASES)
 def test_every_score_mod_and_mask_mod_lowers_in_inductor(family, scheme, normalizer, monkeypatch, request):
     """Inference and training calls, default and given positions, flex by default or requested, lowered in one graph
     per case (DeBERTa's ``torch.tensor`` inside its score_mod failed here: ``lift_fresh_copy`` cannot be lowered)."""
