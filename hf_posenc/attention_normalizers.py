@@ -403,8 +403,9 @@ class Softmax(AttentionNormalizer):
         mask = additive_mask(attn_mask, causal, query, key)
         mask = mask.expand(mask.shape[0] if mask.dim() == 4 else 1, heads, q_len, key.shape[-2])
         column = sink.to(mask.dtype)[None, :, None, None].expand(mask.shape[0], heads, q_len, 1)
-        key = torch.cat([key, key.new_zeros(batch, heads, 1, key.shape[-1])], dim=-2)
-        value = torch.cat([value, value.new_zeros(batch, heads, 1, value.shape[-1])], dim=-2)
+        # the zero key and value per key/value head (grouped-query attention keeps fewer of them)
+        key = torch.cat([key, key.new_zeros(*key.shape[:2], 1, key.shape[-1])], dim=-2)
+        value = torch.cat([value, value.new_zeros(*value.shape[:2], 1, value.shape[-1])], dim=-2)
         return query, key, value, torch.cat([mask, column], dim=-1)
 
 
@@ -472,8 +473,8 @@ class Exp(AttentionNormalizer):
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
-        # e^lse applied in at least float32, so a float16 output overflows only where O itself passes 65504, not where e^lse
-        # does (lse > 11.09); no range check here: it would sync the host once per layer (an overflow shows as inf)
+        # e^lse applied in at least float32, so a float16 output overflows only where O itself passes 65504, not where
+        # e^lse does (lse > 11.09); no range check here: it would sync the host once per layer (an overflow shows inf)
         wide = torch.promote_types(output.dtype, torch.float32)
         return (output.to(wide) * _row_factor(lse, lse).to(wide)).to(output.dtype)
 

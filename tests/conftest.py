@@ -132,9 +132,11 @@ def supports(family: str, scheme: str) -> bool:
     return scheme in (ENCODER_SCHEMES if family == "bert" else DECODER_SCHEMES)
 
 
-def normalizer_supports(family: str, normalizer: str) -> bool:
-    """Whether the normalizer has a form for the family (``stick_breaking`` is causal: decoders only)."""
-    return ("encoder" if family == "bert" else "decoder") in NORMALIZER_CATALOGUE[normalizer]["families"]
+def normalizer_supports(family: str, normalizer: str | dict) -> bool:
+    """Whether the normalizer (a name or a spec) has a form for the family (``stick_breaking`` is causal: decoders
+    only)."""
+    name = normalizer if isinstance(normalizer, str) else normalizer["type"]
+    return ("encoder" if family == "bert" else "decoder") in NORMALIZER_CATALOGUE[name]["families"]
 
 
 def family_combos(combos: list[tuple[str, str]]) -> list:

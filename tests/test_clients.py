@@ -100,9 +100,15 @@ def tiny_gpt2(kind: str, vocab_size: int) -> transformers.PreTrainedModel:
 
 @pytest.mark.parametrize("kind", ["posenc", "retrofit"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_trl_sft_trainer_trains_a_gpt2(kind, lora, tmp_path):
+def test_trl_sft_trainer_trains_a_gpt2(kind, lora, tmp_path, request):
     """TRL's ``SFTTrainer`` on plain text, two steps: the loss is finite; full fine-tuning moves the model's weights,
-    LoRA (``LoraConfig(task_type="CAUSAL_LM")`` alone: PEFT's GPT-2 targets) moves only the adapters."""
+    LoRA (``LoraConfig(task_type="CAUSAL_LM")`` alone: PEFT's GPT-2 targets) moves only the adapters. accelerate
+    keeps its state (mixed precision included) in process-wide singletons, which the recipes' own Accelerator would
+    inherit in this test process: reset after the test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    request.addfinalizer(GradientState._reset_state)
+    request.addfinalizer(lambda: AcceleratorState._reset_state(reset_partial_state=True))
     trl = pytest.importorskip("trl", reason="TRL is a test extra: pip install -e .[test]")
     pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
     from datasets import Dataset
