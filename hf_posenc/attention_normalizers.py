@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import initialization as init
 
 from .options import CatalogueEntry, Option
-from .position_interface import BACKENDS, FAMILIES, AttentionDims, AttentionInputs
+from .position_interface import BACKENDS, AttentionDims, AttentionInputs
 
 
 try:  # torch >= 2.9; before it, flex_attention(..., return_lse=True)
@@ -81,8 +81,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     backends: tuple[str, ...] = ("eager",)
     flex_needs_lse: bool = False
     sdpa_in_query_chunks: bool = False
-    families: tuple[str, ...] = FAMILIES
-    family_reason: str = ""
+    kind = "attention_normalizer"
 
     def __init_subclass__(cls, **kwargs):
         """Every normalizer takes the gate options beside its own."""
@@ -103,16 +102,6 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     @classmethod
     def describe(cls) -> dict[str, Any]:
         return {**super().describe(), "families": list(cls.families)}
-
-    @classmethod
-    def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
-        """Raise ``ValueError`` if the normalizer has no form for this family (``causal``: a decoder)."""
-        family = "decoder" if causal else "encoder"
-        if family not in cls.families:
-            raise ValueError(
-                f"attention_normalizer {spec['type']!r} has no {family} form ({cls.family_reason}); it runs in: "
-                f"{list(cls.families)} (posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
-            )
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:

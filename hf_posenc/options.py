@@ -47,6 +47,22 @@ class CatalogueEntry:
     options: Mapping[str, Option] = {}
 
     backends: tuple[str, ...] = ()
+    kind: str = ""
+    """The config field that names the entry (``position_encoding``, ``attention_normalizer``), for messages."""
+    families: tuple[str, ...] = ("encoder", "decoder")
+    family_reason: str = ""
+    """Why the entry has no form for a family it leaves out of ``families`` (said by :meth:`check_family`)."""
+
+    @classmethod
+    def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
+        """Raise ``ValueError`` if the entry has no form for this family (``causal``: a decoder)."""
+        family = "decoder" if causal else "encoder"
+        if family not in cls.families:
+            reason = f" ({cls.family_reason})" if cls.family_reason else ""
+            raise ValueError(
+                f"{cls.kind} {spec['type']!r} has no {family} form{reason}; it runs in: {list(cls.families)} "
+                "(posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
+            )
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> None:

@@ -33,7 +33,6 @@ from .relative_tables import toeplitz
 
 
 BACKENDS = ("eager", "sdpa", "flex_attention")
-FAMILIES = ("encoder", "decoder")
 
 AttentionInputs = dict[str, Any]
 """What every attention layer reads per forward, built once by the model:
@@ -265,7 +264,7 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 
     relative: bool = False
     relative_unless: str = ""
-    families: tuple[str, ...] = FAMILIES
+    kind = "position_encoding"
     backends: tuple[str, ...] = BACKENDS
     cache_states: tuple[str, ...] = ()
     flex_compiles_on_cpu: bool = True
@@ -295,16 +294,6 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     @classmethod
     def check_sizes(cls, spec: dict[str, Any], hidden_size: int, max_position_embeddings: int) -> None:
         """Raise ``ValueError`` if the options do not fit the config's sizes; called when the config is built."""
-
-    @classmethod
-    def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
-        """Raise ``ValueError`` if the scheme has no form for this family (``causal``: a decoder)."""
-        family = "decoder" if causal else "encoder"
-        if family not in cls.families:
-            raise ValueError(
-                f"position_encoding {spec['type']!r} has no {family} form; it runs in: {list(cls.families)} "
-                "(posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
-            )
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
