@@ -57,7 +57,14 @@ from .modeling_posenc_common import (
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
-from .position_interface import AttentionInputs, EmbeddingInputs, PositionCache, PositionEncoding
+from .position_interface import (
+    CACHE_NAME,
+    AttentionInputs,
+    EmbeddingInputs,
+    PositionCache,
+    PositionEncoding,
+    given_cache,
+)
 
 
 class PosEncBertEmbeddings(nn.Module):
@@ -118,7 +125,7 @@ class PosEncBertSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_inputs: AttentionInputs,
         position_encoding: PositionEncoding,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -136,7 +143,7 @@ class PosEncBertSelfAttention(nn.Module):
             dropout=self.dropout.p,
             training=self.training,
             causal=self.is_causal,
-            past_key_values=past_key_values,
+            cache=cache,
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
@@ -150,8 +157,8 @@ class PosEncBertAttention(nn.Module):
         self.self = PosEncBertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
-    def forward(self, hidden_states, attention_inputs, position_encoding, past_key_values=None):
-        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding, past_key_values)
+    def forward(self, hidden_states, attention_inputs, position_encoding, cache=None):
+        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding, cache)
         return self.output(attention_output, hidden_states), weights
 
 
@@ -168,10 +175,10 @@ class PosEncBertLayer(PositionalLayer):
         *attention_leaves,
         attention_spec,
         position_encoding: PositionEncoding,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
         attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
-        attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding, past_key_values)
+        attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding, cache)
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -181,12 +188,10 @@ class PosEncBertEncoder(nn.Module):
         self.layer = nn.ModuleList([PosEncBertLayer(config, i) for i in range(config.num_hidden_layers)])
 
     def forward(
-        self, hidden_states, attention_inputs: AttentionInputs, position_encoding, past_key_values=None
+        self, hidden_states, attention_inputs: AttentionInputs, position_encoding, cache=None
     ) -> BaseModelOutput:
         for layer in self.layer:
-            hidden_states = layer(
-                hidden_states, attention_inputs, position_encoding=position_encoding, past_key_values=past_key_values
-            )
+            hidden_states = layer(hidden_states, attention_inputs, position_encoding=position_encoding, cache=cache)
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
@@ -199,7 +204,7 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _no_split_modules = ["PosEncBertEmbeddings", "PosEncBertLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
     @torch.no_grad()
@@ -228,6 +233,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         self.position_encoding = build_position_encoding(config, causal=config.is_decoder)
         self.encoder = PosEncBertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
@@ -246,31 +252,33 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds.")
         check_input_ids(input_ids)
         reject_unsupported_inputs(self, kwargs, ("encoder_hidden_states", "encoder_attention_mask"))
-        if past_key_values is not None and not self.config.is_decoder:
+        cache = given_cache(cache, past_key_values)
+        if cache is not None and not self.config.is_decoder:
             raise ValueError(
-                f"{type(self).__name__} is an encoder and keeps no KV cache; got past_key_values (a causal BERT with "
+                f"{type(self).__name__} is an encoder and keeps no KV cache; got {CACHE_NAME} (a causal BERT with "
                 "a cache: PosEncBertConfig(is_decoder=True))."
             )
         use_cache = bool(use_cache) and self.config.is_decoder
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.embeddings.word_embeddings(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         default_positions = position_ids is None
         position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
         position_cache = None
-        if past_key_values is not None:
-            position_cache = PositionCache(past_key_values, self.config.num_hidden_layers)
+        if cache is not None:
+            position_cache = PositionCache(cache, self.config.num_hidden_layers)
         embedding_output = self.embeddings(
             self.position_encoding,
             position_ids,
@@ -288,19 +296,21 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             position_ids,
             causal=self.config.is_decoder,
             attention_dropout=self.config.attention_probs_dropout_prob,
-            past_key_values=past_key_values,
+            cache=cache,
             position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
             default_positions=default_positions,
         )
+        # As in stock GPT-2: the layers see no cache under activation checkpointing, whose replay would append twice.
+        layer_cache = None if self.gradient_checkpointing and self.training else cache
         sequence_output = self.encoder(
-            embedding_output, attention_inputs, self.position_encoding, past_key_values
+            embedding_output, attention_inputs, self.position_encoding, layer_cache
         ).last_hidden_state
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output,
             pooler_output=pooled_output,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_NAME: cache if use_cache else None},
         )
 
 
@@ -581,9 +591,10 @@ class PosEncBertLMHeadModel(PosEncBertPreTrainedModel, GenerationMixin):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         if labels is not None:
@@ -594,7 +605,7 @@ class PosEncBertLMHeadModel(PosEncBertPreTrainedModel, GenerationMixin):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
-            past_key_values=past_key_values,
+            cache=given_cache(cache, past_key_values),
             use_cache=use_cache,
             return_dict=True,
             **kwargs,
@@ -607,7 +618,7 @@ class PosEncBertLMHeadModel(PosEncBertPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -94,7 +94,7 @@ def prepare_attention(
     position_ids: torch.Tensor,
     causal: bool,
     attention_dropout: float,
-    past_key_values=None,
+    cache=None,
     position_cache: PositionCache | None = None,
     output_attentions: bool = False,
     default_positions: bool = False,
@@ -134,7 +134,7 @@ def prepare_attention(
         causal,
         inputs_embeds,
         attention_mask,
-        past_key_values=past_key_values,
+        cache=cache,
         position_ids=position_ids,
         # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor
         # SDPA without a bias (is_causal covers causality) unless a layer's own term takes the place of the mask.

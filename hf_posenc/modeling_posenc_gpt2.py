@@ -41,7 +41,14 @@ from .modeling_posenc_common import (
     sequence_classification_loss,
 )
 from .posenc_attention import positional_attention
-from .position_interface import AttentionInputs, EmbeddingInputs, PositionCache, PositionEncoding
+from .position_interface import (
+    CACHE_NAME,
+    AttentionInputs,
+    EmbeddingInputs,
+    PositionCache,
+    PositionEncoding,
+    given_cache,
+)
 
 
 class PosEncGPT2Attention(nn.Module):
@@ -75,7 +82,7 @@ class PosEncGPT2Attention(nn.Module):
         hidden_states: torch.Tensor,
         attention_inputs: AttentionInputs,
         position_encoding: PositionEncoding,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (
@@ -93,7 +100,7 @@ class PosEncGPT2Attention(nn.Module):
             dropout=self.attn_dropout.p,
             training=self.training,
             causal=True,
-            past_key_values=past_key_values,
+            cache=cache,
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
@@ -117,10 +124,10 @@ class PosEncGPT2Block(PositionalLayer):
         *attention_leaves,
         attention_spec,
         position_encoding: PositionEncoding,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
         attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
-        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_inputs, position_encoding, past_key_values)
+        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_inputs, position_encoding, cache)
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -134,7 +141,7 @@ class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _no_split_modules = ["PosEncGPT2Block"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _can_record_outputs = {
         "hidden_states": PosEncGPT2Block,
         "attentions": OutputRecorder(PosEncGPT2Attention, index=1),
@@ -173,6 +180,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([PosEncGPT2Block(config, i) for i in range(config.num_hidden_layers)])
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
@@ -187,12 +195,13 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
@@ -202,14 +211,15 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
         if input_ids is not None:
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             inputs_embeds = self.wte(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cache = given_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         default_positions = position_ids is None
         position_ids = resolve_position_ids(position_ids, inputs_embeds, past_length)
         position_cache = None
-        if past_key_values is not None:
-            position_cache = PositionCache(past_key_values, self.config.num_hidden_layers)
+        if cache is not None:
+            position_cache = PositionCache(cache, self.config.num_hidden_layers)
 
         hidden_states = self.position_encoding.embed(
             EmbeddingInputs(inputs_embeds, position_ids, input_ids, attention_mask, position_cache)
@@ -226,20 +236,19 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
             position_ids,
             causal=True,
             attention_dropout=self.config.attn_pdrop,
-            past_key_values=past_key_values,
+            cache=cache,
             position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
             default_positions=default_positions,
         )
+        # As in stock GPT-2: the layers see no cache under activation checkpointing, whose replay would append twice.
+        layer_cache = None if self.gradient_checkpointing and self.training else cache
         for block in self.h:
             hidden_states = block(
-                hidden_states,
-                attention_inputs,
-                position_encoding=self.position_encoding,
-                past_key_values=past_key_values,
+                hidden_states, attention_inputs, position_encoding=self.position_encoding, cache=layer_cache
             )
         return BaseModelOutputWithPast(
-            last_hidden_state=self.ln_f(hidden_states), past_key_values=past_key_values if use_cache else None
+            last_hidden_state=self.ln_f(hidden_states), **{CACHE_NAME: cache if use_cache else None}
         )
 
 
@@ -258,7 +267,7 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -266,11 +275,12 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=given_cache(cache, past_key_values),
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -288,7 +298,7 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -310,18 +320,19 @@ class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         outputs = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=given_cache(cache, past_key_values),
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -349,7 +360,7 @@ class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
         return SequenceClassifierOutputWithPast(
             loss=loss,
             logits=pooled_logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -38,6 +38,7 @@ from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, a
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import (
+    CACHE_NAME,
     AttentionInputs,
     LayerPositionTerm,
     PositionCache,
@@ -315,7 +316,7 @@ def build_attention_mask(
     causal: bool,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values=None,
+    cache=None,
     position_ids: torch.Tensor | None = None,
     allow_skip: bool = False,
 ):
@@ -331,8 +332,8 @@ def build_attention_mask(
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_NAME: cache},
             allow_is_causal_skip=allow_skip,
         )
     return create_bidirectional_mask(
@@ -694,7 +695,7 @@ def positional_attention(
     dropout: float,
     training: bool,
     causal: bool,
-    past_key_values=None,
+    cache=None,
     layer_idx: int | None = None,
     project_query_key: QueryKeyProjection | None = None,
     hidden_states: torch.Tensor | None = None,
@@ -705,7 +706,7 @@ def positional_attention(
     ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
-    term's ``layer_tables``, whose per-token states are kept in ``past_key_values``); ``scaling`` is the layer's
+    term's ``layer_tables``, whose per-token states are kept in ``cache``); ``scaling`` is the layer's
     factor on ``q.k``, times the scheme's ``content_scale``. Returns the output ``(batch, q_len, heads, head_dim)``
     and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
@@ -713,17 +714,19 @@ def positional_attention(
     score_term = value_rows = None
     if position_term is not None:
         store = None
-        if past_key_values is not None:
-            cache = PositionCache(past_key_values, encoding.dims.num_layers)
-            store = partial(cache.append_layer_state, scheme=encoding, term=position_term, layer_idx=layer_idx)
+        if cache is not None:
+            position_cache = PositionCache(cache, encoding.dims.num_layers)
+            store = partial(
+                position_cache.append_layer_state, scheme=encoding, term=position_term, layer_idx=layer_idx
+            )
         layer_tables = position_term.layer_tables(hidden_states, attention_inputs, store)
         attention_inputs = {**attention_inputs, "layer": layer_tables}
         score_term = partial(position_term.score_term, scaling=scaling, project_query_key=project_query_key)
         value_rows = position_term.value_rows(attention_inputs)
     tables = attention_inputs["position"]
     query, key, value = encoding.transform_qkv(query, key, value, tables)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, layer_idx)
     backend = attention_inputs["backend"]
     # Grouped-query attention (key/value head h serves query heads h*g .. h*g+g-1): the fused kernels read the shared
     # heads themselves (enable_gqa); eager and the layer terms, which read keys per query head, get them repeated.

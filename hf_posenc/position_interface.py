@@ -19,6 +19,7 @@ accelerate's device hooks see every tensor. Positions of cached keys are kept wi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .options import CatalogueEntry
 from .relative_tables import toeplitz
@@ -61,6 +63,28 @@ class AttentionDims:
     causal: bool
     num_layers: int = 1
     vocab_size: int = 0
+
+
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+"""The installed Transformers' name of the KV cache, as a forward's argument, a layer's keyword and an output's field:
+``cache`` from 5.24 on, ``past_key_values`` before. The models take and return it under this name, as the stock models
+of the same version do, so ``generate``, gradient checkpointing and ``masking_utils`` find it."""
+
+
+def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache a model was given under either name. Where Transformers calls it ``cache``, ``past_key_values`` is
+    its deprecated spelling and warns as the stock models warn; giving both is an error, not a silent choice."""
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
+        raise ValueError("Pass the KV cache once: got both `cache` and `past_key_values`.")
+    if CACHE_NAME == "cache":
+        warnings.warn(
+            "`past_key_values` is deprecated since Transformers 5.24; pass the KV cache as `cache`.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return past_key_values
 
 
 class PositionCache:

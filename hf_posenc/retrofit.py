@@ -63,7 +63,14 @@ from .modeling_posenc_common import (
     resolve_position_ids,
 )
 from .posenc_attention import positional_attention
-from .position_interface import EmbeddingInputs, LayerPositionTerm, PositionCache, PositionEncoding
+from .position_interface import (
+    CACHE_NAME,
+    EmbeddingInputs,
+    LayerPositionTerm,
+    PositionCache,
+    PositionEncoding,
+    given_cache,
+)
 
 
 ATTENTION_INPUTS = "posenc_attention_inputs"
@@ -112,7 +119,8 @@ class RetrofitAttention:
         query, key, _ = self.project(states[None])
         return query[0], key[0].repeat_interleave(query.shape[1] // key.shape[1], dim=0)
 
-    def attend(self, hidden_states, past_key_values, kwargs, *, scaling, dropout, causal):
+    def attend(self, hidden_states, kwargs, *, scaling, dropout, causal):
+        """The stock layer hands the KV cache down under the installed Transformers' name (:data:`CACHE_NAME`)."""
         query, key, value = self.project(hidden_states)
         output, weights = positional_attention(
             query,
@@ -126,7 +134,7 @@ class RetrofitAttention:
             dropout=dropout,
             training=self.training,
             causal=causal,
-            past_key_values=past_key_values,
+            cache=kwargs.get(CACHE_NAME),
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
@@ -139,10 +147,8 @@ class RetrofitBertSelfAttention(RetrofitAttention):
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
         return tuple(layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.query, self.key, self.value))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        return self.attend(
-            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.dropout.p, causal=self.is_causal
-        )
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return self.attend(hidden_states, kwargs, scaling=self.scaling, dropout=self.dropout.p, causal=self.is_causal)
 
 
 class RetrofitGPT2Attention(RetrofitAttention):
@@ -150,9 +156,9 @@ class RetrofitGPT2Attention(RetrofitAttention):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         return tuple(t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.split_size, dim=2))
 
-    def forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
         output, weights = self.attend(
-            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.attn_dropout.p, causal=True
+            hidden_states, kwargs, scaling=self.scaling, dropout=self.attn_dropout.p, causal=True
         )
         return self.resid_dropout(self.c_proj(output)), weights
 
@@ -164,9 +170,9 @@ class RetrofitLlamaAttention(RetrofitAttention):
             layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
         )
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         output, weights = self.attend(
-            hidden_states, past_key_values, kwargs, scaling=self.scaling, dropout=self.attention_dropout, causal=True
+            hidden_states, kwargs, scaling=self.scaling, dropout=self.attention_dropout, causal=True
         )
         return self.o_proj(output), weights
 
@@ -435,13 +441,14 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
     if inputs_embeds is None:
         inputs_embeds = base.get_input_embeddings()(input_ids)
     causal = family.causal(config)
-    cache = call.get("past_key_values")
+    cache = given_cache(call.pop("cache", None), call.pop("past_key_values", None))
     if causal:
         call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
         if call["use_cache"] and cache is None:
-            cache = call["past_key_values"] = DynamicCache(config=config)
+            cache = DynamicCache(config=config)
+        call[CACHE_NAME] = cache
     elif cache is not None:
-        raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got past_key_values.")
+        raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got {CACHE_NAME}.")
     past_length = cache.get_seq_length() if cache is not None else 0
     default_positions = call.get("position_ids") is None
     if default_positions:
@@ -462,7 +469,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         position_ids,
         causal=causal,
         attention_dropout=family.attention_dropout(config),
-        past_key_values=cache,
+        cache=cache,
         position_cache=position_cache,
         output_attentions=config.output_attentions if output_attentions is None else output_attentions,
         default_positions=default_positions and family.default_positions_are_consecutive(base, input_ids),

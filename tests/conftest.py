@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import hf_posenc
+from hf_posenc.position_interface import CACHE_NAME
 
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -121,6 +122,27 @@ def perturb_position_parameters(model: torch.nn.Module) -> None:
                 t5_tables[name].store_bias(torch.empty_like(param).normal_(0.0, 1.0))
             elif name not in linear:
                 param.normal_(0.0, 1.0)
+
+
+def cache_of(output) -> transformers.Cache | None:
+    """The KV cache a model output carries, under the installed Transformers' name (``cache`` from 5.24 on)."""
+    return getattr(output, CACHE_NAME)
+
+
+def with_cache(cache) -> dict:
+    """The keyword argument that hands a model its KV cache, under the installed Transformers' name."""
+    return {CACHE_NAME: cache}
+
+
+def enable_activation_checkpointing(model, use_reentrant: bool) -> bool:
+    """Transformers' activation checkpointing under the installed version's name (``activation_checkpointing_enable``
+    from 5.23 on, which deprecates ``gradient_checkpointing_enable``); returns whether the model reports it on."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.is_activation_checkpointing
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.is_gradient_checkpointing
 
 
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:

@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import COMBOS, assert_flex_training_step_equals_eager, family_combos, make_config, make_model, random_ids
+from conftest import (
+    COMBOS,
+    assert_flex_training_step_equals_eager,
+    family_combos,
+    make_config,
+    make_model,
+    random_ids,
+    with_cache,
+)
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -387,7 +395,7 @@ def test_positional_attention_matches_the_formula_with_a_cache():
             dropout=0.0,
             training=False,
             causal=True,
-            past_key_values=cache,
+            **with_cache(cache),
             layer_idx=0,
         )
         outputs.append(out.transpose(1, 2))

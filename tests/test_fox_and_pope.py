@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_flex_training_step_equals_eager, make_config, make_model, random_ids
+from conftest import assert_flex_training_step_equals_eager, cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
@@ -59,8 +59,8 @@ def test_fox_keeps_each_layers_gates_with_the_cache():
     ids = random_ids(1, 9)
     with torch.no_grad():
         first = model(ids[:, :5], use_cache=True)
-        cache = first.past_key_values
-        logits = model(ids[:, 5:], past_key_values=cache).logits
+        cache = cache_of(first)
+        logits = model(ids[:, 5:], **with_cache(cache)).logits
         full = model(ids).logits
     assert len(cache.layers) == 2 + 1 + 2  # attention layers, key positions, one log-gate slot per layer
     stored = [cache.layers[3 + layer].keys[0, 0] for layer in range(2)]  # (kv_len, heads)

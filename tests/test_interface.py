@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.utils import send_to_device
-from conftest import make_config, make_model, random_ids
+from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import hf_posenc
@@ -39,10 +39,10 @@ def test_cropped_cache_continues_from_the_kept_positions():
     positions = torch.tensor([[0, 1, 2, 3, 4, 20, 21, 22, 23, 24]])
     with torch.no_grad():
         full = model(ids[:, [0, 1, 2, 3, 4, 8, 9]], position_ids=positions[:, [0, 1, 2, 3, 4, 8, 9]]).logits
-        cache = model(ids[:, :8], position_ids=positions[:, :8], use_cache=True).past_key_values
+        cache = cache_of(model(ids[:, :8], position_ids=positions[:, :8], use_cache=True))
         cache.crop(-3)  # drop the tokens at positions 20, 21, 22
         assert cache.get_seq_length() == 5
-        tail = model(ids[:, 8:], position_ids=positions[:, 8:], past_key_values=cache).logits
+        tail = model(ids[:, 8:], position_ids=positions[:, 8:], **with_cache(cache)).logits
     torch.testing.assert_close(tail, full[:, 5:], atol=ATOL, rtol=1e-4)
 
 
@@ -145,7 +145,7 @@ def test_embed_sees_ids_mask_and_keeps_state_in_the_cache(monkeypatch):
     with torch.no_grad():
         full = model(ids, attention_mask=attention_mask).logits
         first = model(ids[:, :5], attention_mask=attention_mask[:, :5], use_cache=True)
-        second = model(ids[:, 5:], attention_mask=attention_mask, past_key_values=first.past_key_values)
+        second = model(ids[:, 5:], attention_mask=attention_mask, **with_cache(cache_of(first)))
         embeds = model.transformer.wte(ids)
         doubled = model.transformer.position_encoding.embed(EmbeddingInputs(embeds, torch.arange(9)[None], ids))
         single = model.transformer.position_encoding.embed(EmbeddingInputs(embeds, torch.arange(9)[None], ids + 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -10,11 +12,14 @@ from conftest import (
     DECODER_SCHEMES,
     FAMILIES,
     SCHEMES,
+    cache_of,
+    enable_activation_checkpointing,
     family_combos,
     make_config,
     make_model,
     random_ids,
     supports,
+    with_cache,
 )
 
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -79,7 +84,9 @@ def test_generate_with_cache_equals_without_cache(scheme, normalizer):
     attention_mask[1, :2] = 0  # left padding, as generate expects
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     kwargs.update(output_scores=True, return_dict_in_generate=True)
-    cached = model.generate(prompt, use_cache=True, **kwargs)
+    with recorded_input_lengths(model) as lengths:
+        cached = model.generate(prompt, use_cache=True, **kwargs)
+    assert lengths == [6] + [1] * 7  # the prompt, then one new token per step: the cache is used
     uncached = model.generate(prompt, use_cache=False, **kwargs)
     assert cached.sequences.shape == (2, 14)
     assert torch.equal(cached.sequences, uncached.sequences)
@@ -94,7 +101,7 @@ def test_cached_forward_continues_positions(scheme, normalizer):
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
 
 
@@ -188,8 +195,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normali
     for checkpointing in (False, True):
         model = make_model(family, scheme, normalizer, attn="sdpa").train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-            assert model.is_gradient_checkpointing
+            assert enable_activation_checkpointing(model, use_reentrant)
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
@@ -269,6 +275,22 @@ def test_flex_attention_on_float64_falls_back_with_the_same_numbers():
     torch.testing.assert_close(flex, eager)
 
 
+@contextlib.contextmanager
+def recorded_input_lengths(model):
+    """The number of tokens each forward of ``model``'s base model receives, in call order."""
+    lengths = []
+
+    def record(module, args, kwargs):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        lengths.append((tokens if tokens is not None else kwargs["inputs_embeds"]).shape[1])
+
+    handle = model.base_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield lengths
+    finally:
+        handle.remove()
+
+
 def generate_kwargs() -> dict:
     return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
@@ -298,7 +320,7 @@ def test_chunked_forward_with_non_contiguous_positions_equals_one_forward(scheme
     with torch.no_grad():
         full = model(ids, position_ids=positions).logits
         first = model(ids[:, :4], position_ids=positions[:, :4], use_cache=True)
-        second = model(ids[:, 4:], position_ids=positions[:, 4:], past_key_values=first.past_key_values)
+        second = model(ids[:, 4:], position_ids=positions[:, 4:], **with_cache(cache_of(first)))
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
 
 
@@ -310,7 +332,9 @@ def test_static_cache_generation_equals_dynamic_cache_generation(scheme, normali
     attention_mask = torch.ones_like(prompt)
     attention_mask[1, :2] = 0
     kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    with recorded_input_lengths(model) as lengths:
+        static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert lengths == [6] + [1] * 7
     assert_same_generation(static, model.generate(prompt, **kwargs))
 
 

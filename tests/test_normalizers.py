@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from conftest import make_config, make_model, random_ids
+from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import hf_posenc
@@ -324,7 +324,7 @@ def test_gated_decoder_cached_forward_and_generate_equal_uncached(name):
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
     prompt = random_ids(2, 6, seed=3)
     attention_mask = torch.ones_like(prompt)

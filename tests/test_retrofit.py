@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, random_ids
+from conftest import VOCAB, enable_activation_checkpointing, random_ids
 
 import hf_posenc
 
@@ -273,7 +273,7 @@ def test_checkpointed_training_gives_the_same_gradients(saved_stock, model_type,
     patched = hf_posenc.retrofit(load_stock(saved_stock, model_type, class_name), "t5").train()
     perturb_position_parameters(patched)
     checkpointed = copy.deepcopy(patched)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert enable_activation_checkpointing(checkpointed, use_reentrant)
     ids = random_ids(2, 8)
     for model in (patched, checkpointed):
         model(ids, labels=ids, use_cache=False).loss.backward()

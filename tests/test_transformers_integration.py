@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import DECODER_SCHEMES, VOCAB, make_config, make_model, perturb_position_parameters, random_ids
+from conftest import (
+    DECODER_SCHEMES,
+    VOCAB,
+    cache_of,
+    make_config,
+    make_model,
+    perturb_position_parameters,
+    random_ids,
+    with_cache,
+)
 
 import hf_posenc
+from hf_posenc.position_interface import CACHE_NAME
 
 
 def test_output_attentions_and_hidden_states(family):
@@ -178,7 +188,7 @@ def test_bert_decoder_decodes_with_the_cache_as_without(scheme, attn):
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :6], use_cache=True)
-        step = model(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True)
+        step = model(ids[:, 6:], **with_cache(cache_of(first)), use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, step.logits], 1), full, atol=1e-5, rtol=1e-4)
 
 
@@ -294,8 +304,8 @@ def test_cross_attention_and_bert_cache_inputs_are_refused(family):
     with pytest.raises(ValueError, match=r"does not support \['encoder_hidden_states'\]"):
         model(ids, encoder_hidden_states=torch.zeros(1, 4, 32))
     if family == "bert":
-        with pytest.raises(ValueError, match="is an encoder and keeps no KV cache; got past_key_values"):
-            model(ids, past_key_values=transformers.DynamicCache())
+        with pytest.raises(ValueError, match=f"is an encoder and keeps no KV cache; got {CACHE_NAME}"):
+            model(ids, **with_cache(transformers.DynamicCache()))
 
 
 def lora_round_trip(build, task_type: str, inputs: dict, labels: dict, expected_targets: set[str], folder) -> None:
