@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import make_config, make_model, random_ids
+from conftest import VOCAB, make_config, make_model, random_ids
 
 
 LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
@@ -33,9 +34,32 @@ LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
         with torch.no_grad():
             output = model(ids)
         torch.save(output.logits if hasattr(output, "logits") else output.last_hidden_state, f"{folder}/{name}.pt")
+        if name == "AutoModelForCausalLM":  # the loaded code's KV cache under this Transformers
+            greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+            cached = model.generate(ids, use_cache=True, **greedy)
+            assert torch.equal(cached, model.generate(ids, use_cache=False, **greedy)), "cached generate differs"
         print(name, type(model).__name__)
     """
 )
+
+SAVE_WITH_HF_POSENC = textwrap.dedent(
+    """
+    import json, sys
+    import torch, transformers
+    import hf_posenc
+    folder, family, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
+    auto_class = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto_class.from_config(config_class(**kwargs)).eval()
+    model.save_pretrained(folder)
+    ids = torch.load(folder + "/ids.pt")
+    with torch.no_grad():
+        torch.save(model(ids).logits, folder + "/expected.pt")
+    print(transformers.__version__)
+    """
+)
+OTHER_PYTHON = os.environ.get("HF_POSENC_OTHER_PYTHON")
 
 
 @pytest.mark.parametrize(
@@ -162,3 +186,46 @@ def test_push_to_hub_uploads_the_modeling_code(monkeypatch):
     )
     assert {"position_encodings.py", "attention_normalizers.py", "posenc_attention.py"} <= set(uploaded["files"])
     assert uploaded["auto_map"]["AutoModelForCausalLM"] == "modeling_posenc_gpt2.PosEncGPT2LMHeadModel"
+
+
+def run_python(python: str, script: str, *args: str, cwd: Path) -> str:
+    result = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.skipif(
+    OTHER_PYTHON is None,
+    reason="needs a second Python environment with another Transformers version and hf_posenc installed; "
+    ".ci/run sets HF_POSENC_OTHER_PYTHON to its oldest-Transformers environment",
+)
+@pytest.mark.parametrize("saved_by", ["this", "other"])
+@pytest.mark.parametrize(
+    ("family", "kwargs", "auto_name"),
+    [
+        ("gpt2", {"position_encoding": "rope", "attention_normalizer": "softmax"}, "AutoModelForCausalLM"),
+        ("gpt2", {"position_encoding": "fox", "attention_normalizer": "l2"}, "AutoModelForCausalLM"),
+        ("bert", {"position_encoding": "t5", "attention_normalizer": "ssmax"}, "AutoModelForMaskedLM"),
+    ],
+)
+def test_folder_saved_under_one_transformers_loads_as_remote_code_under_the_other(
+    family, kwargs, auto_name, saved_by, tmp_path
+):
+    """The modeling files a saved folder carries run on the oldest and the newest supported Transformers: a folder
+    saved under either loads under the other with ``trust_remote_code=True`` and no hf_posenc, gives the saving
+    model's logits, and (decoders) generates the same with and without its KV cache."""
+    sizes = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64)
+    if family == "gpt2":
+        sizes = dict(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    torch.save(random_ids(2, 9), tmp_path / "ids.pt")
+    saver, loader = (sys.executable, OTHER_PYTHON) if saved_by == "this" else (OTHER_PYTHON, sys.executable)
+    versions = {
+        python: run_python(python, "import transformers; print(transformers.__version__)", cwd=tmp_path).strip()
+        for python in (saver, loader)
+    }
+    assert versions[saver] != versions[loader], versions
+    run_python(saver, SAVE_WITH_HF_POSENC, str(tmp_path), family, json.dumps({**sizes, **kwargs}), cwd=tmp_path)
+    run_python(loader, LOAD_WITHOUT_HF_POSENC, str(tmp_path), auto_name, cwd=tmp_path)
+    torch.testing.assert_close(
+        torch.load(tmp_path / f"{auto_name}.pt"), torch.load(tmp_path / "expected.pt"), atol=1e-5, rtol=1e-4
+    )
