@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from accelerate.utils import broadcast_object_list
 
@@ -45,11 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("schemes", hf_posenc.list_position_encodings()),
         ("normalizers", hf_posenc.list_attention_normalizers()),
     ):
-        names = list(catalogue) if getattr(args, flag) == ["all"] else getattr(args, flag)
-        unknown = [name for name in names if name not in catalogue]
-        if unknown:
-            parser.error(f"--{flag}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(catalogue)} or all")
-        setattr(args, flag, names)
+        if "all" in getattr(args, flag):
+            setattr(args, flag, list(catalogue))
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
     args.factors = tuple(sorted(set(args.factors)))
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for run in runs:  # before any work: every Hub target is created (or found); each run uploads its model
         hub_repository(args, f"-{run_name(*run)}")
     accelerator = recipe_accelerator(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    accelerator.print(f"compare: {torch.get_num_threads()} torch thread(s) per process (--threads)")
     started = time.perf_counter()
     rows = []
     for task in tasks:
@@ -239,7 +242,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     notes = [
         f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
         f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
-        f"{wall_seconds / 60:.1f} min in all.",
+        f"{wall_seconds / 60:.1f} min in all, {torch.get_num_threads()} torch thread(s) per process.",
         "eval loss: nats per token on the held-out blocks at the training length; Nx: nats per token on the last "
         f"{args.block_size} positions of sliding windows N times the training length; n/a: the model cannot run "
         "at that length (see compare.json for its message).",
