@@ -152,6 +152,17 @@ def probe_variant(text: str) -> str:
     return text
 
 
+def non_negative_int(text: str) -> int:
+    """The flag type of a count that may be 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def string_to_bool(text: str) -> bool:
     """A boolean flag's value, as Transformers' ``HfArgumentParser`` reads it: true/false, yes/no, 1/0."""
     if text.lower() in ("true", "yes", "y", "1"):
@@ -321,7 +332,7 @@ the same data, seed, batches, steps and optimiser for every scheme), then report
 length, at 2x, 4x, 8x that length (sliding windows), the position probe's relative fit error, parameters and
 tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
 
-  hf-posenc compare                                    # decoders, 6 schemes, softmax: 11 min on 2 CPU cores
+  hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 10.7 min on 2 CPU cores at load 2-4
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
 """,
     )
@@ -363,11 +374,11 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         help="torch's threads per process (torch.set_num_threads; 0: torch's default, one per core). On a 2-core CPU "
-        "shared with other jobs, one thread trained 2.6-5x faster than torch's default, and a rerun with the same "
-        "--threads repeats every loss to the last digit",
+        "shared with other jobs one thread trained 2.6-4.5x faster than two; a rerun with the same --threads gives "
+        "the same numbers, another thread count moves them as another seed would",
     )
     add_tracking_flags(parser)
     add_hub_flags(
