@@ -1,8 +1,9 @@
 """The command lines of every recipe, with Transformers' example-script flags and spelling.
 
 Only the standard library is imported here, so ``hf-posenc <recipe> --help`` answers without loading torch or
-transformers (``hf_posenc`` itself registers its models with Transformers on import). Each recipe module parses with
-these parsers and checks the values (scheme names, files, ranges) after parsing.
+transformers (``hf_posenc`` itself registers its models with Transformers on import). Scheme and normalizer names,
+their options and the options' types are checked while parsing, against :mod:`hf_posenc_cli.catalogue`, as is an
+``--output_dir`` under a file; each recipe module parses with these parsers and checks the rest (files, ranges).
 """
 
 from __future__ import annotations
