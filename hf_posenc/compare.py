@@ -7,9 +7,10 @@ The recipe is one for every scheme (``hf_posenc.pretraining``): the same data (t
 bytes), seed, batches, steps, AdamW with linear warm-up and cosine decay, gradient clipping, and no weight decay on
 any embedding table, so that no scheme's position parameters are pulled to zero; each scheme's own parameters start
 as its reference initialises them (:func:`hf_posenc.pretraining.reference_init`). Only the position encoding and the
-normalizer differ between runs::
+normalizer differ between runs. Torch runs ``--threads`` threads per process (default 1: on a shared 2-core CPU the
+fastest, and a rerun gives the same numbers)::
 
-    hf-posenc compare                                    # decoders, 6 schemes, softmax: about 10 min on 2 CPU cores
+    hf-posenc compare                    # decoders, 6 schemes, softmax, one thread: 10.7 min on 2 CPU cores
     hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
     accelerate launch -m hf_posenc_cli compare ...       # the same on accelerate's devices
 """
@@ -32,7 +33,7 @@ from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell
-from .recipe_common import checked_input, hub_repository, recipe_accelerator
+from .recipe_common import checked_input, hub_repository, recipe_accelerator, torch_threads
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -45,11 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("schemes", hf_posenc.list_position_encodings()),
         ("normalizers", hf_posenc.list_attention_normalizers()),
     ):
-        names = list(catalogue) if getattr(args, flag) == ["all"] else getattr(args, flag)
-        unknown = [name for name in names if name not in catalogue]
-        if unknown:
-            parser.error(f"--{flag}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(catalogue)} or all")
-        setattr(args, flag, names)
+        if "all" in getattr(args, flag):
+            setattr(args, flag, list(catalogue))
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
     args.factors = tuple(sorted(set(args.factors)))
@@ -185,51 +183,52 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for run in runs:  # before any work: every Hub target is created (or found); each run uploads its model
         hub_repository(args, f"-{run_name(*run)}")
     accelerator = recipe_accelerator(args)
-    started = time.perf_counter()
-    rows = []
-    for task in tasks:
-        for scheme in args.schemes:
-            for normalizer in args.normalizers:
-                model_dir = args.output_dir / "models" / run_name(task, scheme, normalizer)
-                run_started = time.perf_counter()
-                results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
-                train_seconds = time.perf_counter() - run_started
-                auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
-                model = auto_class.from_pretrained(model_dir).to(accelerator.device).eval()
-                tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-                ids = evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
-                mask_token_id = tokenizer.mask_token_id if task == "mlm" else None
-                extrapolation = extrapolation_row(
-                    model, ids, args.block_size, args.factors, args.per_device_eval_batch_size, mask_token_id,
-                    args.seed, accelerator,
-                )  # fmt: skip
-                rows.append(
-                    {
-                        "task": task,
-                        "scheme": scheme,
-                        "normalizer": normalizer,
-                        "eval_loss": results["eval_loss"],
-                        "eval_accuracy": results["eval_accuracy"],
-                        "extrapolation": extrapolation,
-                        "probe": position_probe(task, scheme, normalizer, args.probe_steps, accelerator),
-                        "num_parameters": results["num_parameters"],
-                        "tokens_per_second": results["tokens_per_second"],
-                        "train_seconds": train_seconds,
-                        "reference_init": results["reference_init"],
-                        "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
-                        "eval_curve": eval_curve(model_dir / "train_log.jsonl"),
-                    }
-                )
-                losses = ", ".join(f"{factor} {format_cell(loss)}" for factor, loss in extrapolation.items())
-                accelerator.print(f"{task} {scheme} + {normalizer}: {losses}")
-    wall_seconds = time.perf_counter() - started
-    if accelerator.is_main_process:
-        write_report(args, rows, wall_seconds)
+    with torch_threads(args.threads) as threads:
+        accelerator.print(f"compare: {threads} torch thread(s) per process (--threads)")
+        started = time.perf_counter()
+        rows = [compare_run(args, run, accelerator) for run in runs]
+        if accelerator.is_main_process:
+            write_report(args, rows, time.perf_counter() - started, threads)
     accelerator.wait_for_everyone()
     return rows
 
 
-def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seconds: float) -> None:
+def compare_run(args: argparse.Namespace, run: tuple[str, str, str], accelerator) -> dict[str, Any]:
+    """Pretrain one model (``run``: task, scheme, normalizer), score it at every length and probe it: its row."""
+    task, scheme, normalizer = run
+    model_dir = args.output_dir / "models" / run_name(task, scheme, normalizer)
+    run_started = time.perf_counter()
+    results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
+    train_seconds = time.perf_counter() - run_started
+    auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
+    model = auto_class.from_pretrained(model_dir).to(accelerator.device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
+    mask_token_id = tokenizer.mask_token_id if task == "mlm" else None
+    extrapolation = extrapolation_row(
+        model, ids, args.block_size, args.factors, args.per_device_eval_batch_size, mask_token_id, args.seed,
+        accelerator,
+    )  # fmt: skip
+    losses = ", ".join(f"{factor} {format_cell(loss)}" for factor, loss in extrapolation.items())
+    accelerator.print(f"{task} {scheme} + {normalizer}: {losses}")
+    return {
+        "task": task,
+        "scheme": scheme,
+        "normalizer": normalizer,
+        "eval_loss": results["eval_loss"],
+        "eval_accuracy": results["eval_accuracy"],
+        "extrapolation": extrapolation,
+        "probe": position_probe(task, scheme, normalizer, args.probe_steps, accelerator),
+        "num_parameters": results["num_parameters"],
+        "tokens_per_second": results["tokens_per_second"],
+        "train_seconds": train_seconds,
+        "reference_init": results["reference_init"],
+        "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
+        "eval_curve": eval_curve(model_dir / "train_log.jsonl"),
+    }
+
+
+def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seconds: float, threads: int) -> None:
     """``compare.md``, ``compare.json`` and ``compare.png`` in ``--output_dir``; the table printed."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
     sections = []
@@ -239,7 +238,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     notes = [
         f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
         f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
-        f"{wall_seconds / 60:.1f} min in all.",
+        f"{wall_seconds / 60:.1f} min in all, {threads} torch thread(s) per process.",
         "eval loss: nats per token on the held-out blocks at the training length; Nx: nats per token on the last "
         f"{args.block_size} positions of sliding windows N times the training length; n/a: the model cannot run "
         "at that length (see compare.json for its message).",

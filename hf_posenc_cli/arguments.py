@@ -1,16 +1,20 @@
 """The command lines of every recipe, with Transformers' example-script flags and spelling.
 
 Only the standard library is imported here, so ``hf-posenc <recipe> --help`` answers without loading torch or
-transformers (``hf_posenc`` itself registers its models with Transformers on import). Each recipe module parses with
-these parsers and checks the values (scheme names, files, ranges) after parsing.
+transformers (``hf_posenc`` itself registers its models with Transformers on import). Scheme and normalizer names,
+their options and the options' types are checked while parsing, against :mod:`hf_posenc_cli.catalogue`, as is an
+``--output_dir`` under a file; each recipe module parses with these parsers and checks the rest (files, ranges).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from . import catalogue
 
 
 MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
@@ -49,9 +53,115 @@ class RecipeParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def scheme_spec(text: str) -> str | dict[str, Any]:
-    """A ``--position_encoding`` / ``--attention_normalizer`` value: a name, or a JSON dict ``{"type": ..., ...}``."""
-    return json.loads(text) if text.lstrip().startswith("{") else text
+def scheme_spec(kind: str) -> Callable[[str], str | dict[str, Any]]:
+    """The flag type of a ``kind`` value (``"position_encoding"``, ``"attention_normalizer"``): a name, or a JSON dict
+    ``{"type": name, **options}``, checked against the catalogue (names, options, types) while parsing."""
+
+    def parse(text: str) -> str | dict[str, Any]:
+        value = text
+        if text.lstrip().startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is not valid JSON ({error.msg}, character {error.pos}); give a name or a JSON dict "
+                    f'such as \'{{"type": "{catalogue.names(kind)[0]}"}}\''
+                ) from None
+        checked(catalogue.check_spec, kind, value)
+        return value
+
+    parse.__name__ = kind
+    return parse
+
+
+def catalogue_name(kind: str, also: tuple[str, ...] = ()) -> Callable[[str], str]:
+    """The flag type of one name of ``kind`` (or of ``also``, such as ``all``), checked against the catalogue."""
+
+    def parse(text: str) -> str:
+        if text not in also and text not in catalogue.names(kind):
+            valid = ", ".join(catalogue.names(kind)) + "".join(f" or {name}" for name in also)
+            raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}; valid: {valid}")
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
+def checked(check: Callable[..., None], *args: Any) -> None:
+    """``check(*args)``, its ``ValueError`` turned into the parser's error."""
+    try:
+        check(*args)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).rstrip(".")) from None
+
+
+def output_folder(text: str) -> Path:
+    """An ``--output_dir``: a folder, or a path where one can be made (nothing on the way is a file)."""
+    path = Path(text)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "" if place == path else f": {place}"
+                raise argparse.ArgumentTypeError(f"{text}{where} is a file, not a folder")
+            return path
+    return path
+
+
+def parse_scheme(text: str) -> dict:
+    """``name`` or ``name:key=value,key=value`` (values: true/false, numbers, or strings) -> a config dict."""
+    name, _, options = text.partition(":")
+    spec: dict = {"type": name}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        spec[key] = {"true": True, "false": False}.get(value.lower(), _number_or_string(value))
+    return spec
+
+
+def _number_or_string(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_variant(text: str) -> tuple[dict, bool]:
+    """``normalizer[+gate][+sink][+boundary]`` -> (the normalizer's config dict, boundary tokens); ``+sink``: softmax's
+    learned sink."""
+    name, *flags = text.split("+")
+    unknown = set(flags) - {"gate", "sink", "boundary"}
+    if unknown:
+        raise ValueError(f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+boundary'.")
+    if "sink" in flags and name != "softmax":
+        raise ValueError(f"variant {text!r}: '+sink' is an option of softmax only.")
+    spec = {"type": name, "toeplitz_gate": "gate" in flags}
+    if "sink" in flags:
+        spec["sink"] = "learned"
+    return spec, "boundary" in flags
+
+
+def probe_scheme(text: str) -> str:
+    """The flag type of a probe's scheme (:func:`parse_scheme`), checked against the catalogue."""
+    checked(catalogue.check_spec, "position_encoding", parse_scheme(text))
+    return text
+
+
+def probe_variant(text: str) -> str:
+    """The flag type of a probe's variant (:func:`parse_variant`), checked against the catalogue."""
+    checked(lambda: catalogue.check_spec("attention_normalizer", parse_variant(text)[0]))
+    return text
+
+
+def non_negative_int(text: str) -> int:
+    """The flag type of a count that may be 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def string_to_bool(text: str) -> bool:
@@ -135,8 +245,18 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     model.add_argument("--config_overrides", default=None, help='applied to --config_name: "n_embd=256,n_layer=4"')
     model.add_argument("--tokenizer_name", default=None, help="default: the checkpoint's tokenizer, else bytes")
     model.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
-    model.add_argument("--position_encoding", type=scheme_spec, default=None, help="a name or JSON (default learned)")
-    model.add_argument("--attention_normalizer", type=scheme_spec, default=None, help="a name or JSON (softmax)")
+    model.add_argument(
+        "--position_encoding",
+        type=scheme_spec("position_encoding"),
+        default=None,
+        help="a name or a JSON dict (when None: learned)",
+    )
+    model.add_argument(
+        "--attention_normalizer",
+        type=scheme_spec("attention_normalizer"),
+        default=None,
+        help="a name or a JSON dict (when None: softmax)",
+    )
     for name, default in MODEL_SIZE_DEFAULTS.items():
         model.add_argument(f"--{name}", type=int, default=None, help=f"when None: {default}")
     model.add_argument("--intermediate_size", type=int, default=None, help="when None: 4 * hidden_size")
@@ -197,7 +317,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     )
     train.add_argument("--resume_from_checkpoint", type=Path, default=None, help="a step_N folder of --output_dir")
     train.add_argument(
-        "--output_dir", type=Path, default=Path("pretrain-output"), help="the model, its tokenizer, logs, results"
+        "--output_dir", type=output_folder, default="pretrain-output", help="the model, its tokenizer, logs, results"
     )
     add_tracking_flags(train)
     add_hub_flags(train, "the model, its code and tokenizer")
@@ -213,15 +333,27 @@ the same data, seed, batches, steps and optimiser for every scheme), then report
 length, at 2x, 4x, 8x that length (sliding windows), the position probe's relative fit error, parameters and
 tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
 
-  hf-posenc compare                                    # decoders, 6 schemes, softmax: 11 min on 2 CPU cores
+  hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 10.7 min on 2 CPU cores at load 2-4
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
 """,
     )
     parser.add_argument(
-        "--output_dir", type=Path, default=Path("compare-output"), help="the report, the plot, the models (models/)"
+        "--output_dir", type=output_folder, default="compare-output", help="the report, the plot, the models (models/)"
     )
-    parser.add_argument("--schemes", nargs="+", default=DEFAULT_COMPARE_SCHEMES, help="position encodings, or all")
-    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers, or all")
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding", also=("all",)),
+        default=DEFAULT_COMPARE_SCHEMES,
+        help="position encodings, or all",
+    )
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        type=catalogue_name("attention_normalizer", also=("all",)),
+        default=["softmax"],
+        help="attention normalizers, or all",
+    )
     parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
@@ -241,6 +373,14 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     )
     parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
+    parser.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        help="torch's threads per process (torch.set_num_threads; 0: torch's default, one per core). On a 2-core CPU "
+        "shared with other jobs one thread trained 2.6-4.5x faster than two; a rerun with the same --threads gives "
+        "the same numbers, another thread count moves them as another seed would",
+    )
     add_tracking_flags(parser)
     add_hub_flags(
         parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"
@@ -278,7 +418,7 @@ Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_di
     parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="windows per process and batch")
     parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
     parser.add_argument(
-        "--output_dir", type=Path, default=Path("extrapolation-output"), help="the table, the JSON file, the plot"
+        "--output_dir", type=output_folder, default="extrapolation-output", help="the table, the JSON file, the plot"
     )
     return parser
 
@@ -323,16 +463,24 @@ with hf_posenc.retrofit (every other weight kept in both cases).
     parser.add_argument("--num_warmup_steps", type=int, default=0, help="optimizer steps of linear warm-up")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="when None: accelerate's config")
     parser.add_argument(
-        "--output_dir", type=Path, required=True, help="the best model, its scores, the submission files"
+        "--output_dir", type=output_folder, required=True, help="the best model, its scores, the submission files"
     )
     parser.add_argument("--seed", type=int, default=42, help="initialisation of the head, batch order, dropout")
     parser.add_argument("--seeds", type=int, nargs="+", help="run once per seed; report mean and std")
     parser.add_argument(
-        "--position_encoding", type=scheme_spec, help="convert a stock checkpoint to this scheme (name or JSON)"
+        "--position_encoding",
+        type=scheme_spec("position_encoding"),
+        help="convert a stock checkpoint to this scheme (a name or a JSON dict)",
     )
-    parser.add_argument("--attention_normalizer", type=scheme_spec, help="with --position_encoding or --retrofit")
     parser.add_argument(
-        "--retrofit", type=scheme_spec, help="retrofit a stock checkpoint to this scheme (hf_posenc.retrofit)"
+        "--attention_normalizer",
+        type=scheme_spec("attention_normalizer"),
+        help="with --position_encoding or --retrofit (a name or a JSON dict)",
+    )
+    parser.add_argument(
+        "--retrofit",
+        type=scheme_spec("position_encoding"),
+        help="retrofit a stock checkpoint to this scheme (hf_posenc.retrofit; a name or a JSON dict)",
     )
     parser.add_argument("--ignore_mismatched_sizes", action="store_true", help="new head where label counts differ")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
@@ -358,20 +506,30 @@ Several processes split the grid.
     parser.add_argument(
         "--families", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"], help="model families"
     )
-    parser.add_argument("--schemes", nargs="+", default=None, help="when None: every scheme (shaw with and without V)")
     parser.add_argument(
-        "--variants", nargs="+", default=DEFAULT_PROBE_VARIANTS, help="normalizers, each optionally +gate, +boundary"
+        "--schemes",
+        nargs="+",
+        type=probe_scheme,
+        default=None,
+        help="when None: every scheme (shaw with and without V)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        type=probe_variant,
+        default=DEFAULT_PROBE_VARIANTS,
+        help="normalizers, each optionally +gate, +sink, +boundary",
     )
     parser.add_argument("--length", type=int, default=16, help="n, the number of identical tokens")
     parser.add_argument("--max_train_steps", type=int, default=400, help="full-batch Adam steps per probe")
     parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam's learning rate")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one probe per seed; cells give the median")
     parser.add_argument(
-        "--output_dir", type=Path, default=Path("probe-output"), help="the table, the results, the heat map"
+        "--output_dir", type=output_folder, default="probe-output", help="the table, the results, the heat map"
     )
     hidden_alias(parser, "--steps", "max_train_steps", type=int)
     hidden_alias(parser, "--lr", "learning_rate", type=float)
-    hidden_alias(parser, "--output-dir", "output_dir", type=Path)
+    hidden_alias(parser, "--output-dir", "output_dir", type=output_folder)
     return parser
 
 
@@ -395,8 +553,20 @@ scheme. Writes results.json and retrofit.png to --output_dir.
     )
     parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
-    parser.add_argument("--schemes", nargs="+", default=None, help="when None: learned (baseline) rope alibi t5 ...")
-    parser.add_argument("--normalizers", nargs="+", default=["softmax"], help="attention normalizers")
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding"),
+        default=None,
+        help="when None: learned (baseline) rope alibi t5 ...",
+    )
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        type=catalogue_name("attention_normalizer"),
+        default=["softmax"],
+        help="attention normalizers",
+    )
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded Emma)")
     parser.add_argument("--max_seq_length", type=int, default=64, help="tokens per block, [CLS] and [SEP] included")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="blocks per process and step")
@@ -408,7 +578,7 @@ scheme. Writes results.json and retrofit.png to --output_dir.
     parser.add_argument("--mlm_probability", type=float, default=0.15, help="the share of tokens masked")
     parser.add_argument("--seed", type=int, default=0, help="masks, batch order, the eval blocks")
     parser.add_argument(
-        "--output_dir", type=Path, default=Path("retrofit-output"), help="the results, the plot, the models"
+        "--output_dir", type=output_folder, default="retrofit-output", help="the results, the plot, the models"
     )
     parser.add_argument(
         "--save_models",
@@ -425,7 +595,7 @@ scheme. Writes results.json and retrofit.png to --output_dir.
         ("--model", "model_name_or_path", str), ("--seq-len", "max_seq_length", int),
         ("--steps", "max_train_steps", int),
         ("--head-steps", "head_steps", int), ("--lr", "learning_rate", float), ("--eval-blocks", "eval_blocks", int),
-        ("--mlm-probability", "mlm_probability", float), ("--output-dir", "output_dir", Path),
+        ("--mlm-probability", "mlm_probability", float), ("--output-dir", "output_dir", output_folder),
         ("--train-file", "train_file", Path),
     ):  # fmt: skip
         hidden_alias(parser, old, dest, type=kind)

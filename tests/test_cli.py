@@ -5,11 +5,15 @@ is trained by the console script. Tiny runs, the checkout first on ``PYTHONPATH`
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, console_script, run_command
+
+from hf_posenc_cli import catalogue
+from hf_posenc_cli.arguments import PARSERS
 
 
 TINY_PRETRAIN = [
@@ -65,3 +69,96 @@ def test_a_user_error_fails_the_launch_of_two_processes(launcher, tmp_path):
     assert result.stderr.count(error) == 2, result.stderr[-3000:]
     for package in ("hf_posenc", "hf_posenc_cli"):  # no traceback through the recipe's code (the launcher's own is)
         assert f'File "{ROOT / package}' not in result.stderr
+
+
+BAD_INPUTS = [
+    (
+        ["pretrain", "--position_encoding", "rotary"],
+        "hf-posenc pretrain: error: argument --position_encoding: unknown position_encoding 'rotary'; valid choices: "
+        "['alibi',",
+    ),
+    (
+        ["pretrain", "--position_encoding", "{bad json"],
+        "hf-posenc pretrain: error: argument --position_encoding: '{bad json' is not valid JSON (Expecting property "
+        "name enclosed in double quotes, character 1); give a name or a JSON dict such as",
+    ),
+    (
+        ["pretrain", "--position_encoding", '{"type": "rope", "thetaa": 500000}'],
+        "hf-posenc pretrain: error: argument --position_encoding: unknown option(s) ['thetaa'] for position_encoding "
+        "'rope'; valid options: ['apply_to_value', ",
+    ),
+    (
+        ["pretrain", "--attention_normalizer", '{"type": "softmax", "toeplitz_gate": 1}'],
+        "hf-posenc pretrain: error: argument --attention_normalizer: attention_normalizer 'softmax': option "
+        "'toeplitz_gate' must be bool, got 1 (int)",
+    ),
+    (
+        ["compare", "--schemes", "rope", "rotary"],
+        "hf-posenc compare: error: argument --schemes: unknown position_encoding 'rotary'; valid: learned, ",
+    ),
+    (["compare", "--threads", "-1"], "hf-posenc compare: error: argument --threads: expected an integer >= 0, got -1"),
+    (
+        ["compare", "--output_dir", "{file}/compare-output"],
+        "hf-posenc compare: error: argument --output_dir: {file}/compare-output: {file} is a file, not a folder",
+    ),
+    (
+        ["glue", "--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "{file}"],
+        "hf-posenc glue: error: argument --output_dir: {file} is a file, not a folder",
+    ),
+    (
+        ["glue", "--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "o", "--retrofit", "rotary"],
+        "hf-posenc glue: error: argument --retrofit: unknown position_encoding 'rotary'; valid choices: ",
+    ),
+    (
+        ["probe", "--schemes", "shaw:use_valu=false"],
+        "hf-posenc probe: error: argument --schemes: unknown option(s) ['use_valu'] for position_encoding 'shaw'",
+    ),
+    (
+        ["probe", "--variants", "sparsemax+gate"],
+        "hf-posenc probe: error: argument --variants: unknown attention_normalizer 'sparsemax'; valid choices: ",
+    ),
+    (
+        ["retrofit", "--normalizers", "sparsemax"],
+        "hf-posenc retrofit: error: argument --normalizers: unknown attention_normalizer 'sparsemax'; valid: ",
+    ),
+]
+STOP_WITHOUT_TORCH = """
+import sys
+from hf_posenc_cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as stop:
+    assert stop.code == 2, stop.code
+loaded = sorted(name for name in ("torch", "transformers", "accelerate", "hf_posenc") if name in sys.modules)
+assert not loaded, f"a bad input was reported after importing {loaded}"
+"""
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS, ids=[" ".join(argv[:2]) for argv, _ in BAD_INPUTS])
+def test_a_bad_scheme_option_or_output_dir_stops_with_exit_2_before_torch_is_imported(argv, message, tmp_path):
+    """The installed command exits 2 with one line naming the value and the valid choices; the same arguments
+    stop ``hf_posenc_cli.main`` before torch, transformers or hf_posenc is imported."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = [arg.replace("{file}", str(file)) for arg in argv]
+    result = run_command([console_script(), *argv], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr[-3000:]
+    assert result.stderr.startswith(message.replace("{file}", str(file))), result.stderr
+    in_process = run_command([sys.executable, "-c", STOP_WITHOUT_TORCH, *argv], tmp_path)
+    assert in_process.returncode == 0, in_process.stderr[-3000:]
+
+
+def test_the_commands_catalogue_is_the_registries():
+    """``hf_posenc_cli/catalogue.json`` (what the command checks names and options against without torch) is the
+    registries' own description; after adding or changing a scheme: python -m hf_posenc_cli.catalogue."""
+    assert catalogue.load_catalogue() == catalogue.build_catalogue(), "run: python -m hf_posenc_cli.catalogue"
+
+
+@pytest.mark.parametrize("recipe", list(PARSERS))
+def test_help_states_each_default_once(recipe, monkeypatch):
+    """Defaults are argparse's ``(default: ...)``; a help string says what None means (``when None: ...``) rather
+    than a second "(default ...)"."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    help_text = PARSERS[recipe]().format_help()
+    assert not re.search(r"\(default(?!: )", help_text), re.findall(r".*\(default(?!: ).*", help_text)

@@ -286,7 +286,7 @@ def test_unknown_task_names_the_valid_ones(tiny_bert, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--position_encoding", "rotary"], "--position_encoding: unknown 'rotary'; valid: "),
+        (["--position_encoding", "rotary"], "--position_encoding: unknown position_encoding 'rotary'; valid choices"),
         (["--validation_mismatched_file", str(SST2 / "validation.tsv")], "the mismatched files are for mnli only"),
         (["--test_file", str(FIXTURES / "vocab.txt")], "unknown format '.txt'"),
         (["--test_file", "missing.tsv"], "--test_file missing.tsv does not exist"),

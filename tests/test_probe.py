@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import matplotlib.pyplot as plt
 import pytest
 
 import hf_posenc
 from hf_posenc import probe_grid as probe_recipe
+from hf_posenc_cli.arguments import DEFAULT_PROBE_VARIANTS
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
@@ -79,3 +81,24 @@ def test_stick_breaking_without_a_position_encoding_fits_and_the_grid_leaves_out
     assert [(r["family"], r["variant"]) for r in results] == [
         ("bert", "softmax"), ("gpt2", "softmax"), ("gpt2", "stick_breaking")
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("families", "schemes"), [(["gpt2"], ["t5"]), (["bert", "gpt2"], ["learned", "rope", "t5"])])
+def test_heat_map_titles_do_not_overlap(families, schemes):
+    """The figure's title, each family's title and the colour bar are laid out apart (one row of schemes included)."""
+    results = [
+        {"family": family, "scheme": scheme, "variant": variant, "relative_mse": 0.01}
+        for family in families
+        for scheme in schemes
+        for variant in DEFAULT_PROBE_VARIANTS
+    ]
+    figure = probe_recipe.heat_map_figure(results, families, schemes, DEFAULT_PROBE_VARIANTS)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    title = figure._suptitle.get_window_extent(renderer)
+    axes = [axis for axis in figure.axes if axis.get_title()]
+    assert len(axes) == len(families)
+    for axis in axes:
+        assert not title.overlaps(axis.title.get_window_extent(renderer)), axis.get_title()
+        assert not title.overlaps(axis.get_window_extent(renderer)), axis.get_title()
+    plt.close(figure)

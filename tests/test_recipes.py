@@ -301,6 +301,8 @@ def test_saved_byte_tokenizer_encodes_a_prompt_without_end_of_sequence(alibi_dec
 def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures, monkeypatch):
     monkeypatch.setattr(recipe_common, "HfApi", RecordingHub)
     RecordingHub.calls = []
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
     rows = compare.main(
         ["--schemes", "learned", "rope", "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16"]
         + ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--factors", "1", "2"]
@@ -322,6 +324,8 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures,
     assert json.loads((tmp_path / "compare.json").read_text())["rows"][1]["scheme"] == "rope"
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     assert (tmp_path / "models" / "clm-rope-softmax" / "model.safetensors").is_file()
+    assert "1 torch thread(s) per process." in report and torch.get_num_threads() == 2  # --threads 1, then given back
+    torch.set_num_threads(threads_before)
     assert "probe rel. MSE" in report.splitlines()[2] and all(row["probe"] > 0 for row in rows)
     curves, lengths = saved_figures[-1]
     assert curves["legend"] == lengths["legend"] == ["learned + softmax", "rope + softmax"]
@@ -522,7 +526,7 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
 @pytest.mark.parametrize(
     ("main", "argv", "message"),
     [
-        (pretraining.main, ["--position_encoding", "rotary"], "Unknown position_encoding 'rotary'; valid choices"),
+        (pretraining.main, ["--position_encoding", "rotary"], "unknown position_encoding 'rotary'; valid choices"),
         (pretraining.main, ["--position_encoding", '{"type": "t5", "num_buckets": 3}'], "'num_buckets'=3"),
         (pretraining.main, ["--attention_normalizer", "sparsemax"], "sparsemax"),
         (pretraining.main, ["--train_file", "no/such.txt"], "--train_file no/such.txt does not exist"),
@@ -530,7 +534,7 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
         (pretraining.main, ["--block_size", "0"], "--block_size must be >= 1, got 0"),
         (pretraining.main, ["--resume_from_checkpoint", "tests"], "expected a step_<N> folder"),
         (pretraining.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
-        (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown 'rotary'; valid: learned"),
+        (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown position_encoding 'rotary'; valid: "),
         (compare.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
         (extrapolation.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
         (pretraining.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),

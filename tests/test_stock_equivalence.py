@@ -203,14 +203,16 @@ def test_converted_gpt2_sequence_classifier_gives_the_stock_logits(gpt2_inputs):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
 
 
-def test_convert_refuses_other_models():
+def test_convert_refuses_other_models_and_points_llama_to_retrofit():
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
         )
     )
     with pytest.raises(
-        ValueError, match=r"convert\(\) takes a stock BertModel, .*GPT2LMHeadModel.*got LlamaForCausalLM"
+        ValueError,
+        match=r"convert\(\) takes a stock BertModel, .*GPT2LMHeadModel.*got LlamaForCausalLM\. For a Llama-family "
+        r"model .* use hf_posenc\.retrofit\(model",
     ):
         hf_posenc.convert(model)
 
