@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -9,6 +12,7 @@ from conftest import (
     DECODER_SCHEMES,
     VOCAB,
     cache_of,
+    enable_activation_checkpointing,
     make_config,
     make_model,
     perturb_position_parameters,
@@ -396,3 +400,63 @@ def test_lora_with_task_type_only_on_a_reloaded_retrofitted_model(stock_class, c
     assert build().config.model_type == f"posenc_retrofit_{config.model_type}"
     labels = {"labels": ids} if task_type == "CAUSAL_LM" else {"labels": torch.tensor([0, 1])}
     lora_round_trip(build, task_type, {"input_ids": ids}, labels, targets, tmp_path / "adapter")
+
+
+class DeprecationRecorder(logging.Handler):
+    """Collects Transformers' log records that announce a deprecation (its ``warning_once`` messages included)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        if "deprecat" in record.getMessage().lower():
+            self.messages.append(record.getMessage())
+
+
+def test_library_paths_trigger_no_deprecation_warning(tmp_path):
+    """forward with the cache, generate (dynamic and static cache), activation checkpointing, save/load, and a
+    retrofitted GPT-2 and Llama through generate and a remote-code reload: under the installed Transformers none of
+    them warns of a deprecation (a FutureWarning, a DeprecationWarning or a Transformers log line)."""
+    transformers.utils.logging.warning_once.cache_clear()  # messages an earlier test logged once are logged again
+    recorder = DeprecationRecorder()
+    library_logger = transformers.utils.logging.get_logger("transformers")
+    library_logger.addHandler(recorder)
+    greedy = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", DeprecationWarning)
+            model = make_model("gpt2", "rope", "softmax", attn="sdpa")
+            ids = random_ids(2, 6)
+            with torch.no_grad():
+                first = model(ids[:, :4], use_cache=True)
+                model(ids[:, 4:], **with_cache(cache_of(first)))
+            model.generate(ids, **greedy)
+            model.generate(ids, cache_implementation="static", **greedy)
+            assert enable_activation_checkpointing(model.train(), use_reentrant=False)
+            model(ids, labels=ids).loss.backward()
+            model.save_pretrained(tmp_path / "posenc")
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "posenc").generate(ids, **greedy)
+            stock_configs = {
+                "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64),
+                "llama": transformers.LlamaConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    intermediate_size=48,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_position_embeddings=64,
+                ),
+            }
+            for name, config in stock_configs.items():
+                stock = transformers.AutoModelForCausalLM.from_config(config).eval()
+                hf_posenc.retrofit(stock, position_encoding="t5")
+                stock.generate(ids, **greedy)
+                stock.save_pretrained(tmp_path / name)
+                again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True)
+                again.generate(ids, **greedy)
+    finally:
+        library_logger.removeHandler(recorder)
+    assert recorder.messages == []
