@@ -241,6 +241,17 @@ def auto_map_for(config_class: type, model_classes: tuple[type, ...]) -> dict[st
     return entries
 
 
+def built_class(model: torch.nn.Module) -> type:
+    """The class ``model`` was built as. FSDP2's ``fully_shard`` makes a model an instance of ``FSDP<Name>``, a
+    subclass of ``(FSDPModule, <Name>)`` that torch defines in its own module."""
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return next(base for base in type(model).__bases__ if not issubclass(base, FSDPModule))
+    return type(model)
+
+
 class PosEncPreTrainedMixin:
     """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
     (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
@@ -265,7 +276,13 @@ class PosEncPreTrainedMixin:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(self.family_auto_map)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # Transformers copies the module of the model's class beside the weights and names the class in `auto_map`;
+        # under FSDP2 that class is torch's `FSDP<Name>`, so the model saves as the class it was built as.
+        sharded_class, self.__class__ = type(self), built_class(self)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.__class__ = sharded_class
 
     def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
         """With a static cache, ``generate`` would build a 4-D mask in the format of the requested backend; hf_posenc
