@@ -12,8 +12,8 @@ For each family (BERT, GPT-2) and sequence length it times, as a ratio to the st
 Besides ``ratio_vs_stock``, each row gives ``ratio_vs_none`` (the ``none`` scheme, same backend and mode, same run)
 and, for normalizers, ``ratio_vs_softmax_eager`` and ``ratio_vs_softmax_sdpa`` (``learned`` + softmax, same mode).
 ``--memory-seq-len 2048`` adds peak training memory per scheme and normalizer at that length, batch 1, each measured
-in a fresh process (CUDA: peak allocated; CPU: the resident set's highest growth during one training step, sampled),
-with its ratio to ``none``.
+in a fresh process (CUDA: peak allocated; CPU: the resident set's highest growth during one training step, the
+kernel's high-water mark), with its ratio to ``none``.
 
 Every model of a family shares the stock weights and sees the same seeded input ids. Timings are medians over
 ``--repeats`` calls after ``--warmup`` calls (the first one compiles FlexAttention), run round-robin across the
@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -275,31 +274,26 @@ def measure_peak_memory(family: str, scheme: str, normalizer: str, args: argpars
         base = torch.cuda.memory_allocated(args.device)
         step()
         return (torch.cuda.max_memory_allocated(args.device) - base) / 2**20
-    return sampled_peak_growth_mib(step)
+    return peak_growth_mib(step)
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status_bytes(field: str) -> int:
+    """A size line of ``/proc/self/status`` (``VmRSS``: the resident set; ``VmHWM``: its high-water mark), in bytes."""
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
 
 
-def sampled_peak_growth_mib(fn: Callable[[], None]) -> float:
-    """Growth of the resident set over its value before ``fn``, at its highest while ``fn`` runs (sampled every
-    0.2 ms from another thread; torch releases the GIL in its kernels). The CPU allocator keeps no peak counter, and
-    the process's high-water mark (``ru_maxrss``) may predate ``fn``."""
-    before, peak, done = resident_bytes(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_bytes())
-            time.sleep(2e-4)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+def peak_growth_mib(fn: Callable[[], None]) -> float:
+    """Growth of the resident set over its value before ``fn``, at its highest while ``fn`` runs: the kernel's
+    high-water mark (``VmHWM``), reset to the current resident set just before (``echo 5 > /proc/self/clear_refs``,
+    Linux >= 4.0). The CPU allocator keeps no peak counter, the process's ``ru_maxrss`` may predate ``fn``, and a
+    thread sampling the resident set misses short peaks whenever it is not scheduled (a loaded machine)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = status_bytes("VmRSS")
     fn()
-    done.set()
-    sampler.join()
-    return (max(peak[0], resident_bytes()) - before) / 2**20
+    return (status_bytes("VmHWM") - before) / 2**20
 
 
 def memory_rows(args: argparse.Namespace) -> list[dict]:

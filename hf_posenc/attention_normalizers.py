@@ -185,22 +185,38 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v and SDPA's ``attn_mask`` (None, boolean, or additive with every score term folded in) such that
         SDPA's softmax gives this normalizer's output, for normalizers with ``"sdpa"`` in ``backends``: softmax as
-        they are. ``causal``: a None mask means SDPA's ``is_causal``."""
+        they are. ``causal``: whether the layer is causal, which a None mask leaves to SDPA
+        (:func:`implicit_last_keys`)."""
         return query, key, value, attn_mask
+
+
+def implicit_last_keys(causal: bool, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """The last key each query sees when a layer gets no mask, ``(q_len,)``: key ``j`` is visible from query ``i``
+    when ``j <= last_i``. A missing mask means what it means to Transformers, which builds it: ``masking_utils``
+    leaves a causal mask out only where SDPA's ``is_causal`` is right (``_ignore_causal_mask_sdpa``: no padding and
+    ``q_len == 1`` or ``q_len == kv_len``, or a prefill into an empty cache, whose ``kv_len`` is a static cache's
+    ``max_cache_len`` and whose slots past the prompt are unwritten), and its SDPA integration runs ``is_causal``
+    for a query of several tokens, which is top-left aligned (``last_i = i``), and no mask for a single one (every
+    key). A bidirectional layer without a mask sees every key."""
+    if causal and q_len > 1:
+        return torch.arange(q_len, device=device)
+    return torch.full((q_len,), kv_len - 1, device=device)
+
+
+def implicit_visible(causal: bool, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``visible`` ``(q_len, kv_len)`` (boolean) of a layer with no mask (:func:`implicit_last_keys`)."""
+    return torch.arange(kv_len, device=device) <= implicit_last_keys(causal, q_len, kv_len, device)[:, None]
 
 
 def additive_mask(
     attn_mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor
 ) -> torch.Tensor:
-    """SDPA's ``attn_mask`` (None with ``is_causal`` when ``causal``, boolean, or already additive) as an additive
+    """SDPA's ``attn_mask`` (None: no mask, :func:`implicit_last_keys`; boolean; or already additive) as an additive
     float mask in the query's dtype: ``finfo.min`` where a key is hidden, 0 elsewhere."""
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         return attn_mask
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if attn_mask is None:  # key j visible from query i when j <= i + kv_len - q_len (SDPA's is_causal), or all
-        positions = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        visible = torch.arange(kv_len, device=query.device) <= positions if causal and q_len > 1 else None
-        attn_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device) if visible is None else visible
+    if attn_mask is None:
+        attn_mask = implicit_visible(causal, query.shape[-2], key.shape[-2], query.device)
     zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
     return zeros.masked_fill(~attn_mask, torch.finfo(query.dtype).min)
 
@@ -209,14 +225,12 @@ def visible_key_counts(
     attention_inputs: AttentionInputs, q_len: int, kv_len: int, causal: bool, device: torch.device
 ) -> torch.Tensor:
     """``n_i``, the keys query ``i`` may see, ``(batch|1, 1, q_len, 1)`` float32, at least 1 (a row with no visible
-    key is zeroed by the composition): from ``visible`` (eager, SDPA with a mask), else every key, or in a causal layer
-    with no mask (SDPA's ``is_causal``) the keys up to ``i + kv_len - q_len``."""
+    key is zeroed by the composition): from ``visible`` (eager, SDPA with a mask), else the keys up to
+    :func:`implicit_last_keys` (no mask)."""
     visible = attention_inputs.get("visible")
     if visible is not None:
         return visible.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
-    counts = torch.full((q_len,), float(kv_len), device=device)
-    if causal:
-        counts = torch.arange(kv_len - q_len + 1, kv_len + 1, device=device, dtype=torch.float32).clamp(min=1)
+    counts = implicit_last_keys(causal, q_len, kv_len, device).to(torch.float32) + 1
     return counts[None, None, :, None]
 
 
@@ -688,39 +702,74 @@ def _log_abs_expm1(score: torch.Tensor) -> torch.Tensor:
     return _log_where(score != 0, lambda b: torch.relu(b) + torch.log(-torch.expm1(-b.abs())), score, 1.0)
 
 
+def _positive(value: Any) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _shifted_expm1(scores: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``e^(-m) (e^b - 1)`` for ``m >= max(0, b)``, in ``[-1, 1]``, to the precision of ``expm1``: ``e^(b - m) (1 -
+    e^(-b))`` for ``b > 0``, ``e^(-m) (e^b - 1)`` for ``b <= 0`` (the difference ``e^(b - m) - e^(-m)`` loses every
+    digit of a score near 0, where FlexAttention's log form keeps them). Each branch sees the scores clamped to its
+    side, so neither overflows and no ``0 * inf`` reaches the gradient."""
+    positive, negative = scores.clamp(min=0), scores.clamp(max=0)
+    return -torch.exp(positive - shift) * torch.expm1(-positive) + torch.exp(-shift) * torch.expm1(negative)
+
+
 class Softpick(AttentionNormalizer):
-    """``a_ij = relu(e^(b_ij) - 1) / sum_j |e^(b_ij) - 1|`` over the visible keys (Zuhri, Fuadi, Aji, "Softpick: No
-    Attention Sink, No Massive Activations with Rectified Softmax", 2025, arXiv 2504.20966): rows sum to at most 1,
-    and to 0 when no score is positive.
+    """``a_ij = relu(e^(b_ij) - 1) / (sum_j |e^(b_ij) - 1| + eps)`` over the visible keys (Zuhri, Fuadi, Aji,
+    "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax", 2025, arXiv 2504.20966): rows sum
+    to less than 1, and to 0 when no score is positive.
+
+    ``eps`` (option, default 1e-8) is the reference's (``zaydzuhri/softpick-attention``: ``softpick(x, eps=1e-8)`` in
+    ``naive_softpick_attn.py``; its Triton kernel, ``flash_softpick_attn.py``, hardcodes 1e-6: set ``eps=1e-6`` to
+    match that). It decides the weights of rows whose scores are all near 0: with ``sum_j |e^b - 1|`` near ``eps``
+    (scores around 1e-9) a row sums to well below what the ratio without it gives, and a row of exact zeros gives 0.
+    The reference adds ``eps`` to the sum shifted by the row max ``m`` (``e^(-m) sum_j |e^b - 1|``), so its ``eps``
+    stands for ``eps e^m`` here; the two are equal as ``m`` goes to 0, where ``eps`` matters, and otherwise differ by
+    less than ``eps`` relative in any weight (the sum is at least ``e^m - 1``). Added to the unshifted sum, it is the
+    same on every backend: FlexAttention has no row max on CPU.
 
     Computed in the paper's shifted form, numerator and denominator times ``e^(-m)``: ``relu(e^(b - m) - e^(-m)) /
-    sum_j |e^(b - m) - e^(-m)|``, here with ``m = max(0, max_j b_ij)`` (the paper: the row max, whose ``e^(-m)``
-    overflows for a row of scores below -88), so nothing exceeds 1. Masked keys are left out of both sums (the
-    reference zeroes the non-finite ones); the paper's ``eps`` in the denominator is dropped (it only mattered for a
-    row of exact zeros, which gets weights 0 here). Init: near-zero scores give ``relu(b) / sum |b|``, rows summing
-    to at most 1, so W_V and W_O keep the usual init. FlexAttention (where it returns the log-sum-exp), two passes of
-    the log-offset form: ``s+ = log(e^b - 1)`` where ``b > 0`` (``-inf`` elsewhere) and ``s| = log |e^b - 1|``,
-    ``O = softmax(s+) V exp(lse(s+) - lse(s|))``; the gradient at a score of exactly 0 is 0 on both paths.
+    (sum_j |e^(b - m) - e^(-m)| + eps e^(-m))``, here with ``m = max(0, max_j b_ij)`` (the paper: the row max, whose
+    ``e^(-m)`` overflows for a row of scores below -88), so nothing exceeds 1, each ``e^(b - m) - e^(-m)`` through
+    ``expm1`` (:func:`_shifted_expm1`; the reference's difference rounds scores near 0 away in float32). Masked keys
+    are left out of both sums (the reference zeroes the non-finite ones). Init: near-zero scores give ``relu(b) /
+    sum |b|``, rows summing to at most 1, so W_V and W_O keep the usual init. FlexAttention (where it returns the
+    log-sum-exp), two passes of the log-offset form: ``s+ = log(e^b - 1)`` where ``b > 0`` (``-inf`` elsewhere) and
+    ``s| = log |e^b - 1|``, ``O = softmax(s+) V exp(lse(s+) - log(e^lse(s|) + eps))``; the gradient at a score of
+    exactly 0 is 0 on both paths.
     """
 
     name = "softpick"
-    description = "relu(e^b - 1) / sum_j |e^b - 1| (rows sum to at most 1, may be all 0); W_V, W_O init unchanged"
+    description = (
+        "relu(e^b - 1) / (sum_j |e^b - 1| + eps) (rows sum to less than 1, may be all 0); W_V, W_O init unchanged"
+    )
+    options = {
+        "eps": Option(
+            1e-8,
+            (float,),
+            "added to the denominator (the reference's softpick(); its Triton kernel uses 1e-6)",
+            _positive,
+            "a finite number > 0",
+        ),
+    }
     backends = ("eager", "flex_attention")
     flex_needs_lse = True
 
     def normalize(self, scores, attention_inputs):
         shift = scores.amax(dim=-1, keepdim=True).clamp(min=0).detach()  # the ratio does not see it
-        centred = torch.exp(scores - shift) - torch.exp(-shift)  # e^(-m) (e^b - 1), in [-1, 1]
+        centred = _shifted_expm1(scores, shift)
         visible = attention_inputs.get("visible")
         if visible is not None:
             centred = centred.masked_fill(~visible, 0.0)
-        total = centred.abs().sum(dim=-1, keepdim=True)
-        return torch.relu(centred) / torch.where(total > 0, total, 1.0)
+        total = centred.abs().sum(dim=-1, keepdim=True) + self.spec["eps"] * torch.exp(-shift)
+        return torch.relu(centred) / total
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         output, lse_positive = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_positive_expm1)
         _, lse_total = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_abs_expm1)
-        return output * _row_factor(lse_positive - lse_total, lse_positive).to(output.dtype)
+        log_denominator = torch.logaddexp(lse_total, torch.full_like(lse_total, math.log(self.spec["eps"])))
+        return output * _row_factor(lse_positive - log_denominator, lse_positive).to(output.dtype)
 
 
 class StickBreaking(AttentionNormalizer):

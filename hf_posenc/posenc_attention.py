@@ -34,7 +34,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.utils import logging
 
-from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, additive_mask, flex_pass
+from .attention_normalizers import (
+    ATTENTION_NORMALIZERS,
+    AttentionNormalizer,
+    additive_mask,
+    flex_pass,
+    implicit_visible,
+)
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import (
@@ -598,16 +604,15 @@ def attention_in_query_chunks(
     heads, chunk, kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k,
     v, its output and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its
     row's scores, so the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive,
-    boolean, or None with causality by index (SDPA's ``is_causal``); dropout masks are recomputed from the saved RNG
-    state."""
+    boolean, or None (``attention_normalizers.implicit_last_keys``: SDPA's top-left ``is_causal``, or every key);
+    dropout masks are recomputed from the saved RNG state."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])  # as eager reads them
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     term = score_term(query, key, attention_inputs) if score_term is not None else None
     mask, visible, row_has_key = attention_inputs["mask"], attention_inputs["visible"], attention_inputs["row_has_key"]
-    if mask is None and causal and q_len > 1:  # key j visible from query i when j <= i + kv_len - q_len
-        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        visible = mask = (torch.arange(kv_len, device=query.device) <= rows)[None, None]
+    if mask is None:  # what SDPA would see: is_causal (top-left), or every key
+        visible = mask = implicit_visible(causal, q_len, kv_len, query.device)[None, None]
     query_positions = attention_inputs["query_positions"]
 
     def chunk_output(start: int, stop: int) -> torch.Tensor:

@@ -887,8 +887,8 @@ def test_sdpa_with_the_value_term_equals_the_formula_values_and_grads(mask, sort
     visible = torch.rand(2, 1, 5, 7, generator=generator) > 0.3
     visible[..., 0] = True
     learned = torch.randn(2, HEADS, 5, 7, generator=generator)
-    if mask == "causal":  # queries 0..4 are the last 5 of 7 keys' positions: key j visible when j <= i + 2
-        visible = (torch.arange(7)[None, :] <= torch.arange(5)[:, None] + 2).expand(2, 1, 5, 7)
+    if mask == "causal":  # no mask: SDPA's is_causal, top-left aligned (a prefill into a longer static cache)
+        visible = (torch.arange(7)[None, :] <= torch.arange(5)[:, None]).expand(2, 1, 5, 7)
     results = []
     for fused in (False, True):
         leaves = [t.clone().requires_grad_() for t in (query, key, value, learned, table)]

@@ -7,11 +7,16 @@ Triton's kernels. Nothing here needs a GPU: the calls are captured on CPU with t
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import family_combos, make_model, random_ids
+from conftest import ROOT, family_combos, make_model, random_ids
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.graph import GraphLowering
@@ -312,3 +317,33 @@ def test_each_region_compiles_static_first_whatever_other_regions_saw(monkeypatc
     torch._dynamo.reset()
     posenc_attention.clear_flex_compile_cache()
     assert compiled == [False, True, False, True]
+
+
+CUDA_PROXY = ROOT.parent / "shared" / "tools" / "cuda_proxy.py"
+# Representative interpreted cases (family, the tool's selection): a normalizer read from FlexAttention's
+# log-sum-exp with two passes and its eps (softpick; t5 with softmax comes with it), Shaw's value term (the band of
+# scores, the log-sum-exp and the encoder's tail pass).
+CUDA_PROXY_CASES = [
+    ("gpt2", ["--schemes", "t5", "--normalizers", "softpick"]),
+    ("bert", ["--schemes", "shaw", "--normalizers", "softmax"]),
+]
+
+
+@pytest.mark.parametrize(("family", "selection"), CUDA_PROXY_CASES)
+def test_the_triton_kernels_run_in_the_interpreter_give_eager_numbers(family, selection):
+    """``cuda_proxy.py --interpret``: inductor's CUDA Triton code for each FlexAttention the library compiles, forward
+    and backward, run in Triton's interpreter on CPU, against eager (loss, every gradient, logits; float32,
+    FlexAttention requested). Minutes of interpreter time per case, so opt-in; the full grid and its figures are in
+    ``docs/design.md``."""
+    if os.environ.get("HF_POSENC_CUDA_PROXY") != "1":
+        pytest.skip("opt-in (HF_POSENC_CUDA_PROXY=1): about 1-2 minutes of Triton's interpreter per case")
+    if not CUDA_PROXY.is_file():
+        pytest.skip(f"needs the project's shared tool {CUDA_PROXY}, which a clone of the repository does not have")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (torch 2.13 pins triton==3.7.1)")
+    command = [sys.executable, str(CUDA_PROXY), "--interpret", "--jobs", "1", "--families", family, *selection]
+    command += ["--attn", "flex_attention", "--dtype", "float32"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    summary = re.search(r"cuda-proxy: (\d+) passed, (\d+) failed", result.stdout)
+    assert summary is not None and result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert int(summary[1]) > 0 and int(summary[2]) == 0, result.stdout[-4000:]

@@ -11,6 +11,7 @@ from conftest import (
     COMBOS,
     DECODER_SCHEMES,
     FAMILIES,
+    REPRESENTATIVE_SCHEMES,
     SCHEMES,
     cache_of,
     enable_activation_checkpointing,
@@ -21,7 +22,10 @@ from conftest import (
     supports,
     with_cache,
 )
+from torch.nn.attention.flex_attention import flex_attention
 
+from hf_posenc import posenc_attention
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 
 
@@ -324,13 +328,67 @@ def test_chunked_forward_with_non_contiguous_positions_equals_one_forward(scheme
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
 
 
+# The decoder combinations, the fixed sink and the Toeplitz gate (a table read at the cached keys' positions).
+STATIC_CACHE_COMBOS = DECODER_COMBOS + [
+    (scheme, normalizer)
+    for scheme in REPRESENTATIVE_SCHEMES
+    for normalizer in ({"type": "softmax", "sink": 0.0}, {"type": "softmax", "toeplitz_gate": True})
+]
+
+
+@pytest.fixture
+def uncompiled_flex(monkeypatch):
+    """FlexAttention's uncompiled path in place of the compiled kernel, as in ``test_attention_backends``: the same
+    semantics, the log-sum-exp on CPU, any head width, no compile per combination. Returns the list of its calls."""
+    calls = []
+
+    def flex(*args, **kwargs):
+        calls.append(1)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: flex)
+    for scheme_class in POSITION_ENCODINGS.values():
+        monkeypatch.setattr(scheme_class, "flex_compiles_on_cpu", True)
+    return calls
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention"])
+@pytest.mark.parametrize(("scheme", "normalizer"), STATIC_CACHE_COMBOS)
+def test_static_cache_prefill_equals_the_uncached_forward(scheme, normalizer, attn, uncompiled_flex):
+    """A prompt prefilled into a static cache longer than it: Transformers builds no mask when nothing is padded
+    (SDPA's is_causal, top-left aligned, hides the unwritten slots); every backend must hide them too."""
+    model = make_model("gpt2", scheme, normalizer, attn=attn)
+    ids = random_ids(2, 6, seed=7)
+    with torch.no_grad():
+        expected = model(ids).logits
+        uncompiled_flex.clear()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        prefilled = model(ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(prefilled, expected, atol=ATOL, rtol=1e-4)
+    assert bool(uncompiled_flex) == (attn == "flex_attention" and prefills_on_flex(model.config))
+
+
+def prefills_on_flex(config) -> bool:
+    """Whether the scheme and normalizer list FlexAttention, and no value term sends a cached forward to SDPA."""
+    spec, normalizer_spec = config.position_encoding, config.attention_normalizer
+    scheme_class, normalizer_class = POSITION_ENCODINGS[spec["type"]], ATTENTION_NORMALIZERS[normalizer_spec["type"]]
+    listed = set(scheme_class.supported_backends(spec)) & set(normalizer_class.supported_backends(normalizer_spec))
+    return "flex_attention" in listed and not scheme_class.has_value_term(spec)
+
+
+@pytest.mark.parametrize("padding", ["left", "none"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
-def test_static_cache_generation_equals_dynamic_cache_generation(scheme, normalizer, attn):
+@pytest.mark.parametrize(("scheme", "normalizer"), STATIC_CACHE_COMBOS)
+def test_static_cache_generation_equals_dynamic_cache_generation(scheme, normalizer, attn, padding):
+    """Without padding the static prefill gets no mask from Transformers (see the prefill test above). A flex
+    request decodes (one token a step) on SDPA: its prefill is the test above's."""
     model = make_model("gpt2", scheme, normalizer, attn=attn)
     prompt = random_ids(2, 6, seed=3)
     attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
+    if padding == "left":
+        attention_mask[1, :2] = 0
     kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
     with recorded_input_lengths(model) as lengths:
         static = model.generate(prompt, cache_implementation="static", **kwargs)

@@ -65,9 +65,7 @@ def reference_weights(name, scores, visible, gate=None, layer=None):
         factor = layer.scale.detach().double()[:, None, None] * on.sum(-1, keepdim=True).clamp(min=1).log()
         weights = (factor * b).exp() * on / ((factor * b).exp() * on).sum(-1, keepdim=True)
     elif name == "softpick":
-        shifted = (b.exp() - 1) * on
-        total = shifted.abs().sum(-1, keepdim=True)
-        weights = shifted.clamp(min=0) / torch.where(total > 0, total, 1.0)
+        weights = reference_softpick(scores.double().masked_fill(~visible, -math.inf), layer.spec["eps"])
     elif name == "l2":
         weights = b.exp() * on / ((2 * b).exp() * on).sum(-1, keepdim=True).sqrt()
     elif name == "exp":
@@ -79,6 +77,16 @@ def reference_weights(name, scores, visible, gate=None, layer=None):
         weights = swish / (swish**2).sum(-1, keepdim=True).sqrt()
     weights = torch.where(visible.any(-1, keepdim=True), weights, 0.0)
     return weights if gate is None else weights * gate.double()
+
+
+def reference_softpick(scores, eps):
+    """The reference's ``softpick`` (``zaydzuhri/softpick-attention``, ``naive_softpick_attn.py``): shifted by the row
+    max ``m``, ``eps`` added to the shifted sum, ``-inf`` (masked) keys left out; a row with no finite score 0."""
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    shifted = torch.exp(scores - row_max) - torch.exp(-row_max)
+    total = torch.where(torch.isfinite(scores), shifted.abs(), 0.0).sum(-1, keepdim=True)
+    return shifted.clamp(min=0) / (total + eps)
 
 
 def reference_gate(table, query_positions, key_positions, max_distance, causal):
@@ -129,6 +137,27 @@ def test_each_normalizer_matches_its_formula_with_masked_keys(name, causal):
     )
 
 
+@pytest.mark.parametrize(("q_len", "kv_len"), [(5, 9), (1, 9), (6, 6)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_missing_mask_means_what_transformers_sdpa_makes_of_it(q_len, kv_len, causal):
+    """Transformers leaves the mask out (a prefill of 5 tokens into a static cache of 9 slots, a decoding step, a
+    plain forward) and its SDPA integration decides what that means. Its weights, read off with zero queries and
+    one-hot values, against the library's reading of no mask: SDPA's mask (``additive_mask``) and the row counts of
+    ssmax (``visible_key_counts``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_posenc.attention_normalizers import additive_mask, visible_key_counts
+
+    query, key = torch.zeros(1, 1, q_len, 4), torch.randn(1, 1, kv_len, 4)
+    one_hot = torch.eye(kv_len)[None, None]
+    output, _ = sdpa_attention_forward(SimpleNamespace(is_causal=causal), query, key, one_hot, None, scaling=1.0)
+    expected = output.transpose(1, 2)[0, 0]  # (q_len, kv_len): 1 / n_i on the keys row i sees
+    mask = additive_mask(None, causal, query, key)
+    torch.testing.assert_close(torch.softmax(mask, dim=-1), expected)
+    counts = visible_key_counts({"visible": None}, q_len, kv_len, causal, CPU)
+    torch.testing.assert_close(counts[0, 0, :, 0], 1 / expected.amax(dim=-1))
+
+
 def test_softmax_rows_sum_to_one_l2_rows_have_unit_norm_and_free_sum():
     scores = torch.randn(3, 2, 4, 6)
     torch.testing.assert_close(normalizer("softmax")(scores, {}).sum(-1), torch.ones(3, 2, 4))
@@ -142,8 +171,8 @@ def test_softmax_rows_sum_to_one_l2_rows_have_unit_norm_and_free_sum():
 
 def test_row_sums_follow_each_normalizers_law():
     """sigmoid: ``n_i sigmoid(b + beta)`` for equal scores, beta = -log(max_positions); ssmax: 1, and a row of one key
-    gives it 1 (log 1 = 0); softpick: at most 1, 1 when every score is positive, 0 when none is; a sink: ``1 -
-    sigmoid(c_h - lse_i)``; every masked key exactly 0."""
+    gives it 1 (log 1 = 0); softpick: below 1, 1 to within eps when every score is positive, 0 when none is; a sink:
+    ``1 - sigmoid(c_h - lse_i)``; every masked key exactly 0."""
     causal = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     min_ = torch.finfo(torch.float32).min
     equal = torch.full((1, 2, 4, 4), 0.5).masked_fill(~causal, min_)
@@ -465,6 +494,45 @@ def differentiable_flex(query, key, value, score_mod=None, block_mask=None, scal
 def scores_mod(scores):
     """A score_mod that replaces q.k with given scores ``(heads, q, k)`` (which may then hold exact zeros)."""
     return lambda score, batch_idx, head_idx, q_idx, kv_idx: scores[head_idx, q_idx, kv_idx]
+
+
+def softpick_by_hand(row: list[float], eps: float) -> list[float]:
+    """The reference's softpick of one row, unshifted: its ``eps`` is added to the sum shifted by the row max ``m``,
+    that is ``eps e^m`` here; ``e^b - 1`` by ``math.expm1``, exact for scores near 0."""
+    total = sum(abs(math.expm1(b)) for b in row) + eps * math.exp(max(row))
+    return [max(math.expm1(b), 0.0) / total for b in row]
+
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_softpick_keeps_the_references_eps_for_rows_of_scores_near_zero(eps):
+    """Rows whose ``sum_j |e^b - 1|`` is near eps (scores around 1e-9, 1e-8, 1e-7), one at 1e-12 where eps takes
+    almost all, a row of exact zeros and a row of ordinary scores, in float64, eager and FlexAttention's log form
+    against the reference's formula by hand (eps 1e-8, the default; 1e-6, its Triton kernel's); the two paths'
+    gradients agree."""
+    torch.manual_seed(3)
+    scales = torch.tensor([1e-9, 1e-8, 1e-7, 1e-12, 0.0, 1.0], dtype=torch.float64)
+    scores = torch.randn(1, len(scales), 5, dtype=torch.float64) * scales[:, None]
+    layer = normalizer("softpick", num_heads=1, **({} if eps is None else {"eps": eps})).double()
+    assert layer.spec["eps"] == (1e-8 if eps is None else eps)
+    by_hand = [softpick_by_hand(row, layer.spec["eps"]) for row in scores[0].tolist()]
+    expected = torch.tensor(by_hand, dtype=torch.float64)
+    value = torch.randn(1, 1, 5, 4, dtype=torch.float64)
+    grads = {}
+    for path in ("eager", "flex"):
+        b = scores.clone().requires_grad_()
+        if path == "flex":
+            query = torch.zeros(1, 1, len(scales), 4, dtype=torch.float64)
+            output = layer.flex_output(differentiable_flex, query, query[:, :, :1].expand(1, 1, 5, 4), value,
+                                       scores_mod(b), None, 1.0)  # fmt: skip
+        else:
+            weights = layer(b[None], {})[0, 0]
+            output = weights[None, None] @ value
+            # eps against the reference's eps e^m: a relative difference below eps (and below e^m - 1)
+            torch.testing.assert_close(weights, expected, rtol=layer.spec["eps"], atol=0)
+        torch.testing.assert_close(output[0, 0], expected @ value[0, 0], rtol=layer.spec["eps"], atol=1e-30)
+        (output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum().backward()
+        grads[path] = b.grad
+    torch.testing.assert_close(grads["flex"], grads["eager"], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", CASES)
