@@ -365,7 +365,7 @@ def test_static_cache_prefill_equals_the_uncached_forward(scheme, normalizer, at
         expected = model(ids).logits
         uncompiled_flex.clear()
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
-        prefilled = model(ids, past_key_values=cache, use_cache=True).logits
+        prefilled = model(ids, **with_cache(cache), use_cache=True).logits
     torch.testing.assert_close(prefilled, expected, atol=ATOL, rtol=1e-4)
     assert bool(uncompiled_flex) == (attn == "flex_attention" and prefills_on_flex(model.config))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import warnings
 
@@ -460,3 +462,19 @@ def test_library_paths_trigger_no_deprecation_warning(tmp_path):
     finally:
         library_logger.removeHandler(recorder)
     assert recorder.messages == []
+
+
+def test_the_cache_is_taken_under_either_name_as_stock_takes_it():
+    """The installed Transformers' name (``cache`` from 5.24 on) and ``past_key_values`` give the same continuation;
+    where ``past_key_values`` is the old spelling it warns as the stock models do; both at once is an error."""
+    model = make_model("gpt2", "rope")
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        first = model(ids[:, :4], use_cache=True)
+        expected = model(ids[:, 4:], **with_cache(copy.deepcopy(cache_of(first)))).logits
+        old_name = pytest.warns(FutureWarning, match="pass the KV cache as `cache`")
+        with old_name if CACHE_NAME == "cache" else contextlib.nullcontext():
+            continued = model(ids[:, 4:], past_key_values=copy.deepcopy(cache_of(first))).logits
+        with pytest.raises(ValueError, match="got both `cache` and `past_key_values`"):
+            model(ids[:, 4:], cache=cache_of(first), past_key_values=copy.deepcopy(cache_of(first)))
+    torch.testing.assert_close(continued, expected)
