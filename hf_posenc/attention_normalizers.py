@@ -38,7 +38,16 @@ except ImportError:
     AuxRequest = None
 
 
+OUTPUT_GATES = ("elementwise", "headwise")
+
 GATE_OPTIONS = {
+    "output_gate": Option(
+        None,
+        (str,),
+        'gated attention, Y * sigmoid(X W_g) on each head\'s output: "elementwise" or "headwise"; None: no gate',
+        lambda v: v in OUTPUT_GATES,
+        '"elementwise" or "headwise"',
+    ),
     "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
     "toeplitz_max_distance": Option(
         128, (int,), "k of clip(i - j, -k, k) in the Toeplitz gate", lambda v: v >= 1, "an int >= 1"
@@ -58,6 +67,20 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     nothing. Parameter: ``toeplitz_gate`` ``(heads, 2k + 1)`` (encoder) or ``(heads, k + 1)`` (decoder), index
     ``k + d`` (encoder) or ``d`` (decoder) for the distance ``d``.
 
+    And the option ``output_gate``, gated attention (Qiu et al., "Gated Attention for Large Language Models:
+    Non-linearity, Sparsity, and Attention-Sink-Free", NeurIPS 2025, arXiv 2505.06708; Qwen3-Next): ``Y' = Y *
+    sigmoid(X W_g)`` on each head's output ``Y`` before the output projection, ``X`` the layer's input.
+    ``"elementwise"``: ``W_g`` ``(heads * head_dim, hidden)``, one gate per output feature; ``"headwise"``: ``(heads,
+    hidden)``, one per head. The gate acts on the attention output, so every backend keeps its kernel
+    (:meth:`attention_output`). Transformers' ``Qwen3NextAttention`` computes the elementwise gate inside ``q_proj``
+    (``2 * head_dim`` rows per head, the second ``head_dim`` the gate of that head's output); here it is a projection
+    of its own, ``output_gate`` (an ``nn.Linear`` without bias, as ``q_proj`` with ``attention_bias=False``), whose
+    row ``h * head_dim + e`` is that ``q_proj`` row ``2 h head_dim + head_dim + e``, initialised as that ``q_proj``
+    (and the paper's code, qiuzh20/gated_attention): ``N(0, initializer_range)``.
+
+    ``layer_idx``: the attention layer (0-based) the normalizer serves, for formulas that depend on the depth
+    (``differential``'s ``lambda_init``); a normalizer built on its own is layer 0.
+
     Args of ``forward``:
         scores: ``(batch, heads, q_len, kv_len)`` scores ``b_ij``, ``finfo.min`` on masked keys; every row has at
             least one visible key.
@@ -69,6 +92,9 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         flex_needs_lse: FlexAttention computes it from its log-sum-exp output (``flex_output``: every normalizer but
             softmax; softmax with a sink, ``needs_lse_on_flex``), which compiled FlexAttention on CPU does not return
             (torch 2.13), so on CPU it runs SDPA where it can (ssmax, a sink), else eager.
+        value_parts: how many attentions with the same weights, on the values ``split_values`` gives, the layer's
+            output combines (``attention_output``): 1, or 2 for ``differential``. With attention dropout in training
+            such a normalizer runs eager, where the parts share one dropout mask.
         sdpa_in_query_chunks: no SDPA kernel computes it, and ``"sdpa"`` in ``backends`` means the attention runs the
             eager composition a chunk of queries at a time, each chunk checkpointed (``posenc_attention``'s
             ``attention_in_query_chunks``): only ``(batch, heads, chunk, kv_len)`` weights exist at a time and the
@@ -80,6 +106,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     options = GATE_OPTIONS
     backends: tuple[str, ...] = ("eager",)
     flex_needs_lse: bool = False
+    value_parts: int = 1
     sdpa_in_query_chunks: bool = False
     kind = "attention_normalizer"
 
@@ -88,16 +115,22 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         super().__init_subclass__(**kwargs)
         cls.options = {**cls.options, **GATE_OPTIONS}
 
-    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
         super().__init__()
         self.spec = spec
         self.dims = dims
+        self.layer_idx = layer_idx
         self.max_distance = spec["toeplitz_max_distance"]
         if spec["toeplitz_gate"]:
             width = self.max_distance + 1 if dims.causal else 2 * self.max_distance + 1
             self.toeplitz_gate = nn.Parameter(torch.ones(dims.num_heads, width))
         else:
             self.toeplitz_gate = None
+        if spec["output_gate"] is None:
+            self.output_gate = None
+        else:
+            gates = dims.num_heads * (dims.head_dim if spec["output_gate"] == "elementwise" else 1)
+            self.output_gate = nn.Linear(dims.hidden_size, gates, bias=False)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -122,9 +155,12 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
 
     def init_weights(self, initializer_range: float) -> None:
         """The normalizer's own parameters, through ``transformers.initialization`` (loaded weights are kept): the
-        Toeplitz gate at 1, so that a fresh gated model equals the ungated one."""
+        Toeplitz gate at 1, so that a fresh gated model equals the ungated one; the output gate's projection
+        ``N(0, initializer_range)``, as Qwen3-Next's ``q_proj`` that holds it there."""
         if self.toeplitz_gate is not None:
             init.ones_(self.toeplitz_gate)
+        if self.output_gate is not None:
+            init.normal_(self.output_gate.weight, mean=0.0, std=initializer_range)
 
     def value_init_scale(self) -> float:
         """Factor on the initial std of W_V and W_O (1: the family's usual init); see the module docstring."""
@@ -144,6 +180,33 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
 
     def normalize(self, scores: torch.Tensor, attention_inputs: AttentionInputs) -> torch.Tensor:
         raise NotImplementedError
+
+    def split_values(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The values ``(batch, kv_heads, kv_len, head_dim)`` the weights are applied to, one attention each
+        (``value_parts`` of them): the value as it is."""
+        return (value,)
+
+    def combine_outputs(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The heads' output ``(batch, heads, q_len, head_dim)`` from the attention of each of ``split_values``:
+        the one output as it is."""
+        return outputs[0]
+
+    def output_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The weights ``output_attentions`` returns, from the eager weights: as they are."""
+        return weights
+
+    def attention_output(self, outputs: list[torch.Tensor], hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """What the output projection reads, ``(batch, heads, q_len, head_dim)``: ``combine_outputs``, then the
+        output gate ``sigmoid(X W_g)`` from the layer's input ``hidden_states`` ``(batch, q_len, hidden)``."""
+        output = self.combine_outputs(outputs)
+        if self.output_gate is None:
+            return output
+        if hidden_states is None:
+            raise ValueError("output_gate reads the layer's input: pass hidden_states to positional_attention.")
+        batch, heads, q_len, _ = output.shape
+        gate = torch.sigmoid(self.output_gate(hidden_states.to(self.output_gate.weight.dtype)))
+        gate = gate.view(batch, q_len, heads, -1).transpose(1, 2)  # (batch, heads, q_len, head_dim or 1)
+        return output * gate.to(output.dtype)
 
     def gate_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """``c_ij`` ``(batch|1, heads, q_len, kv_len)`` from positions ``(batch|1, q_len)``, ``(batch|1, kv_len)``."""
@@ -355,8 +418,8 @@ class Softmax(AttentionNormalizer):
     }
     backends = BACKENDS
 
-    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
-        super().__init__(spec, dims)
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
+        super().__init__(spec, dims, layer_idx)
         learned = spec["sink"] == "learned"
         self.sink = nn.Parameter(torch.zeros(dims.num_heads)) if learned else None
         self.fixed_sink = None if learned or spec["sink"] is None else float(spec["sink"])
@@ -596,8 +659,8 @@ class Sigmoid(AttentionNormalizer):
     backends = ("eager", "flex_attention")
     flex_needs_lse = True
 
-    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
-        super().__init__(spec, dims)
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
+        super().__init__(spec, dims, layer_idx)
         self.logit_bias = -math.log(dims.max_positions) if spec["bias"] is None else spec["bias"]
 
     def value_init_scale(self) -> float:
@@ -648,8 +711,8 @@ class ScalableSoftmax(AttentionNormalizer):
     backends = BACKENDS
     flex_needs_lse = True
 
-    def __init__(self, spec: dict[str, Any], dims: AttentionDims):
-        super().__init__(spec, dims)
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
+        super().__init__(spec, dims, layer_idx)
         self.scale = nn.Parameter(torch.full((dims.num_heads,), float(spec["initial_scale"])))
 
     def init_weights(self, initializer_range: float) -> None:
@@ -825,7 +888,120 @@ class StickBreaking(AttentionNormalizer):
         return torch.exp(log_weights)
 
 
+def differential_lambda_init(layer_idx: int) -> float:
+    """``lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1))``, ``l`` the 1-based layer of the paper, i.e. the 0-based
+    ``layer_idx`` for ``l - 1`` (Transformers' ``diffllama.lambda_init_fn`` and the paper's code take it so)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+class Differential(AttentionNormalizer):
+    """Differential attention (Ye et al., "Differential Transformer", ICLR 2025, arXiv 2410.05258), as Transformers'
+    ``DiffLlamaAttention``: the heads form pairs, head ``p`` and head ``p + heads / 2``, whose softmax weights
+    ``A1``, ``A2`` are subtracted, ``(A1 - lambda A2) [V1, V2]``, on a value twice a head wide (the pair's two
+    value heads side by side); each pair's output gets an RMS norm without affine weights over its ``2 head_dim``
+    features (the paper's GroupNorm) and the factor ``(1 - lambda_init)``, then fills the two heads' slots of the
+    output projection. ``lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init``, one
+    scalar per layer from four learned ``head_dim`` vectors, ``lambda_init`` from the layer's depth
+    (:func:`differential_lambda_init`).
+
+    As diffllama: two softmax attentions sharing q and k, one on the first half of the value heads and one on the
+    second (each repeated to every query head: ``split_values``), on every backend (SDPA's and FlexAttention's
+    kernels, no weights materialised), then ``combine_outputs``. Eager computes the weights once and applies them
+    to both halves; ``output_attentions`` gives the differential weights ``A1 - lambda A2``, ``(batch, heads / 2,
+    q_len, kv_len)``. diffllama refuses attention dropout (the paper defines none); here dropout drops the softmax
+    weights once for both halves, so training with it runs eager. Init as diffllama: ``lambda_*`` ``N(0,
+    lambda_std)`` (its ``lambda_std_dev``), W_V and W_O the family's (factor 1). Needs an even number of heads (and
+    of key/value heads).
+    """
+
+    name = "differential"
+    description = (
+        "(softmax(Q1 K1^T) - lambda softmax(Q2 K2^T)) [V1, V2] over head pairs, per-pair RMS norm x (1 - lambda_init)"
+        " (Ye et al. 2025, diffllama); W_V, W_O init unchanged"
+    )
+    options = {
+        "lambda_std": Option(
+            0.1,
+            (float, int),
+            "std of the N(0, std) init of lambda_q1, lambda_k1, lambda_q2, lambda_k2 (diffllama's lambda_std_dev)",
+            lambda v: math.isfinite(v) and v >= 0,
+            "a finite number >= 0",
+        ),
+        "norm_eps": Option(
+            1e-5, (float, int), "eps of the per-pair RMS norm (diffllama's rms_norm_eps)", lambda v: v > 0, "> 0"
+        ),
+    }
+    backends = BACKENDS
+    value_parts = 2
+
+    def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
+        super().__init__(spec, dims, layer_idx)
+        if dims.num_heads % 2:
+            raise ValueError(
+                f"attention_normalizer 'differential' pairs the attention heads: num_attention_heads must be even, "
+                f"got {dims.num_heads}."
+            )
+        self.lambda_init = differential_lambda_init(layer_idx)
+        std = float(spec["lambda_std"])
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.normal(0.0, std, size=(dims.head_dim,))) for _ in range(4)
+        )
+
+    @classmethod
+    def weights_are_softmax(cls, spec: dict[str, Any]) -> bool:
+        return not spec["toeplitz_gate"]
+
+    def init_weights(self, initializer_range: float) -> None:
+        super().init_weights(initializer_range)
+        for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            init.normal_(parameter, mean=0.0, std=float(self.spec["lambda_std"]))
+
+    def differential_lambda(self) -> torch.Tensor:
+        """``lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init``, 0-d, float32 or
+        wider."""
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        first = torch.exp((self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)).sum())
+        second = torch.exp((self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)).sum())
+        return first - second + self.lambda_init
+
+    def normalize(self, scores, attention_inputs):
+        return torch.softmax(scores, dim=-1)
+
+    def split_values(self, value):
+        if value.shape[1] % 2:
+            raise ValueError(
+                "attention_normalizer 'differential' splits the key/value heads in two halves: their number must be "
+                f"even, got {value.shape[1]}."
+            )
+        return tuple(half.repeat(1, 2, 1, 1) for half in torch.chunk(value, 2, dim=1))
+
+    def combine_outputs(self, outputs):
+        output = torch.cat(outputs, dim=-1)  # (batch, heads, q_len, 2 head_dim): each head on [V1, V2]
+        first, second = output.to(torch.promote_types(output.dtype, torch.float32)).chunk(2, dim=1)
+        pairs = first - self.differential_lambda() * second
+        pairs = (1 - self.lambda_init) * nn.functional.rms_norm(pairs, pairs.shape[-1:], eps=self.spec["norm_eps"])
+        # pair p's 2 head_dim features fill heads 2p and 2p + 1 of the output projection's input (diffllama's order)
+        batch, num_pairs, q_len, width = pairs.shape
+        pairs = pairs.view(batch, num_pairs, q_len, 2, width // 2).transpose(2, 3)
+        return pairs.reshape(batch, 2 * num_pairs, q_len, width // 2).to(output.dtype)
+
+    def output_weights(self, weights):
+        first, second = weights.chunk(2, dim=1)
+        return first - self.differential_lambda().to(weights.dtype) * second
+
+
 ATTENTION_NORMALIZERS: dict[str, type[AttentionNormalizer]] = {
     normalizer.name: normalizer
-    for normalizer in (Softmax, L2, Exp, ReLU2, SwishL2, Sigmoid, ScalableSoftmax, Softpick, StickBreaking)
+    for normalizer in (
+        Softmax,
+        L2,
+        Exp,
+        ReLU2,
+        SwishL2,
+        Sigmoid,
+        ScalableSoftmax,
+        Softpick,
+        StickBreaking,
+        Differential,
+    )
 }

@@ -110,7 +110,7 @@ class PosEncBertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.normalizer = build_attention_normalizer(config, causal=config.is_decoder)
+        self.normalizer = build_attention_normalizer(config, config.is_decoder, layer_idx)
         self.position_term = build_layer_position_term(config, config.is_decoder, layer_idx)
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx

@@ -63,10 +63,11 @@ def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPosi
     return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
 
 
-def build_attention_normalizer(config, causal: bool) -> AttentionNormalizer:
+def build_attention_normalizer(config, causal: bool, layer_idx: int) -> AttentionNormalizer:
+    """The normalizer of attention layer ``layer_idx``."""
     config.attention_normalizer = resolve_attention_normalizer(config.attention_normalizer, causal)
     spec = config.attention_normalizer
-    return ATTENTION_NORMALIZERS[spec["type"]](spec, attention_dims(config, causal))
+    return ATTENTION_NORMALIZERS[spec["type"]](spec, attention_dims(config, causal), layer_idx)
 
 
 def resolve_position_ids(

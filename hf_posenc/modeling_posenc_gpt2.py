@@ -67,7 +67,7 @@ class PosEncGPT2Attention(nn.Module):
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
-        self.normalizer = build_attention_normalizer(config, causal=True)
+        self.normalizer = build_attention_normalizer(config, True, layer_idx)
         self.position_term = build_layer_position_term(config, True, layer_idx)
         self.layer_idx = layer_idx
 

@@ -227,6 +227,8 @@ def choose_backend(
             if not torch.compiler.is_compiling():
                 _log_value_term_dropout(position_encoding["type"])
             continue
+        if backend == "sdpa" and attention_dropout and normalizer_class.value_parts > 1:
+            continue  # one SDPA call per part would draw a dropout mask per part; eager shares one
         if backend == "flex_attention" and refusal is not None:
             if requested == "flex_attention" and not torch.compiler.is_compiling():
                 _log_flex_refusal(position_encoding["type"], attention_normalizer["type"], refusal)
@@ -577,7 +579,9 @@ def repeat_kv_heads(states: torch.Tensor, query_heads: int) -> torch.Tensor:
     return states.repeat_interleave(query_heads // states.shape[1], dim=1)
 
 
-def _eager(query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training):
+def _eager(query, key, values, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training):
+    """The weights materialised, applied to each of ``values`` (``normalizer.split_values``): the outputs and the
+    weights."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
@@ -588,11 +592,10 @@ def _eager(query, key, value, attention_inputs, normalizer, score_term, value_ro
     weights = normalizer(scores, attention_inputs)
     if attention_inputs["row_has_key"] is not None:
         weights = weights * attention_inputs["row_has_key"]
-    weights = nn.functional.dropout(weights.to(value.dtype), p=dropout, training=training)
-    output = torch.matmul(weights, value)
-    if value_rows is not None:
-        output = output + value_rows_term(weights, value_rows)
-    return output, weights
+    weights = nn.functional.dropout(weights.to(values[0].dtype), p=dropout, training=training)
+    term = value_rows_term(weights, value_rows) if value_rows is not None else None
+    outputs = [torch.matmul(weights, value) for value in values]
+    return [output if term is None else output + term for output in outputs], weights
 
 
 def attention_in_query_chunks(
@@ -711,10 +714,11 @@ def positional_attention(
     ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
-    term's ``layer_tables``, whose per-token states are kept in ``cache``); ``scaling`` is the layer's
-    factor on ``q.k``, times the scheme's ``content_scale``. Returns the output ``(batch, q_len, heads, head_dim)``
-    and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
-    """
+    term's ``layer_tables``, whose per-token states are kept in ``cache``, and for the normalizer's output gate);
+    ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``. The weights are applied to
+    each of the normalizer's ``split_values`` (one attention each, on every backend) and its ``attention_output``
+    combines and gates the outputs. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
+    ``(batch, heads, q_len, kv_len)`` as the normalizer reports them (eager only, else None)."""
     scaling = scaling * encoding.content_scale
     score_term = value_rows = None
     if position_term is not None:
@@ -738,6 +742,7 @@ def positional_attention(
     if key.shape[1] != query.shape[1] and (backend == "eager" or position_term is not None):
         key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])
     weights = None
+    values = normalizer.split_values(value)
     if backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
         if position_term is not None:
@@ -748,23 +753,26 @@ def positional_attention(
         attend = partial(flex_attend, region=region, enable_gqa=key.shape[1] != query.shape[1], **kernel_options)
         block_mask = attention_inputs["mask"]
         if value_rows is None:
-            output = normalizer.flex_output(attend, query, key, value, score_mod, block_mask, scaling)
-        else:  # softmax on consecutive positions (choose_backend)
-            output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scaling)
+            outputs = [normalizer.flex_output(attend, query, key, v, score_mod, block_mask, scaling) for v in values]
+        else:  # softmax weights on consecutive positions (choose_backend)
+            passes = [flex_pass(attend, query, key, v, score_mod, block_mask, scaling) for v in values]
+            lse = passes[0][1]
             term = clipped_value_rows_term(
-                attend, query, key, value, score_mod, block_mask, scaling, lse, value_rows, causal
+                attend, query, key, values[0], score_mod, block_mask, scaling, lse, value_rows, causal
             )
-            output = output + term.to(output.dtype)
-    elif backend == "sdpa" and normalizer.sdpa_in_query_chunks:
-        output = attention_in_query_chunks(
-            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
-        )
+            outputs = [output + term.to(output.dtype) for output, _ in passes]
     elif backend == "sdpa":
-        output = _sdpa(
-            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
-        )
+        attend = attention_in_query_chunks if normalizer.sdpa_in_query_chunks else _sdpa
+        outputs = [
+            attend(
+                query, key, v, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
+            )
+            for v in values
+        ]
     else:
-        output, weights = _eager(
-            query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training
+        outputs, weights = _eager(
+            query, key, values, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training
         )
+        weights = normalizer.output_weights(weights)
+    output = normalizer.attention_output(outputs, hidden_states)
     return output.transpose(1, 2).contiguous(), weights

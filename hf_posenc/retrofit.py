@@ -558,7 +558,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         attention = family.attention(layer)
         weight = next(attention.parameters())
         attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
-        attention.normalizer = build_attention_normalizer(config, causal).to(weight.device, weight.dtype)
+        attention.normalizer = build_attention_normalizer(config, causal, layer_idx).to(weight.device, weight.dtype)
         attention.position_term = build_layer_position_term(config, causal, layer_idx)
         new_modules.append(attention.normalizer)
         if attention.position_term is not None:

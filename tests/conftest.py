@@ -36,7 +36,11 @@ ENCODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "encoder" in ent
 # behaviours of a normalizer do not depend on which scheme feeds it scores, so the full cross product adds only time.
 REPRESENTATIVE_SCHEMES = ["learned", "t5"]
 # Options that make a normalizer another formula, run through the same properties as the registry's names.
-NORMALIZER_VARIANTS = [{"type": "softmax", "sink": "learned"}]
+NORMALIZER_VARIANTS = [
+    {"type": "softmax", "sink": "learned"},
+    {"type": "softmax", "output_gate": "elementwise"},
+    {"type": "differential", "output_gate": "headwise"},
+]
 COMBOS = [(scheme, "softmax") for scheme in SCHEMES] + [
     (scheme, normalizer)
     for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS

@@ -23,7 +23,9 @@ def test_names_expand_to_full_dicts_with_defaults(config_class):
         "table_scale": None,
         "init": "reference",
     }
-    assert config.attention_normalizer == {"type": "l2", "toeplitz_gate": False, "toeplitz_max_distance": 128}
+    assert config.attention_normalizer == {
+        "type": "l2", "output_gate": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
@@ -31,7 +33,7 @@ def test_defaults_are_the_stock_model(config_class):
     config = config_class()
     assert config.position_encoding["type"] == "learned"
     assert config.attention_normalizer == {
-        "type": "softmax", "sink": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
+        "type": "softmax", "sink": None, "output_gate": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
     }  # fmt: skip
 
 
@@ -67,7 +69,7 @@ def test_bert_and_gpt2_fields_keep_their_meaning():
     ("field", "value", "message"),
     [
         ("position_encoding", "rop", r"Unknown position_encoding 'rop'; valid choices: \['alibi', .*'rope'"),
-        ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['exp', 'l2', 'relu"),
+        ("attention_normalizer", "relu", r"Unknown attention_normalizer 'relu'; valid choices: \['diff.*'relu"),
         ("attention_normalizer", {"type": "l2", "toeplitz_gate": 1}, r"option 'toeplitz_gate' must be bool, got 1"),
         ("attention_normalizer", {"type": "exp", "toeplitz_max_distance": 0}, r"'toeplitz_max_distance'=0 is out of"),
         ("position_encoding", {"type": "rope", "thta": 1.0}, r"Unknown option\(s\) \['thta'\].*'rotary_fraction'"),
@@ -126,7 +128,8 @@ def test_listings_describe_every_scheme_with_options_and_defaults():
     assert all(entry["description"] for entry in encodings.values())
     normalizers = hf_posenc.list_attention_normalizers()
     assert set(normalizers) == {
-        "softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "ssmax", "softpick", "stick_breaking"
+        "softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "ssmax", "softpick", "stick_breaking",
+        "differential",
     }  # fmt: skip
     assert normalizers["softmax"]["options"]["sink"]["default"] is None
     assert normalizers["stick_breaking"]["families"] == ["decoder"]

@@ -715,11 +715,12 @@ def test_models_shrink_the_value_and_output_init_by_the_factor(family, name):
 
 def test_listing_names_every_normalizer_with_the_gate_options():
     listing = hf_posenc.list_attention_normalizers()
-    assert list(listing) == [*NORMALIZERS, "stick_breaking"]
+    assert list(listing) == [*NORMALIZERS, "stick_breaking", "differential"]
     for entry in listing.values():
         assert entry["options"]["toeplitz_max_distance"]["default"] == 128
+        assert entry["options"]["output_gate"]["default"] is None
     assert make_config("gpt2", "t5", {"type": "relu2", "toeplitz_gate": True}).attention_normalizer == {
-        "type": "relu2", "toeplitz_gate": True, "toeplitz_max_distance": 128
+        "type": "relu2", "output_gate": None, "toeplitz_gate": True, "toeplitz_max_distance": 128
     }  # fmt: skip
 
 

@@ -194,7 +194,8 @@ def test_patched_decoder_generates_the_same_with_and_without_cache_and_padding(
     [("gpt2", "GPT2LMHeadModel", "alibi", "l2"), ("llama", "LlamaForCausalLM", "t5", "l2")]
     + [("llama", "LlamaForCausalLM", "none", "stick_breaking")]
     + [("llama", "LlamaForCausalLM", "rope", "ssmax"), ("gpt2", "GPT2LMHeadModel", "none", "softpick")]
-    + [("llama", "LlamaForCausalLM", "rope", {"type": "softmax", "sink": "learned"})],
+    + [("llama", "LlamaForCausalLM", "rope", {"type": "softmax", "sink": "learned"})]
+    + [("llama", "LlamaForCausalLM", "rope", {"type": "differential", "output_gate": "elementwise"})],
 )
 def test_patched_decoder_with_another_normalizer_generates_the_same_with_and_without_cache(
     saved_stock, model_type, class_name, scheme, normalizer
@@ -224,6 +225,15 @@ def test_retrofit_initialises_the_normalizers_own_parameters(saved_stock):
     )
     sinks = torch.cat([p for name, p in sink.named_parameters() if name.endswith("normalizer.sink")])
     assert sinks.abs().sum() > 0 and sinks.abs().max() < 10 * sink.config.initializer_range
+    gated = hf_posenc.retrofit(
+        load_stock(saved_stock, "llama", "LlamaForCausalLM"),
+        "rope",
+        {"type": "differential", "output_gate": "headwise"},
+    )
+    gates = torch.cat([p.flatten() for name, p in gated.named_parameters() if name.endswith("output_gate.weight")])
+    lambdas = torch.cat([p for name, p in gated.named_parameters() if ".normalizer.lambda_" in name])
+    assert 0.5 < gates.std() / gated.config.initializer_range < 1.5  # Qwen3-Next's q_proj init
+    assert lambdas.numel() > 0 and 0.03 < lambdas.std() < 0.3  # diffllama's N(0, 0.1)
 
 
 @pytest.mark.parametrize(
