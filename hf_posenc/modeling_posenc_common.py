@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
-from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
+from .configuration_posenc import layer_position_specs, resolve_attention_normalizer, resolve_position_layout
 from .posenc_attention import (
     build_attention_mask,
     build_dense_mask,
@@ -22,7 +22,7 @@ from .posenc_attention import (
     flex_gradient_refusal,
     position_bias_needs_grad,
 )
-from .position_encodings import POSITION_ENCODINGS
+from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 from .score_bias_encodings import refuse_old_t5_table
 
@@ -46,20 +46,30 @@ def attention_dims(config, causal: bool) -> AttentionDims:
     )
 
 
-def build_position_encoding(config, causal: bool) -> PositionEncoding:
-    # Resolved again: a user may have assigned a name or a partial dict (or is_decoder) after the config was built.
-    config.position_encoding = resolve_position_encoding(
-        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
+def resolve_config_position_encoding(config, causal: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    """``config.position_encoding`` resolved again (a user may have assigned a name, a partial dict or list, or
+    ``is_decoder``, after the config was built)."""
+    config.position_encoding = resolve_position_layout(
+        config.position_encoding,
+        config.num_hidden_layers,
+        config.max_position_embeddings,
+        causal,
+        config.hidden_size,
     )
-    spec = config.position_encoding
-    return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
+    return config.position_encoding
+
+
+def build_position_encoding(config, causal: bool) -> PositionEncoding:
+    """The model's position encoding: one scheme, or a scheme per attention layer (``PerLayerPositionEncoding``)."""
+    return build_position_encoding_module(
+        resolve_config_position_encoding(config, causal), attention_dims(config, causal)
+    )
 
 
 def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPositionTerm | None:
-    """The scheme's per-layer module for attention layer ``layer_idx`` (schemes that read the content), or None."""
-    spec = resolve_position_encoding(
-        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
-    )
+    """The per-layer module of attention layer ``layer_idx``'s scheme (schemes that read the content), or None."""
+    specs = layer_position_specs(resolve_config_position_encoding(config, causal), config.num_hidden_layers)
+    spec = specs[layer_idx]
     return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
 
 
@@ -86,6 +96,10 @@ def resolve_position_ids(
     return position_ids
 
 
+LayerAttentionInputs = tuple[AttentionInputs, ...]
+"""The :data:`AttentionInputs` of each attention layer, in order; layers that run the same scheme share one dict."""
+
+
 def prepare_attention(
     model,
     encoding: PositionEncoding,
@@ -98,55 +112,76 @@ def prepare_attention(
     position_cache: PositionCache | None = None,
     output_attentions: bool = False,
     default_positions: bool = False,
-) -> AttentionInputs:
-    """Pick the backend for this forward, then build what every layer reads (:data:`AttentionInputs`): the mask with
-    the scheme's position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``),
-    and the scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``);
-    with no cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told
-    (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
-    config = model.config
+) -> LayerAttentionInputs:
+    """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each scheme the layers
+    run (``encoding.layer_encoding(layer_idx)``: one for a uniform layout): the backend that runs it, the mask with
+    its position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``) and its
+    shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``); with no cached key
+    the positions are then consecutive in every row, which each scheme's ``prepare`` is told (a static fact, so no
+    host sync and nothing for ``torch.compile`` to guard on data)."""
+    layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(encoding.dims.num_layers)]
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
-        refuse_value_term_with_given_block_mask(encoding)
+        for scheme in layer_schemes:
+            refuse_value_term_with_given_block_mask(scheme)
     key_positions = position_ids
     if position_cache is not None:
         key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
     consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
-    backend = choose_backend(
-        config._attn_implementation,
-        config.position_encoding,
-        config.attention_normalizer,
-        inputs_embeds.device,
-        inputs_embeds.dtype,
-        need_weights=output_attentions,
-        attention_dropout=model.training and attention_dropout > 0,
-        query_length=inputs_embeds.shape[1],
-        given_mask=attention_mask,
-        head_dim=encoding.dims.head_dim,
-        position_bias_needs_grad=position_bias_needs_grad(encoding),
-        consecutive=consecutive,
-        gradient_refusal=flex_gradient_refusal(encoding, consecutive),
-    )
-    tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
-    score_bias = tables.pop("score_bias", None)
-    mask = build_attention_mask(
-        config,
-        backend,
-        causal,
-        inputs_embeds,
-        attention_mask,
-        cache=cache,
-        position_ids=position_ids,
+    masks: dict[tuple[str, bool], Any] = {}
+
+    def scheme_inputs(scheme: PositionEncoding) -> AttentionInputs:
+        backend = choose_backend(
+            model.config._attn_implementation,
+            scheme.spec,
+            model.config.attention_normalizer,
+            inputs_embeds.device,
+            inputs_embeds.dtype,
+            need_weights=output_attentions,
+            attention_dropout=model.training and attention_dropout > 0,
+            query_length=inputs_embeds.shape[1],
+            given_mask=attention_mask,
+            head_dim=scheme.dims.head_dim,
+            position_bias_needs_grad=position_bias_needs_grad(scheme),
+            consecutive=consecutive,
+            gradient_refusal=flex_gradient_refusal(scheme, consecutive),
+        )
+        tables = scheme.prepare(position_ids, key_positions, backend, consecutive=consecutive)
+        score_bias = tables.pop("score_bias", None)
         # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor
         # SDPA without a bias (is_causal covers causality) unless a layer's own term takes the place of the mask.
-        allow_skip=not causal or score_bias is None and backend == "sdpa" and not encoding.has_layer_term,
-    )
-    inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
-    if backend == "flex_attention":
-        inputs.update(mask=mask, visible=None, row_has_key=None)
-    else:
-        dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
-        inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
-    return inputs
+        allow_skip = not causal or score_bias is None and backend == "sdpa" and not scheme.has_layer_term
+        if (backend, allow_skip) not in masks:
+            masks[backend, allow_skip] = build_attention_mask(
+                model.config,
+                backend,
+                causal,
+                inputs_embeds,
+                attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                allow_skip=allow_skip,
+            )
+        mask = masks[backend, allow_skip]
+        inputs = {
+            "backend": backend,
+            "query_positions": position_ids,
+            "key_positions": key_positions,
+            "position": tables,
+        }
+        if backend == "flex_attention":
+            inputs.update(mask=mask, visible=None, row_has_key=None)
+        else:
+            dtype = inputs_embeds.dtype
+            if backend != "sdpa":
+                dtype = torch.promote_types(dtype, torch.float32)
+            inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
+        return inputs
+
+    built: list[tuple[PositionEncoding, AttentionInputs]] = []
+    for scheme in layer_schemes:
+        if not any(done is scheme for done, _ in built):
+            built.append((scheme, scheme_inputs(scheme)))
+    return tuple(next(inputs for done, inputs in built if done is scheme) for scheme in layer_schemes)
 
 
 def refuse_value_term_with_given_block_mask(encoding: PositionEncoding) -> None:

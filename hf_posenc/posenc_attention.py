@@ -703,13 +703,15 @@ def positional_attention(
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
     may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
 
-    ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
+    ``attention_inputs`` is the layer's per-forward :data:`AttentionInputs`; ``encoding`` the model's position
+    encoding, of which the layer runs ``encoding.layer_encoding(layer_idx)``; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
     term's ``layer_tables``, whose per-token states are kept in ``cache``); ``scaling`` is the layer's
     factor on ``q.k``, times the scheme's ``content_scale``. Returns the output ``(batch, q_len, heads, head_dim)``
     and the weights ``(batch, heads, q_len, kv_len)`` (eager only, else None).
     """
+    encoding = encoding.layer_encoding(layer_idx)  # the scheme this layer runs (a per-layer layout's own)
     scaling = scaling * encoding.content_scale
     score_term = value_rows = None
     if position_term is not None:

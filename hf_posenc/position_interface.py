@@ -336,6 +336,17 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         """The per-layer module of a scheme that reads the content, or None."""
         return None
 
+    @classmethod
+    def acts_at_input(cls) -> bool:
+        """Whether the scheme acts on the input embeddings (its own ``embed``): once per forward, before the first
+        layer, so it cannot be given to some attention layers and not others."""
+        return cls.embed is not PositionEncoding.embed
+
+    def layer_encoding(self, layer_idx: int | None) -> PositionEncoding:
+        """The scheme attention layer ``layer_idx`` runs: this one, on every layer (a per-layer layout gives each
+        layer its own, ``PerLayerPositionEncoding``)."""
+        return self
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())
 

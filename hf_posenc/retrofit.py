@@ -95,8 +95,11 @@ class RetrofitLayer:
     """Mixin of a stock ``GradientCheckpointingLayer``: the :data:`AttentionInputs` its attention reads reach the
     (checkpointed) ``forward`` flattened into positional arguments, as in :class:`PositionalLayer`."""
 
+    posenc_layer_idx: int
+    """The layer's index among the attention layers, set by :func:`patch`: it reads its own attention inputs."""
+
     def __call__(self, *args, **kwargs):
-        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS))
+        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx])
         return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
 
     def forward(self, *args, posenc_layout, **kwargs):
@@ -555,6 +558,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     family.remove_stock_positions(base)
     for layer_idx, layer in enumerate(family.layers(base)):
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
+        layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         weight = next(attention.parameters())
         attention.__class__ = retrofit_class(type(attention), family.attention_mixin)

@@ -9,7 +9,6 @@ import torch
 import transformers
 from conftest import (
     COMBOS,
-    DECODER_SCHEMES,
     FAMILIES,
     SCHEMES,
     cache_of,
@@ -22,12 +21,13 @@ from conftest import (
     with_cache,
 )
 
+from hf_posenc.configuration_posenc import layer_position_specs
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 
 
 ATOL = 1e-5
 FAMILY_COMBOS = family_combos(COMBOS)
-DECODER_COMBOS = [combo for combo in COMBOS if combo[0] in DECODER_SCHEMES]
+DECODER_COMBOS = [combo for combo in COMBOS if supports("gpt2", combo[0])]
 FAMILY_SCHEMES = [(family, scheme) for family in FAMILIES for scheme in SCHEMES if supports(family, scheme)]
 # Options that may change whether a scheme is relative, besides every scheme's defaults.
 OPTION_VARIANTS = [
@@ -40,9 +40,11 @@ OPTION_VARIANTS = [
 
 
 def is_relative(family: str, position_encoding) -> bool:
-    """The scheme's own flag for these options (``PositionEncoding.is_relative``)."""
-    spec = make_config(family, position_encoding).position_encoding
-    return POSITION_ENCODINGS[spec["type"]].is_relative(spec)
+    """The scheme's own flag for these options (``PositionEncoding.is_relative``); a per-layer layout is relative
+    when every layer's scheme is."""
+    config = make_config(family, position_encoding)
+    specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
+    return all(POSITION_ENCODINGS[spec["type"]].is_relative(spec) for spec in specs)
 
 
 SHIFT_CASES = FAMILY_COMBOS + [(family, spec, "softmax") for family in FAMILIES for spec in OPTION_VARIANTS]
