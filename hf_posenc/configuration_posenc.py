@@ -76,6 +76,13 @@ def layer_position_specs(value: dict[str, Any] | list[dict[str, Any]], num_layer
     return list(value) if isinstance(value, list) else [value] * num_layers
 
 
+def layout_name(value: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """A resolved position encoding's name for labels: its type, the layers' types joined by ``+`` for a per-layer
+    list (``rope+rope+rope+none``), or the one type a list holds on every layer."""
+    types = [spec["type"] for spec in (value if isinstance(value, list) else [value])]
+    return types[0] if len(set(types)) == 1 else "+".join(types)
+
+
 def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any, num_layers: int) -> list[Any]:
     """Transformers' Llama 4 / SmolLM3 convention as a per-layer list: layer ``i`` runs ``value`` where
     ``no_rope_layers[i]`` is 1 and ``none`` (NoPE) where it is 0; without ``no_rope_layers``, NoPE every

@@ -308,7 +308,13 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     @classmethod
     def describe(cls) -> dict[str, Any]:
         unless = {"relative_unless": cls.relative_unless} if cls.relative_unless else {}
-        return {**super().describe(), "relative": cls.relative, **unless, "families": list(cls.families)}
+        return {
+            **super().describe(),
+            "relative": cls.relative,
+            **unless,
+            "families": list(cls.families),
+            "input_side": cls.acts_at_input(),
+        }
 
     @classmethod
     def is_relative(cls, spec: dict[str, Any]) -> bool:

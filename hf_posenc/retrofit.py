@@ -519,6 +519,11 @@ def retrofit(
     table = family.stock_table(base)
     if position_encoding is None:
         position_encoding = family.own_scheme(model.config)
+    if isinstance(position_encoding, (list, tuple)):
+        raise ValueError(
+            "retrofit() gives every layer one position_encoding (a name or a dict); a per-layer list is a PosEnc "
+            "model's config (PosEncBertConfig / PosEncGPT2Config, or hf_posenc.convert)."
+        )
     if isinstance(position_encoding, str):
         position_encoding = {"type": position_encoding}
     position_encoding = {**position_encoding, **options}

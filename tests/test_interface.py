@@ -111,7 +111,7 @@ def test_a_normalizer_option_decides_the_backend(monkeypatch, gate, backend):
         causal=True,
         attention_dropout=0.0,
     )
-    assert inputs["backend"] == backend
+    assert [layer_inputs["backend"] for layer_inputs in inputs] == [backend] * model.config.n_layer
 
 
 class RunningMeanScheme(PositionEncoding):
