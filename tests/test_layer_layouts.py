@@ -160,3 +160,16 @@ def test_retrofit_refuses_a_per_layer_list():
     stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=40))
     with pytest.raises(ValueError, match=r"retrofit\(\) gives every layer one position_encoding"):
         hf_posenc.retrofit(stock, ["rope", "none"])
+
+
+def test_convert_gives_a_stock_gpt2_a_per_layer_layout_and_keeps_its_table_on_every_layer():
+    stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=40)).eval()
+    ids = random_ids(2, 9)
+    kept = hf_posenc.convert(stock, ["learned", "learned"]).eval()
+    layered = hf_posenc.convert(stock, ["rope", "none"]).eval()
+    assert [spec["type"] for spec in layered.config.position_encoding] == ["rope", "none"]
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, stock(ids).logits, atol=1e-5, rtol=1e-4)
+        assert torch.isfinite(layered(ids).logits).all()
+    longer = hf_posenc.extend_positions(kept, 60)
+    assert [spec["max_positions"] for spec in longer.config.position_encoding] == [60, 60]
