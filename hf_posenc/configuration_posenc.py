@@ -115,9 +115,49 @@ def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any,
     return [value if flag else "none" for flag in no_rope_layers]
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Attention layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV
+caches)."""
+
+
+def resolve_layer_types(layer_types: Any, sliding_window: Any, num_layers: int) -> list[str] | None:
+    """``layer_types`` checked, one of :data:`LAYER_TYPES` per attention layer: a causal ``sliding_attention`` layer
+    sees the ``sliding_window`` tokens up to and including the query (``masking_utils.sliding_window_overlay``: keys
+    ``j > i - sliding_window``), a bidirectional one the keys with ``abs(i - j) <= sliding_window``
+    (``sliding_window_bidirectional_overlay``). With ``sliding_window`` and no ``layer_types`` every layer slides (as
+    Transformers infers for Mistral); with neither, None (every layer full)."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an int >= 1 (tokens a query sees); got {sliding_window!r}.")
+    if layer_types is None:
+        return None if sliding_window is None else ["sliding_attention"] * num_layers
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types gives one type per attention layer: {num_layers} (num_hidden_layers); got {layer_types!r}."
+        )
+    unknown = sorted({str(kind) for kind in layer_types} - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"Unknown layer_types {unknown}; valid choices: {list(LAYER_TYPES)}.")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window.")
+    return list(layer_types)
+
+
+def config_layer_types(config) -> list[str]:
+    """The type of each attention layer: ``config.layer_types``, else as Transformers' caches infer it (every layer
+    sliding where the config has a ``sliding_window``, as stock Mistral's, else full)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    return list(layer_types)
+
+
 def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embeddings: int, causal: bool) -> None:
     """Resolve ``config.position_encoding`` in place, after expanding Transformers' ``no_rope_layers`` /
-    ``no_rope_layer_interval`` (taken out of ``kwargs``: the per-layer list they give is what the config stores)."""
+    ``no_rope_layer_interval`` (taken out of ``kwargs``: the per-layer list they give is what the config stores), and
+    ``config.layer_types`` (:func:`resolve_layer_types`)."""
     no_rope_layers = kwargs.pop("no_rope_layers", None)
     no_rope_layer_interval = kwargs.pop("no_rope_layer_interval", None)
     num_layers = config.num_hidden_layers
@@ -128,6 +168,7 @@ def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embedding
     config.position_encoding = resolve_position_layout(
         config.position_encoding, num_layers, max_position_embeddings, causal, config.hidden_size
     )
+    config.layer_types = resolve_layer_types(config.layer_types, config.sliding_window, num_layers)
 
 
 def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
@@ -149,6 +190,13 @@ class PosEncBertConfig(BertConfig):
         per attention layer (attention-side schemes). `no_rope_layers` (a 0/1 flag per layer) or
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
+    layer_types (`list[str]`, *optional*):
+        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
+        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
+        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
+        when `sliding_window` is set.
+    sliding_window (`int`, *optional*):
+        The window of the sliding layers, in tokens (the query's own included).
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
 
@@ -163,6 +211,8 @@ class PosEncBertConfig(BertConfig):
 
     position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
@@ -180,6 +230,13 @@ class PosEncGPT2Config(GPT2Config):
         per attention layer (attention-side schemes). `no_rope_layers` (a 0/1 flag per layer) or
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
+    layer_types (`list[str]`, *optional*):
+        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
+        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
+        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
+        when `sliding_window` is set.
+    sliding_window (`int`, *optional*):
+        The window of the sliding layers, in tokens (the query's own included).
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
     """
@@ -189,6 +246,8 @@ class PosEncGPT2Config(GPT2Config):
 
     position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)

@@ -14,7 +14,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
-from .configuration_posenc import layer_position_specs, resolve_attention_normalizer, resolve_position_layout
+from .configuration_posenc import (
+    config_layer_types,
+    layer_position_specs,
+    resolve_attention_normalizer,
+    resolve_position_layout,
+)
 from .posenc_attention import (
     build_attention_mask,
     build_dense_mask,
@@ -97,7 +102,8 @@ def resolve_position_ids(
 
 
 LayerAttentionInputs = tuple[AttentionInputs, ...]
-"""The :data:`AttentionInputs` of each attention layer, in order; layers that run the same scheme share one dict."""
+"""The :data:`AttentionInputs` of each attention layer, in order; layers of one kind (the same scheme and layer type)
+share one dict."""
 
 
 def prepare_attention(
@@ -113,23 +119,31 @@ def prepare_attention(
     output_attentions: bool = False,
     default_positions: bool = False,
 ) -> LayerAttentionInputs:
-    """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each scheme the layers
-    run (``encoding.layer_encoding(layer_idx)``: one for a uniform layout): the backend that runs it, the mask with
-    its position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``) and its
-    shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``); with no cached key
-    the positions are then consecutive in every row, which each scheme's ``prepare`` is told (a static fact, so no
-    host sync and nothing for ``torch.compile`` to guard on data)."""
-    layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(encoding.dims.num_layers)]
+    """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each kind of layer: the
+    scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full or sliding
+    window). Each kind gets the backend that runs it, its mask (``masking_utils``, with the scheme's position bias
+    folded in), the positions of its queries and keys (cached keys' from ``position_cache``, as a layer of that
+    type keeps them) and its scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself
+    (``arange``); with no cached key the positions are then consecutive in every row, which the scheme's ``prepare``
+    is told (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
+    num_layers = encoding.dims.num_layers
+    layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
+    layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
-        for scheme in layer_schemes:
+        for scheme, _ in layer_kinds:
             refuse_value_term_with_given_block_mask(scheme)
-    key_positions = position_ids
-    if position_cache is not None:
-        key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
-    consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
-    masks: dict[tuple[str, bool], Any] = {}
+    key_positions = {}
+    for layer_idx, (_, layer_type) in enumerate(layer_kinds):
+        if layer_type not in key_positions:
+            key_positions[layer_type] = position_ids
+            if position_cache is not None:
+                batch = inputs_embeds.shape[0]
+                key_positions[layer_type] = position_cache.append_key_positions(position_ids, batch, like=layer_idx)
+    masks: dict[tuple[str, bool, str], Any] = {}
 
-    def scheme_inputs(scheme: PositionEncoding) -> AttentionInputs:
+    def kind_inputs(scheme: PositionEncoding, layer_type: str) -> AttentionInputs:
+        keys = key_positions[layer_type]
+        consecutive = default_positions and keys.shape[-1] == position_ids.shape[-1]
         backend = choose_backend(
             model.config._attn_implementation,
             scheme.spec,
@@ -145,13 +159,13 @@ def prepare_attention(
             consecutive=consecutive,
             gradient_refusal=flex_gradient_refusal(scheme, consecutive),
         )
-        tables = scheme.prepare(position_ids, key_positions, backend, consecutive=consecutive)
+        tables = scheme.prepare(position_ids, keys, backend, consecutive=consecutive)
         score_bias = tables.pop("score_bias", None)
         # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor
         # SDPA without a bias (is_causal covers causality) unless a layer's own term takes the place of the mask.
         allow_skip = not causal or score_bias is None and backend == "sdpa" and not scheme.has_layer_term
-        if (backend, allow_skip) not in masks:
-            masks[backend, allow_skip] = build_attention_mask(
+        if (backend, allow_skip, layer_type) not in masks:
+            masks[backend, allow_skip, layer_type] = build_attention_mask(
                 model.config,
                 backend,
                 causal,
@@ -160,14 +174,10 @@ def prepare_attention(
                 cache=cache,
                 position_ids=position_ids,
                 allow_skip=allow_skip,
+                sliding=layer_type == "sliding_attention",
             )
-        mask = masks[backend, allow_skip]
-        inputs = {
-            "backend": backend,
-            "query_positions": position_ids,
-            "key_positions": key_positions,
-            "position": tables,
-        }
+        mask = masks[backend, allow_skip, layer_type]
+        inputs = {"backend": backend, "query_positions": position_ids, "key_positions": keys, "position": tables}
         if backend == "flex_attention":
             inputs.update(mask=mask, visible=None, row_has_key=None)
         else:
@@ -177,11 +187,14 @@ def prepare_attention(
             inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
         return inputs
 
-    built: list[tuple[PositionEncoding, AttentionInputs]] = []
-    for scheme in layer_schemes:
-        if not any(done is scheme for done, _ in built):
-            built.append((scheme, scheme_inputs(scheme)))
-    return tuple(next(inputs for done, inputs in built if done is scheme) for scheme in layer_schemes)
+    built: list[tuple[PositionEncoding, str, AttentionInputs]] = []
+    for scheme, layer_type in layer_kinds:
+        if not any(done is scheme and done_type == layer_type for done, done_type, _ in built):
+            built.append((scheme, layer_type, kind_inputs(scheme, layer_type)))
+    return tuple(
+        next(inputs for done, done_type, inputs in built if done is scheme and done_type == layer_type)
+        for scheme, layer_type in layer_kinds
+    )
 
 
 def refuse_value_term_with_given_block_mask(encoding: PositionEncoding) -> None:

@@ -31,7 +31,12 @@ import torch
 from torch import nn
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.utils import logging
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer, additive_mask, flex_pass
@@ -319,16 +324,20 @@ def build_attention_mask(
     cache=None,
     position_ids: torch.Tensor | None = None,
     allow_skip: bool = False,
+    sliding: bool = False,
 ):
     """The mask in the form ``backend`` takes, through ``transformers.masking_utils``: a ``BlockMask`` for flex, a
     boolean ``(batch, 1, q_len, kv_len)`` tensor (True = visible) for eager and sdpa, or None when ``allow_skip`` and
-    nothing is masked beyond plain causality. A 4-D mask given by the user comes back as it is."""
+    nothing is masked beyond plain causality. ``sliding``: the mask of a sliding-window layer
+    (``config.sliding_window`` tokens up to the query; both directions in an encoder), sized as the cache's sliding
+    layers keep their keys. A 4-D mask given by the user comes back as it is."""
     mask_format = "flex_attention" if backend == "flex_attention" else "sdpa"
     if config._attn_implementation != mask_format:
         config = copy.copy(config)
         config._attn_implementation_internal = mask_format
     if causal:
-        return create_causal_mask(
+        create = create_sliding_window_causal_mask if sliding else create_causal_mask
+        return create(
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -336,7 +345,8 @@ def build_attention_mask(
             **{CACHE_NAME: cache},
             allow_is_causal_skip=allow_skip,
         )
-    return create_bidirectional_mask(
+    create = create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask
+    return create(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
