@@ -280,6 +280,7 @@ def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
 def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
     """The flex path (a sliding ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, as in
     ``test_flex_path_of_every_combination_equals_eager``; padding included."""
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
     monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
     calls = []
 
