@@ -333,7 +333,8 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__()
-        self.spec = spec
+        # a spec written by hand (a test, a benchmark) may leave options out: they take their defaults
+        self.spec = {**{key: option.default for key, option in self.options.items()}, **spec}
         self.dims = dims
 
     def init_weights(self, initializer_range: float) -> None:
