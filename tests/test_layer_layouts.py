@@ -324,3 +324,16 @@ def test_sliding_layers_keep_checkpointing_save_load_and_bf16(family, tmp_path):
         reference = model(ids).logits
         assert torch.equal(reloaded(ids).logits, reference)
         torch.testing.assert_close(model.to(torch.bfloat16)(ids).logits.float(), reference, atol=0.2, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_a_layout_with_sliding_layers_compiles_in_one_graph(family):
+    """``torch.compile(fullgraph=True)`` (dynamo only, where a graph break shows), forward and backward; the decoder
+    builds its cache, with a sliding layer, inside the graph."""
+    model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING).train()
+    ids = random_ids(2, 10)
+    torch._dynamo.reset()
+    loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(loss.detach(), model(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)
