@@ -86,12 +86,49 @@ class SinusoidalAbsolute(PositionEncoding):
         return inputs.inputs_embeds + table.to(inputs.inputs_embeds.dtype)
 
 
+def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query temperature at ``positions`` (any shape): ``1 + attn_scale * log(floor((pos + 1) /
+    floor_scale) + 1)`` (``Llama4TextAttention``, from Nakanishi 2025, arXiv 2501.19399), in float32; 1 below
+    position ``floor_scale - 1``."""
+    return 1.0 + attn_scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+
+
 class NoPosition(PositionEncoding):
-    """NoPE: no position information; a decoder still sees order through its causal mask."""
+    """NoPE: no position information; a decoder still sees order through its causal mask.
+
+    With ``attn_temperature_tuning`` the queries are scaled by :func:`attention_temperature` of their position, as
+    Llama 4 does on its NoPE layers (defaults ``floor_scale`` 8192, ``attn_scale`` 0.1, Llama 4's), so that
+    attention stays sharp over long contexts. Llama 4 reads the cache position ``past + arange(seq)``; here the
+    query's position id, which equals it on the model's default positions and counts real tokens only under left
+    padding (as every scheme here does). Off by default: ``none`` is NoPE, shift-invariant."""
 
     name = "none"
-    description = "no position information (NoPE)"
+    description = "no position information (NoPE); optionally Llama 4's query temperature"
     relative = True
+    relative_unless = "attn_temperature_tuning"
+    options = {
+        "attn_temperature_tuning": Option(
+            False, (bool,), "scale queries by 1 + attn_scale log(floor((pos + 1) / floor_scale) + 1) (Llama 4)"
+        ),
+        "floor_scale": Option(8192.0, (float, int), "positions per temperature step", lambda v: v > 0, "a number > 0"),
+        "attn_scale": Option(0.1, (float, int), "strength of the temperature", lambda v: v >= 0, "a number >= 0"),
+    }
+
+    @classmethod
+    def is_relative(cls, spec):
+        """Shift-invariant unless ``attn_temperature_tuning`` (the temperature reads the query's position)."""
+        return not spec["attn_temperature_tuning"]
+
+    def transform_qkv(self, query, key, value, tables):
+        if not self.spec["attn_temperature_tuning"]:
+            return query, key, value
+        return query * tables["query_temperature"].to(query.dtype), key, value
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        if not self.spec["attn_temperature_tuning"]:
+            return {}
+        scale = attention_temperature(query_positions, self.spec["floor_scale"], self.spec["attn_scale"])
+        return {"query_temperature": scale[:, None, :, None]}
 
 
 class MultiplicativeAbsolute(PositionEncoding):

@@ -1,5 +1,6 @@
 """Configs of the two PosEnc families: ``BertConfig`` / ``GPT2Config`` plus ``position_encoding`` and
-``attention_normalizer``, each stored in config.json as a full ``{"type": name, **options}`` dict."""
+``attention_normalizer``, each stored in config.json as a full ``{"type": name, **options}`` dict (a per-layer
+``position_encoding``: a list of them)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,133 @@ def resolve_position_encoding(
     return spec
 
 
+def resolve_position_layout(
+    value: Any, num_layers: int, max_position_embeddings: int, causal: bool, hidden_size: int
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """:func:`resolve_position_encoding` of a spec, or of each spec of a per-layer list (one per attention layer).
+
+    An input-side scheme (``learned``, ``sinusoidal``, the absolute family: ``acts_at_input``) acts once at the
+    embeddings, so a list holds it only on every layer (the same spec throughout, which is that scheme alone); any
+    other list of input-side and attention-side schemes raises ``ValueError``, as does a length other than
+    ``num_layers``."""
+    if not isinstance(value, (list, tuple)):
+        return resolve_position_encoding(value, max_position_embeddings, causal, hidden_size)
+    if len(value) != num_layers:
+        raise ValueError(
+            f"position_encoding as a list gives one spec per attention layer: {num_layers} (num_hidden_layers); got "
+            f"{len(value)}."
+        )
+    specs = [resolve_position_encoding(spec, max_position_embeddings, causal, hidden_size) for spec in value]
+    input_side = sorted({spec["type"] for spec in specs if POSITION_ENCODINGS[spec["type"]].acts_at_input()})
+    if input_side and any(spec != specs[0] for spec in specs):
+        attention_side = sorted(name for name, scheme in POSITION_ENCODINGS.items() if not scheme.acts_at_input())
+        raise ValueError(
+            f"position_encoding lists {input_side}, which act once on the input embeddings, not per layer; a "
+            f"per-layer list holds attention-side schemes ({attention_side}), or the same spec on every layer."
+        )
+    return specs
+
+
+def layer_position_specs(value: dict[str, Any] | list[dict[str, Any]], num_layers: int) -> list[dict[str, Any]]:
+    """The resolved spec of each attention layer: the list itself, or the one spec on every layer."""
+    return list(value) if isinstance(value, list) else [value] * num_layers
+
+
+def layout_name(value: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """A resolved position encoding's name for labels: its type, the layers' types joined by ``+`` for a per-layer
+    list (``rope+rope+rope+none``), or the one type a list holds on every layer."""
+    types = [spec["type"] for spec in (value if isinstance(value, list) else [value])]
+    return types[0] if len(set(types)) == 1 else "+".join(types)
+
+
+def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any, num_layers: int) -> list[Any]:
+    """Transformers' Llama 4 / SmolLM3 convention as a per-layer list: layer ``i`` runs ``value`` where
+    ``no_rope_layers[i]`` is 1 and ``none`` (NoPE) where it is 0; without ``no_rope_layers``, NoPE every
+    ``no_rope_layer_interval``-th layer, ``no_rope_layers[i] = int((i + 1) % interval != 0)`` (``Llama4TextConfig``,
+    ``SmolLM3Config``)."""
+    if isinstance(value, (list, tuple)):
+        raise ValueError(
+            "no_rope_layers / no_rope_layer_interval place one position_encoding on some layers and 'none' on the "
+            f"others; got a per-layer list {value!r} (give a single spec, or the list alone)."
+        )
+    if no_rope_layers is not None and no_rope_layer_interval is not None:
+        raise ValueError("Give no_rope_layers or no_rope_layer_interval, not both.")
+    if no_rope_layers is None:
+        if isinstance(no_rope_layer_interval, bool) or not isinstance(no_rope_layer_interval, int):
+            raise ValueError(f"no_rope_layer_interval must be an int >= 1; got {no_rope_layer_interval!r}.")
+        if no_rope_layer_interval < 1:
+            raise ValueError(f"no_rope_layer_interval must be an int >= 1; got {no_rope_layer_interval!r}.")
+        no_rope_layers = [int((layer + 1) % no_rope_layer_interval != 0) for layer in range(num_layers)]
+    if not isinstance(no_rope_layers, (list, tuple)) or any(
+        isinstance(flag, bool) or flag not in (0, 1) for flag in no_rope_layers
+    ):
+        raise ValueError(
+            f"no_rope_layers must be a list of 0 (NoPE) and 1 (the position_encoding); got {no_rope_layers!r}."
+        )
+    if len(no_rope_layers) != num_layers:
+        raise ValueError(
+            f"no_rope_layers has one flag per attention layer: {num_layers} (num_hidden_layers); got "
+            f"{len(no_rope_layers)}."
+        )
+    return [value if flag else "none" for flag in no_rope_layers]
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Attention layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV
+caches)."""
+
+
+def resolve_layer_types(layer_types: Any, sliding_window: Any, num_layers: int) -> list[str] | None:
+    """``layer_types`` checked, one of :data:`LAYER_TYPES` per attention layer: a causal ``sliding_attention`` layer
+    sees the ``sliding_window`` tokens up to and including the query (``masking_utils.sliding_window_overlay``: keys
+    ``j > i - sliding_window``), a bidirectional one the keys with ``abs(i - j) <= sliding_window``
+    (``sliding_window_bidirectional_overlay``). With ``sliding_window`` and no ``layer_types`` every layer slides (as
+    Transformers infers for Mistral); with neither, None (every layer full)."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an int >= 1 (tokens a query sees); got {sliding_window!r}.")
+    if layer_types is None:
+        return None if sliding_window is None else ["sliding_attention"] * num_layers
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types gives one type per attention layer: {num_layers} (num_hidden_layers); got {layer_types!r}."
+        )
+    unknown = sorted({str(kind) for kind in layer_types} - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"Unknown layer_types {unknown}; valid choices: {list(LAYER_TYPES)}.")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window.")
+    return list(layer_types)
+
+
+def config_layer_types(config) -> list[str]:
+    """The type of each attention layer: ``config.layer_types``, else as Transformers' caches infer it (every layer
+    sliding where the config has a ``sliding_window``, as stock Mistral's, else full)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    return list(layer_types)
+
+
+def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embeddings: int, causal: bool) -> None:
+    """Resolve ``config.position_encoding`` in place, after expanding Transformers' ``no_rope_layers`` /
+    ``no_rope_layer_interval`` (taken out of ``kwargs``: the per-layer list they give is what the config stores), and
+    ``config.layer_types`` (:func:`resolve_layer_types`)."""
+    no_rope_layers = kwargs.pop("no_rope_layers", None)
+    no_rope_layer_interval = kwargs.pop("no_rope_layer_interval", None)
+    num_layers = config.num_hidden_layers
+    if no_rope_layers is not None or no_rope_layer_interval is not None:
+        config.position_encoding = no_rope_layout(
+            config.position_encoding, no_rope_layers, no_rope_layer_interval, num_layers
+        )
+    config.position_encoding = resolve_position_layout(
+        config.position_encoding, num_layers, max_position_embeddings, causal, config.hidden_size
+    )
+    config.layer_types = resolve_layer_types(config.layer_types, config.sliding_window, num_layers)
+
+
 def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
     """Full spec of an attention normalizer; for an encoder or a decoder (``causal``; None: a bare spec, no family
     check) a normalizer with no form for the family raises ``ValueError``."""
@@ -57,8 +185,18 @@ class PosEncBertConfig(BertConfig):
     r"""
     A [`BertConfig`] whose position encoding and attention normalizer are switches.
 
-    position_encoding (`str` or `dict`, *optional*, defaults to `"learned"`):
-        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`.
+    position_encoding (`str`, `dict` or `list`, *optional*, defaults to `"learned"`):
+        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`, or a list of those, one
+        per attention layer (attention-side schemes). `no_rope_layers` (a 0/1 flag per layer) or
+        `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
+        a list: the spec where the flag is 1, `"none"` where it is 0.
+    layer_types (`list[str]`, *optional*):
+        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
+        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
+        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
+        when `sliding_window` is set.
+    sliding_window (`int`, *optional*):
+        The window of the sliding layers, in tokens (the query's own included).
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
 
@@ -71,13 +209,13 @@ class PosEncBertConfig(BertConfig):
     model_type = "posenc_bert"
     _auto_class = "AutoConfig"
 
-    position_encoding: str | dict = "learned"
+    position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
-        self.position_encoding = resolve_position_encoding(
-            self.position_encoding, self.max_position_embeddings, causal=self.is_decoder, hidden_size=self.hidden_size
-        )
+        resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=self.is_decoder)
         super().__post_init__(**kwargs)
 
@@ -87,8 +225,18 @@ class PosEncGPT2Config(GPT2Config):
     r"""
     A [`GPT2Config`] whose position encoding and attention normalizer are switches.
 
-    position_encoding (`str` or `dict`, *optional*, defaults to `"learned"`):
-        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`.
+    position_encoding (`str`, `dict` or `list`, *optional*, defaults to `"learned"`):
+        A name from `hf_posenc.list_position_encodings()`, or `{"type": name, **options}`, or a list of those, one
+        per attention layer (attention-side schemes). `no_rope_layers` (a 0/1 flag per layer) or
+        `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
+        a list: the spec where the flag is 1, `"none"` where it is 0.
+    layer_types (`list[str]`, *optional*):
+        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
+        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
+        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
+        when `sliding_window` is set.
+    sliding_window (`int`, *optional*):
+        The window of the sliding layers, in tokens (the query's own included).
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
     """
@@ -96,12 +244,12 @@ class PosEncGPT2Config(GPT2Config):
     model_type = "posenc_gpt2"
     _auto_class = "AutoConfig"
 
-    position_encoding: str | dict = "learned"
+    position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
-        self.position_encoding = resolve_position_encoding(
-            self.position_encoding, self.n_positions, causal=True, hidden_size=self.n_embd
-        )
+        resolve_config_layout(self, kwargs, self.n_positions, causal=True)
         self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=True)
         super().__post_init__(**kwargs)

@@ -28,7 +28,7 @@ from transformers import (
     RobertaModel,
 )
 
-from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
+from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config, layout_name
 from .modeling_posenc_bert import (
     PosEncBertForMaskedLM,
     PosEncBertForMultipleChoice,
@@ -197,7 +197,7 @@ def resolve_conversion_scheme(
         return requested
     asked = config_class.from_dict({**config_dict, "position_encoding": requested}).position_encoding
     mine = config_class.from_dict({**config_dict, "position_encoding": own}).position_encoding
-    if asked["type"] == "learned" or (asked["type"] == own["type"] and asked != mine):
+    if layout_name(asked) == "learned" or (layout_name(asked) == own["type"] and asked != mine):
         raise ValueError(
             f"convert(): this checkpoint was trained with position_encoding {mine} (Transformers 4.x "
             f"position_embedding_type relative_key(_query), no absolute positions); {asked} would not compute what it "
@@ -259,7 +259,8 @@ def convert(
     config._attn_implementation = model.config._attn_implementation
 
     stock_state = model.state_dict()
-    keeps_distance_tables = own["type"] == "relative_key" and config.position_encoding["type"] == "relative_key"
+    new_scheme = layout_name(config.position_encoding)  # a per-layer layout's: no table of the checkpoint's kind
+    keeps_distance_tables = own["type"] == "relative_key" and new_scheme == "relative_key"
     if keeps_distance_tables:
         stock_state.update(stock_distance_tables(model, folder))
     state = {}
@@ -269,7 +270,7 @@ def convert(
                 continue
             name = name.removesuffix(STOCK_DISTANCE_TABLE) + POSENC_DISTANCE_TABLE
         if name.endswith(stock_table):
-            if config.position_encoding["type"] != "learned":
+            if new_scheme != "learned":
                 continue
             name, tensor = name[: -len(stock_table)] + LEARNED_TABLE, tensor[offset:]
         for stock_prefix, posenc_prefix in ROBERTA_RENAMES if is_roberta else ():

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from hf_posenc_cli.arguments import DEFAULT_FACTORS, extrapolate_parser
 
+from .configuration_posenc import layout_name
 from .pretraining import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
 from .recipe_common import checked_input, recipe_accelerator
 
@@ -202,7 +203,7 @@ def model_label(name: str, config: transformers.PretrainedConfig) -> str:
     encoding = getattr(config, "position_encoding", None)
     if encoding is None:
         return f"stock {config.model_type}"
-    return f"{encoding['type']} + {config.attention_normalizer['type']}"
+    return f"{layout_name(encoding)} + {config.attention_normalizer['type']}"
 
 
 def unique_labels(labels: list[str], names: list[str]) -> list[str]:

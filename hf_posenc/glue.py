@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 import hf_posenc
 from hf_posenc_cli.arguments import glue_parser
 
+from .configuration_posenc import layout_name
 from .recipe_common import (
     checked_input,
     hub_repository,
@@ -262,7 +263,7 @@ def load_model(args: argparse.Namespace, task_name: str, tokenizer) -> transform
         return model
     if config.model_type.startswith("posenc_"):
         raise ValueError(
-            f"{args.model_name_or_path} is already a PosEnc model ({model.config.position_encoding['type']} + "
+            f"{args.model_name_or_path} is already a PosEnc model ({layout_name(model.config.position_encoding)} + "
             f"{model.config.attention_normalizer['type']}); --position_encoding / --retrofit / "
             "--attention_normalizer change stock checkpoints"
         )

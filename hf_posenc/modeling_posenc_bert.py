@@ -43,6 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_posenc import PosEncBertConfig
 from .modeling_posenc_common import (
+    LayerAttentionInputs,
     PosEncPreTrainedMixin,
     PositionalLayer,
     auto_map_for,
@@ -188,10 +189,10 @@ class PosEncBertEncoder(nn.Module):
         self.layer = nn.ModuleList([PosEncBertLayer(config, i) for i in range(config.num_hidden_layers)])
 
     def forward(
-        self, hidden_states, attention_inputs: AttentionInputs, position_encoding, cache=None
+        self, hidden_states, attention_inputs: LayerAttentionInputs, position_encoding, cache=None
     ) -> BaseModelOutput:
-        for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_inputs, position_encoding=position_encoding, cache=cache)
+        for layer, layer_inputs in zip(self.layer, attention_inputs, strict=True):
+            hidden_states = layer(hidden_states, layer_inputs, position_encoding=position_encoding, cache=cache)
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 

@@ -14,7 +14,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
-from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
+from .configuration_posenc import (
+    config_layer_types,
+    layer_position_specs,
+    resolve_attention_normalizer,
+    resolve_position_layout,
+)
 from .posenc_attention import (
     build_attention_mask,
     build_dense_mask,
@@ -22,7 +27,7 @@ from .posenc_attention import (
     flex_gradient_refusal,
     position_bias_needs_grad,
 )
-from .position_encodings import POSITION_ENCODINGS
+from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 from .score_bias_encodings import refuse_old_t5_table
 
@@ -46,20 +51,30 @@ def attention_dims(config, causal: bool) -> AttentionDims:
     )
 
 
-def build_position_encoding(config, causal: bool) -> PositionEncoding:
-    # Resolved again: a user may have assigned a name or a partial dict (or is_decoder) after the config was built.
-    config.position_encoding = resolve_position_encoding(
-        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
+def resolve_config_position_encoding(config, causal: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    """``config.position_encoding`` resolved again (a user may have assigned a name, a partial dict or list, or
+    ``is_decoder``, after the config was built)."""
+    config.position_encoding = resolve_position_layout(
+        config.position_encoding,
+        config.num_hidden_layers,
+        config.max_position_embeddings,
+        causal,
+        config.hidden_size,
     )
-    spec = config.position_encoding
-    return POSITION_ENCODINGS[spec["type"]](spec, attention_dims(config, causal))
+    return config.position_encoding
+
+
+def build_position_encoding(config, causal: bool) -> PositionEncoding:
+    """The model's position encoding: one scheme, or a scheme per attention layer (``PerLayerPositionEncoding``)."""
+    return build_position_encoding_module(
+        resolve_config_position_encoding(config, causal), attention_dims(config, causal)
+    )
 
 
 def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPositionTerm | None:
-    """The scheme's per-layer module for attention layer ``layer_idx`` (schemes that read the content), or None."""
-    spec = resolve_position_encoding(
-        config.position_encoding, config.max_position_embeddings, causal, config.hidden_size
-    )
+    """The per-layer module of attention layer ``layer_idx``'s scheme (schemes that read the content), or None."""
+    specs = layer_position_specs(resolve_config_position_encoding(config, causal), config.num_hidden_layers)
+    spec = specs[layer_idx]
     return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
 
 
@@ -87,6 +102,11 @@ def resolve_position_ids(
     return position_ids
 
 
+LayerAttentionInputs = tuple[AttentionInputs, ...]
+"""The :data:`AttentionInputs` of each attention layer, in order; layers of one kind (the same scheme and layer type)
+share one dict."""
+
+
 def prepare_attention(
     model,
     encoding: PositionEncoding,
@@ -99,55 +119,83 @@ def prepare_attention(
     position_cache: PositionCache | None = None,
     output_attentions: bool = False,
     default_positions: bool = False,
-) -> AttentionInputs:
-    """Pick the backend for this forward, then build what every layer reads (:data:`AttentionInputs`): the mask with
-    the scheme's position bias folded in, the positions of queries and keys (cached keys' from ``position_cache``),
-    and the scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``);
-    with no cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told
-    (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
-    config = model.config
+) -> LayerAttentionInputs:
+    """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each kind of layer: the
+    scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full or sliding
+    window). Each kind gets the backend that runs it, its mask (``masking_utils``, with the scheme's position bias
+    folded in), the positions of its queries and keys (cached keys' from ``position_cache``, as a layer of that
+    type keeps them) and its scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself
+    (``arange``); with no cached key the positions are then consecutive in every row, which the scheme's ``prepare``
+    is told (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
+    num_layers = encoding.dims.num_layers
+    layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
+    layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
-        refuse_value_term_with_given_block_mask(encoding)
-    key_positions = position_ids
-    if position_cache is not None:
-        key_positions = position_cache.append_key_positions(position_ids, inputs_embeds.shape[0])
-    consecutive = default_positions and key_positions.shape[-1] == position_ids.shape[-1]
-    backend = choose_backend(
-        config._attn_implementation,
-        config.position_encoding,
-        config.attention_normalizer,
-        inputs_embeds.device,
-        inputs_embeds.dtype,
-        need_weights=output_attentions,
-        attention_dropout=model.training and attention_dropout > 0,
-        query_length=inputs_embeds.shape[1],
-        given_mask=attention_mask,
-        head_dim=encoding.dims.head_dim,
-        position_bias_needs_grad=position_bias_needs_grad(encoding),
-        consecutive=consecutive,
-        gradient_refusal=flex_gradient_refusal(encoding, consecutive),
-    )
-    tables = encoding.prepare(position_ids, key_positions, backend, consecutive=consecutive)
-    score_bias = tables.pop("score_bias", None)
-    mask = build_attention_mask(
-        config,
-        backend,
-        causal,
-        inputs_embeds,
-        attention_mask,
-        cache=cache,
-        position_ids=position_ids,
+        for scheme, _ in layer_kinds:
+            refuse_value_term_with_given_block_mask(scheme)
+    key_positions = {}
+    for layer_idx, (_, layer_type) in enumerate(layer_kinds):
+        if layer_type not in key_positions:
+            key_positions[layer_type] = position_ids
+            if position_cache is not None:
+                batch = inputs_embeds.shape[0]
+                key_positions[layer_type] = position_cache.append_key_positions(position_ids, batch, like=layer_idx)
+    masks: dict[tuple[str, bool, str], Any] = {}
+
+    def kind_inputs(scheme: PositionEncoding, layer_type: str) -> AttentionInputs:
+        keys = key_positions[layer_type]
+        consecutive = default_positions and keys.shape[-1] == position_ids.shape[-1]
+        backend = choose_backend(
+            model.config._attn_implementation,
+            scheme.spec,
+            model.config.attention_normalizer,
+            inputs_embeds.device,
+            inputs_embeds.dtype,
+            need_weights=output_attentions,
+            attention_dropout=model.training and attention_dropout > 0,
+            query_length=inputs_embeds.shape[1],
+            given_mask=attention_mask,
+            head_dim=scheme.dims.head_dim,
+            position_bias_needs_grad=position_bias_needs_grad(scheme),
+            consecutive=consecutive,
+            gradient_refusal=flex_gradient_refusal(scheme, consecutive),
+        )
+        tables = scheme.prepare(position_ids, keys, backend, consecutive=consecutive)
+        score_bias = tables.pop("score_bias", None)
         # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor
         # SDPA without a bias (is_causal covers causality) unless a layer's own term takes the place of the mask.
-        allow_skip=not causal or score_bias is None and backend == "sdpa" and not encoding.has_layer_term,
+        allow_skip = not causal or score_bias is None and backend == "sdpa" and not scheme.has_layer_term
+        if (backend, allow_skip, layer_type) not in masks:
+            masks[backend, allow_skip, layer_type] = build_attention_mask(
+                model.config,
+                backend,
+                causal,
+                inputs_embeds,
+                attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                allow_skip=allow_skip,
+                sliding=layer_type == "sliding_attention",
+            )
+        mask = masks[backend, allow_skip, layer_type]
+        inputs = {"backend": backend, "query_positions": position_ids, "key_positions": keys, "position": tables}
+        if backend == "flex_attention":
+            inputs.update(mask=mask, visible=None, row_has_key=None)
+        else:
+            dtype = inputs_embeds.dtype
+            if backend != "sdpa":
+                dtype = torch.promote_types(dtype, torch.float32)
+            inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
+        return inputs
+
+    built: list[tuple[PositionEncoding, str, AttentionInputs]] = []
+    for scheme, layer_type in layer_kinds:
+        if not any(done is scheme and done_type == layer_type for done, done_type, _ in built):
+            built.append((scheme, layer_type, kind_inputs(scheme, layer_type)))
+    return tuple(
+        next(inputs for done, done_type, inputs in built if done is scheme and done_type == layer_type)
+        for scheme, layer_type in layer_kinds
     )
-    inputs = {"backend": backend, "query_positions": position_ids, "key_positions": key_positions, "position": tables}
-    if backend == "flex_attention":
-        inputs.update(mask=mask, visible=None, row_has_key=None)
-    else:
-        dtype = inputs_embeds.dtype if backend == "sdpa" else torch.promote_types(inputs_embeds.dtype, torch.float32)
-        inputs.update(build_dense_mask(mask, score_bias, dtype, keep_boolean=backend == "sdpa"))
-    return inputs
 
 
 def refuse_value_term_with_given_block_mask(encoding: PositionEncoding) -> None:

@@ -243,9 +243,9 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
         )
         # As in stock GPT-2: the layers see no cache under activation checkpointing, whose replay would append twice.
         layer_cache = None if self.gradient_checkpointing and self.training else cache
-        for block in self.h:
+        for block, layer_inputs in zip(self.h, attention_inputs, strict=True):
             hidden_states = block(
-                hidden_states, attention_inputs, position_encoding=self.position_encoding, cache=layer_cache
+                hidden_states, layer_inputs, position_encoding=self.position_encoding, cache=layer_cache
             )
         return BaseModelOutputWithPast(
             last_hidden_state=self.ln_f(hidden_states), **{CACHE_NAME: cache if use_cache else None}

@@ -31,7 +31,12 @@ import torch
 from torch import nn
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.utils import logging
 
 from .attention_normalizers import (
@@ -327,16 +332,20 @@ def build_attention_mask(
     cache=None,
     position_ids: torch.Tensor | None = None,
     allow_skip: bool = False,
+    sliding: bool = False,
 ):
     """The mask in the form ``backend`` takes, through ``transformers.masking_utils``: a ``BlockMask`` for flex, a
     boolean ``(batch, 1, q_len, kv_len)`` tensor (True = visible) for eager and sdpa, or None when ``allow_skip`` and
-    nothing is masked beyond plain causality. A 4-D mask given by the user comes back as it is."""
+    nothing is masked beyond plain causality. ``sliding``: the mask of a sliding-window layer
+    (``config.sliding_window`` tokens up to the query; both directions in an encoder), sized as the cache's sliding
+    layers keep their keys. A 4-D mask given by the user comes back as it is."""
     mask_format = "flex_attention" if backend == "flex_attention" else "sdpa"
     if config._attn_implementation != mask_format:
         config = copy.copy(config)
         config._attn_implementation_internal = mask_format
     if causal:
-        return create_causal_mask(
+        create = create_sliding_window_causal_mask if sliding else create_causal_mask
+        return create(
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -344,7 +353,8 @@ def build_attention_mask(
             **{CACHE_NAME: cache},
             allow_is_causal_skip=allow_skip,
         )
-    return create_bidirectional_mask(
+    create = create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask
+    return create(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
@@ -711,7 +721,8 @@ def positional_attention(
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
     may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
 
-    ``attention_inputs`` is the per-forward :data:`AttentionInputs`; ``position_term`` the layer's
+    ``attention_inputs`` is the layer's per-forward :data:`AttentionInputs`; ``encoding`` the model's position
+    encoding, of which the layer runs ``encoding.layer_encoding(layer_idx)``; ``position_term`` the layer's
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
     term's ``layer_tables``, whose per-token states are kept in ``cache``, and for the normalizer's output gate);
@@ -719,6 +730,7 @@ def positional_attention(
     each of the normalizer's ``split_values`` (one attention each, on every backend) and its ``attention_output``
     combines and gates the outputs. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
     ``(batch, heads, q_len, kv_len)`` as the normalizer reports them (eager only, else None)."""
+    encoding = encoding.layer_encoding(layer_idx)  # the scheme this layer runs (a per-layer layout's own)
     scaling = scaling * encoding.content_scale
     score_term = value_rows = None
     if position_term is not None:

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .absolute_encodings import LearnedAbsolute, hierarchical_positions
+from .configuration_posenc import layer_position_specs
 
 
 EXTENSION_METHODS = ("hierarchical", "interpolate")
@@ -86,6 +87,8 @@ def extend_positions(
             values = torch.arange(len(new_table)) if buffer == "position_ids" else torch.zeros(len(new_table))
             setattr(owner, buffer, values.to(table.device, torch.long).expand(1, -1))
     if encoding is not None:
-        model.config.position_encoding = {**model.config.position_encoding, "max_positions": max_positions}
+        value = model.config.position_encoding  # a spec, or the same spec on every layer
+        specs = [{**spec, "max_positions": max_positions} for spec in layer_position_specs(value, 1)]
+        model.config.position_encoding = specs if isinstance(value, list) else specs[0]
     model.config.max_position_embeddings = offset + max_positions
     return model

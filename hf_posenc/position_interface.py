@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .options import CatalogueEntry
@@ -90,10 +99,13 @@ def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | N
 class PositionCache:
     """Per-token state kept with a Transformers KV cache, in extra cache layers after the model's attention layers.
 
-    Slot 0 holds the position of every cached key; a scheme may keep more per-token state in the slots it names in
-    ``PositionEncoding.cache_states`` (slot ``1 + index``). Each is stored as a ``(batch, 1, seq, features)`` key
-    tensor of its cache layer, so beam-search reordering, cropping, batch expansion and a static cache's
-    preallocation apply to it exactly as to the keys and values. Supports ``DynamicCache`` and ``StaticCache``.
+    Slot 0 holds the position of every key of the full-attention layers, slot 1 of the sliding-window layers (those
+    keep only their window); a scheme may keep more per-token state in the slots it names in
+    ``PositionEncoding.cache_states`` (slot ``2 + index``), and a layer term in its own (``append_layer_state``).
+    Each is stored as a ``(batch, 1, seq, features)`` key tensor of a cache layer of the same kind as the attention
+    layer it serves (full or sliding window, dynamic or static), so beam-search reordering, cropping, batch expansion,
+    a static cache's preallocation and a sliding window's eviction apply to it exactly as to that layer's keys and
+    values. Supports ``DynamicCache`` and ``StaticCache``.
     """
 
     def __init__(self, cache: Cache, num_layers: int):
@@ -105,35 +117,59 @@ class PositionCache:
         self.cache = cache
         self.num_layers = num_layers
 
-    def append(self, slot: int, states: torch.Tensor) -> torch.Tensor:
-        """Store ``states`` ``(batch, seq, features)`` for the current tokens; return the slot's states of every
-        cached token and the current ones, ``(batch, kv_len, features)`` (a static cache returns ``max_cache_len``
-        rows, those not yet written are zeros)."""
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Whether attention layer ``layer_idx`` has a sliding-window cache layer (a cache built from the config's
+        ``layer_types``; one built without a config keeps every token in every layer)."""
+        layers = self.cache.layers
+        return layer_idx < len(layers) and bool(getattr(layers[layer_idx], "is_sliding", False))
+
+    def append(self, slot: int, states: torch.Tensor, like: int | None = None) -> torch.Tensor:
+        """Store ``states`` ``(batch, seq, features)`` for the current tokens, in a cache layer of the kind of
+        attention layer ``like`` (None: of the first full-attention layer); return the slot's states of every cached
+        token the layer keeps and the current ones, ``(batch, kv_len, features)`` (a static cache returns its
+        preallocated rows, those not yet written are zeros)."""
         index = self.num_layers + slot
         layers = self.cache.layers
         if self.cache.layer_class_to_replicate is None:
-            template = layers[0]
+            if like is None:
+                like = next((i for i in range(self.num_layers) if not self.is_sliding(i)), 0)
             while len(layers) <= index:
-                is_static = isinstance(template, StaticLayer)
-                layers.append(StaticLayer(template.max_cache_len) if is_static else DynamicLayer())
+                layers.append(fresh_cache_layer(layers[like]))
+            if not layers[index].is_initialized and type(layers[index]) is not type(layers[like]):
+                layers[index] = fresh_cache_layer(layers[like])  # a gap left by a later slot
         stored, _ = self.cache.update(states[:, None], states[:, None, :, :0], index)
         return stored[:, 0]
 
-    def append_key_positions(self, positions: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Store the positions ``(batch|1, seq)`` of the current tokens; return every key's ``(batch, kv_len)``."""
-        return self.append(0, positions.expand(batch_size, -1)[..., None])[..., 0]
+    def append_key_positions(self, positions: torch.Tensor, batch_size: int, like: int | None = None) -> torch.Tensor:
+        """Store the positions ``(batch|1, seq)`` of the current tokens; return every key's ``(batch, kv_len)`` as
+        attention layer ``like`` (None: a full-attention layer) keeps them."""
+        slot = int(like is not None and self.is_sliding(like))
+        return self.append(slot, positions.expand(batch_size, -1)[..., None], like)[..., 0]
 
     def append_state(self, name: str, states: torch.Tensor, scheme: PositionEncoding) -> torch.Tensor:
         """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
-        return self.append(1 + scheme.cache_states.index(name), states)
+        return self.append(2 + scheme.cache_states.index(name), states)
 
     def append_layer_state(
         self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
     ) -> torch.Tensor:
         """:meth:`append` for the per-token state ``name`` (one of ``term.cache_states``) of the layer term of
-        attention layer ``layer_idx``: its slots follow the scheme's own, ``len(term.cache_states)`` per layer."""
-        first = 1 + len(scheme.cache_states) + layer_idx * len(term.cache_states)
-        return self.append(first + term.cache_states.index(name), states)
+        attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own,
+        ``len(term.cache_states)`` per layer."""
+        first = 2 + len(scheme.cache_states) + layer_idx * len(term.cache_states)
+        return self.append(first + term.cache_states.index(name), states, like=layer_idx)
+
+
+def fresh_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:
+    """An empty cache layer of the kind of ``template``: static or dynamic, with its sliding window (a static sliding
+    layer's ``max_cache_len`` is its window already)."""
+    if isinstance(template, StaticSlidingWindowLayer):
+        return StaticSlidingWindowLayer(template.max_cache_len, template.max_cache_len)
+    if isinstance(template, StaticLayer):
+        return StaticLayer(template.max_cache_len)
+    if isinstance(template, DynamicSlidingWindowLayer):
+        return DynamicSlidingWindowLayer(template.sliding_window)
+    return DynamicLayer()
 
 
 @dataclass
@@ -297,7 +333,8 @@ class PositionEncoding(CatalogueEntry, nn.Module):
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims):
         super().__init__()
-        self.spec = spec
+        # a spec written by hand (a test, a benchmark) may leave options out: they take their defaults
+        self.spec = {**{key: option.default for key, option in self.options.items()}, **spec}
         self.dims = dims
 
     def init_weights(self, initializer_range: float) -> None:
@@ -308,7 +345,13 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     @classmethod
     def describe(cls) -> dict[str, Any]:
         unless = {"relative_unless": cls.relative_unless} if cls.relative_unless else {}
-        return {**super().describe(), "relative": cls.relative, **unless, "families": list(cls.families)}
+        return {
+            **super().describe(),
+            "relative": cls.relative,
+            **unless,
+            "families": list(cls.families),
+            "input_side": cls.acts_at_input(),
+        }
 
     @classmethod
     def is_relative(cls, spec: dict[str, Any]) -> bool:
@@ -335,6 +378,17 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     def layer_term(cls, spec: dict[str, Any], dims: AttentionDims, layer_idx: int) -> LayerPositionTerm | None:
         """The per-layer module of a scheme that reads the content, or None."""
         return None
+
+    @classmethod
+    def acts_at_input(cls) -> bool:
+        """Whether the scheme acts on the input embeddings (its own ``embed``): once per forward, before the first
+        layer, so it cannot be given to some attention layers and not others."""
+        return cls.embed is not PositionEncoding.embed
+
+    def layer_encoding(self, layer_idx: int | None) -> PositionEncoding:
+        """The scheme attention layer ``layer_idx`` runs: this one, on every layer (a per-layer layout gives each
+        layer its own, ``PerLayerPositionEncoding``)."""
+        return self
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.spec.items())

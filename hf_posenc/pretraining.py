@@ -41,6 +41,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import hf_posenc
 from hf_posenc_cli.arguments import MODEL_SIZE_DEFAULTS, pretrain_parser
 
+from .configuration_posenc import layout_name
 from .recipe_common import (
     checked_input,
     hub_repository,
@@ -216,7 +217,7 @@ def reference_init(model: transformers.PreTrainedModel) -> list[str]:
     ``learned`` is GPT-2's / BERT's own init; ``t5`` draws T5's values itself (``T5Bias``, ``init="reference"``);
     ``rope``, ``alibi`` and ``none`` have no parameters.
     """
-    scheme = model.config.position_encoding["type"]
+    scheme = layout_name(model.config.position_encoding)
     std = model.config.hidden_size**-0.5
     changed = []
     with torch.no_grad():

@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import trange
 from transformers import AutoModel
 
-from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
+from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config, layout_name
 
 
 FAMILIES = ("bert", "gpt2")
@@ -93,7 +93,7 @@ def _train_probe(
 
     optimizer = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=learning_rate)
     model.train()
-    description = f"probe {model.config.position_encoding['type']} + {model.config.attention_normalizer['type']}"
+    description = f"probe {layout_name(model.config.position_encoding)} + {model.config.attention_normalizer['type']}"
     for _ in trange(steps, desc=description, disable=not progress_bar, leave=False):
         loss = nn.functional.mse_loss((predict() - mean) / std, (targets - mean) / std)
         optimizer.zero_grad()

@@ -17,6 +17,8 @@ from accelerate import Accelerator
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
+from .configuration_posenc import layout_name
+
 
 CHECKPOINT_PATTERNS = ["step_*", "epoch_*", "seed_*"]
 """Folders of ``--output_dir`` that are not the model: accelerate states, per-seed runs; never uploaded."""
@@ -127,7 +129,7 @@ def scheme_names(config) -> tuple[str, str]:
     normalizer = getattr(config, "attention_normalizer", None)
     if encoding is None:
         return f"stock {config.model_type}", "softmax"
-    return encoding["type"], normalizer["type"]
+    return layout_name(encoding), normalizer["type"]
 
 
 def write_model_card(

@@ -95,8 +95,11 @@ class RetrofitLayer:
     """Mixin of a stock ``GradientCheckpointingLayer``: the :data:`AttentionInputs` its attention reads reach the
     (checkpointed) ``forward`` flattened into positional arguments, as in :class:`PositionalLayer`."""
 
+    posenc_layer_idx: int
+    """The layer's index among the attention layers, set by :func:`patch`: it reads its own attention inputs."""
+
     def __call__(self, *args, **kwargs):
-        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS))
+        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx])
         return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
 
     def forward(self, *args, posenc_layout, **kwargs):
@@ -516,6 +519,11 @@ def retrofit(
     table = family.stock_table(base)
     if position_encoding is None:
         position_encoding = family.own_scheme(model.config)
+    if isinstance(position_encoding, (list, tuple)):
+        raise ValueError(
+            "retrofit() gives every layer one position_encoding (a name or a dict); a per-layer list is a PosEnc "
+            "model's config (PosEncBertConfig / PosEncGPT2Config, or hf_posenc.convert)."
+        )
     if isinstance(position_encoding, str):
         position_encoding = {"type": position_encoding}
     position_encoding = {**position_encoding, **options}
@@ -555,6 +563,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     family.remove_stock_positions(base)
     for layer_idx, layer in enumerate(family.layers(base)):
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
+        layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         weight = next(attention.parameters())
         attention.__class__ = retrofit_class(type(attention), family.attention_mixin)

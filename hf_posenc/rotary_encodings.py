@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import LlamaConfig
 from transformers import initialization as init
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .options import Option
 from .position_interface import PositionEncoding
@@ -66,6 +68,13 @@ ROPE_SCALING_OPTIONS: dict[str, dict[str, Option]] = {
         "attention_factor": Option(None, (float, int), "attention factor (None: from factor)", lambda v: v > 0, "> 0"),
         "truncate": Option(True, (bool,), "round the correction range to whole dimensions"),
     },
+    "longrope": {
+        "factor": _factor_option(),
+        "original_max_positions": _original_length_option(),
+        "short_factor": Option(None, (list,), "per-frequency divisors up to the original length (d / 2 numbers)"),
+        "long_factor": Option(None, (list,), "per-frequency divisors past the original length (d / 2 numbers)"),
+        "attention_factor": Option(None, (float, int), "attention factor (None: from factor)", lambda v: v > 0, "> 0"),
+    },
     "llama3": {
         "factor": _factor_option(),
         "original_max_positions": _original_length_option(),
@@ -81,6 +90,7 @@ ROPE_SCALING_OPTIONS: dict[str, dict[str, Option]] = {
 
 TRANSFORMERS_SCALING_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_max_positions"}
 """Keys of a Transformers ``rope_parameters`` dict accepted in ``scaling`` for this library's names."""
+TRANSFORMERS_SCALING_NAMES = {ours: theirs for theirs, ours in TRANSFORMERS_SCALING_KEYS.items()}
 
 
 def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +126,12 @@ def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
         resolved[key] = option.validate(owner, key, scaling.get(key, option.default))
     if kind == "llama3" and resolved["high_freq_factor"] <= resolved["low_freq_factor"]:
         raise ValueError(f"{owner}: high_freq_factor must be larger than low_freq_factor, got {resolved}.")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = resolved[key]
+            numbers = factors and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in factors)
+            if not numbers:
+                raise ValueError(f"{owner}: {key} must be a list of numbers (one per frequency); got {factors!r}.")
     if kind == "yarn" and resolved["beta_fast"] < resolved["beta_slow"]:
         raise ValueError(
             f"{owner}: beta_fast={resolved['beta_fast']} must be >= beta_slow={resolved['beta_slow']} (the ramp runs "
@@ -124,48 +140,47 @@ def resolve_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def yarn_attention_factor(scaling: dict[str, Any]) -> float:
-    """YaRN's logit scale: ``attention_factor`` if given, else ``mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim)`` when both are given (DeepSeek), else ``0.1 ln(factor) + 1`` (Peng et al. 2023)."""
-    if scaling["attention_factor"] is not None:
-        return scaling["attention_factor"]
-
-    def mscale(scale: float, multiplier: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
-
-    if scaling["mscale"] and scaling["mscale_all_dim"]:
-        return mscale(scaling["factor"], scaling["mscale"]) / mscale(scaling["factor"], scaling["mscale_all_dim"])
-    return mscale(scaling["factor"])
+TRANSFORMERS_SCALINGS = ("linear", "yarn", "llama3", "longrope")
+"""The ``scaling`` types whose frequencies and attention factor Transformers computes
+(``modeling_rope_utils.ROPE_INIT_FUNCTIONS``); ``ntk`` (Transformers has no static NTK-aware type) and ``dynamic``
+(per token, see :class:`RoPE`) are computed here."""
 
 
-def yarn_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any], original: int) -> torch.Tensor:
-    """YaRN "NTK-by-parts": dimensions that turn more than ``beta_fast`` times over the original length keep their
-    frequency, those that turn fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp in between."""
-    base = rotary_inverse_frequencies(rotary_dim, theta)
-
-    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
-        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dimension_of(scaling["beta_fast"]), dimension_of(scaling["beta_slow"])
-    if scaling["truncate"]:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return base / scaling["factor"] * ramp + base * (1 - ramp)
-
-
-def llama3_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any], original: int) -> torch.Tensor:
-    """Llama 3.1: wavelengths above ``original / low_freq_factor`` are divided by ``factor``, those below
-    ``original / high_freq_factor`` kept, and the band between interpolated smoothly."""
-    base = rotary_inverse_frequencies(rotary_dim, theta)
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelength = 2 * math.pi / base
-    smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)
-    scaled = (1 - smooth) * base / factor + smooth * base
-    return torch.where(
-        wavelength > original / low, base / factor, torch.where(wavelength < original / high, base, scaled)
+def transformers_rope_parameters(
+    rotary_dim: int, theta: float, scaling: dict[str, Any], original: int, beyond_original: bool = False
+) -> tuple[torch.Tensor, float]:
+    """``(rotary_dim / 2,)`` inverse frequencies (float64 copies of Transformers' float32 values) and the attention
+    factor of a :data:`TRANSFORMERS_SCALINGS` scaling, from ``ROPE_INIT_FUNCTIONS[type]`` for a Llama config of
+    ``head_dim = rotary_dim`` with these settings: the numbers stock Llama-family models compute (Transformers 5.15 to
+    5.24). ``beyond_original``: longrope's frequencies past the original length (its ``long_factor``)."""
+    kind = scaling["type"]
+    parameters = {
+        TRANSFORMERS_SCALING_NAMES.get(key, key): value
+        for key, value in scaling.items()
+        if key != "type" and value is not None
+    }
+    if "original_max_positions" in ROPE_SCALING_OPTIONS[kind]:
+        parameters["original_max_position_embeddings"] = original
+    config = LlamaConfig(
+        hidden_size=rotary_dim,
+        num_attention_heads=1,
+        head_dim=rotary_dim,
+        max_position_embeddings=math.ceil(original * scaling["factor"]),
+        rope_parameters={"rope_type": kind, "rope_theta": theta, **parameters},
     )
+    seq_len = original + 1 if beyond_original else original
+    inverse_frequencies, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=seq_len)
+    return inverse_frequencies.double(), float(attention_factor)
+
+
+def check_longrope_factors(scaling: dict[str, Any], rotary_dim: int) -> None:
+    """``ValueError`` unless longrope's ``short_factor`` and ``long_factor`` give one number per frequency."""
+    for key in ("short_factor", "long_factor") if scaling["type"] == "longrope" else ():
+        if len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(
+                f"position_encoding 'rope' scaling 'longrope': {key} has {len(scaling[key])} numbers; it needs one "
+                f"per rotated frequency, {rotary_dim // 2} (head_dim * rotary_fraction / 2)."
+            )
 
 
 class RoPE(PositionEncoding):
@@ -194,26 +209,33 @@ class RoPE(PositionEncoding):
     positions and the model is no longer shift-invariant.
 
     ``scaling`` = ``{"type": ..., "factor": ..., ...}`` runs inputs longer than the ``original_max_positions`` the
-    model was trained on (default ``max_position_embeddings``); frequencies and attention factor as
-    ``transformers.modeling_rope_utils`` computes them:
+    model was trained on (default ``max_position_embeddings``). Where Transformers has the type (``linear``,
+    ``yarn``, ``llama3``, ``longrope``: :data:`TRANSFORMERS_SCALINGS`) its ``modeling_rope_utils.ROPE_INIT_FUNCTIONS``
+    computes the frequencies and the attention factor (:func:`transformers_rope_parameters`), so a converted
+    Llama-family checkpoint rotates by the same numbers; ``ntk`` and ``dynamic`` are computed here:
 
     * ``linear`` (position interpolation, Chen et al. 2023): ``theta^(-2i/d) / factor``;
     * ``ntk`` (NTK-aware, bloc97 2023): the base ``theta * factor^(d/(d-2))``;
-    * ``dynamic`` (dynamic NTK, emozilla 2023): the base ``theta * (factor L / L0 - (factor - 1))^(d/(d-2))`` with
+    * ``dynamic`` (dynamic NTK, emozilla 2023; Transformers' ``dynamic`` computes one base per forward from the
+      sequence length, not per token): the base ``theta * (factor L / L0 - (factor - 1))^(d/(d-2))`` with
       ``L0 = original_max_positions`` and, for each token, ``L = max(L0, its position + 1)``: a token is rotated
       with the base of the length it ends (Transformers' cached generation does the same for keys, one step at a
       time). A length shared by the forward (the largest position + 1) would make cache = no cache fail: the cached
       keys and, through them, every later layer's states of earlier tokens were computed with a shorter length.
       Below ``L0`` it is plain RoPE; beyond, scores are no longer a function of ``i - j`` alone;
     * ``yarn`` (Peng et al. 2023): per-dimension ramp between the original and interpolated frequencies, and q, k
-      multiplied by the attention factor (:func:`yarn_attention_factor`);
-    * ``llama3`` (Llama 3.1): wavelength-banded interpolation.
+      multiplied by the attention factor ``0.1 ln(factor) + 1`` (or DeepSeek's ``mscale`` ratio);
+    * ``llama3`` (Llama 3.1): wavelength-banded interpolation;
+    * ``longrope`` (Phi-3, Ding et al. 2024): frequencies divided by ``short_factor`` per frequency, by
+      ``long_factor`` past the original length, q and k times ``sqrt(1 + ln(factor) / ln(L0))``. Transformers picks
+      the long factors for a whole forward once it is longer than ``L0``; here, as for ``dynamic``, each token by its
+      own position (cache = no cache), so beyond ``L0`` it is not shift-invariant.
     """
 
     name = "rope"
     description = "rotary: rotate q and k by position (Su et al. 2021)"
     relative = True
-    relative_unless = "apply_to_value, or scaling of type 'dynamic'"
+    relative_unless = "apply_to_value, or scaling of type 'dynamic' or 'longrope'"
     options = {
         "theta": Option(10000.0, (float, int), "rotation base", lambda v: v > 1, "a number > 1"),
         "rotary_fraction": Option(
@@ -228,7 +250,7 @@ class RoPE(PositionEncoding):
         ),
         "apply_to_value": Option(False, (bool,), "rotate v too (absolute positions in the output)"),
         "scaling": Option(
-            None, (dict,), "longer inputs: {'type': linear|ntk|dynamic|yarn|llama3, 'factor': ..., ...}"
+            None, (dict,), "longer inputs: {'type': linear|ntk|dynamic|yarn|llama3|longrope, 'factor': ..., ...}"
         ),
     }
 
@@ -264,10 +286,10 @@ class RoPE(PositionEncoding):
 
     @classmethod
     def is_relative(cls, spec):
-        """Shift-invariant unless ``apply_to_value`` (values carry absolute positions) or ``dynamic`` scaling (the
-        base depends on each token's own position past the original length)."""
+        """Shift-invariant unless ``apply_to_value`` (values carry absolute positions) or ``dynamic`` / ``longrope``
+        scaling (the frequencies depend on each token's own position past the original length)."""
         scaling = spec["scaling"] or {}
-        return not spec["apply_to_value"] and scaling.get("type") != "dynamic"
+        return not spec["apply_to_value"] and scaling.get("type") not in ("dynamic", "longrope")
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
@@ -286,32 +308,39 @@ class RoPE(PositionEncoding):
             )
         self.scaling = spec["scaling"]
         self.attention_factor = 1.0
-        if self.scaling is not None and self.scaling["type"] == "yarn":
-            self.attention_factor = yarn_attention_factor(self.scaling)
+        # Fixed for the model: computed once by Transformers, kept as float64 attributes (not buffers a cast rounds).
+        self.scaled_frequencies: tuple[torch.Tensor, ...] = ()
+        if self.scaling is not None and self.scaling["type"] in TRANSFORMERS_SCALINGS:
+            check_longrope_factors(self.scaling, self.rotary_dim)
+            parameters = [
+                transformers_rope_parameters(
+                    self.rotary_dim, spec["theta"], self.scaling, self.original_max_positions, beyond_original
+                )
+                for beyond_original in ((False, True) if self.scaling["type"] == "longrope" else (False,))
+            ]
+            self.scaled_frequencies = tuple(frequencies for frequencies, _ in parameters)
+            self.attention_factor = parameters[0][1]
 
     @property
     def original_max_positions(self) -> int:
         return self.scaling.get("original_max_positions") or self.dims.max_positions
 
     def inverse_frequencies(self, positions: torch.Tensor) -> torch.Tensor:
-        """Float64 inverse frequencies, ``(1, 1, d/2)``, or ``(batch|1, seq, d/2)`` for ``dynamic``, whose base
-        depends on each token's position (``positions`` ``(batch|1, seq)``)."""
+        """Float64 inverse frequencies, ``(1, 1, d/2)``, or ``(batch|1, seq, d/2)`` for ``dynamic`` and ``longrope``,
+        whose frequencies depend on each token's position (``positions`` ``(batch|1, seq)``)."""
         theta, dim = self.spec["theta"], self.rotary_dim
         kind = None if self.scaling is None else self.scaling["type"]
         device = positions.device
         if kind is None:
             return rotary_inverse_frequencies(dim, theta).to(device)[None, None]
+        if kind == "longrope":  # per token: long_factor for a token past the original length, as for dynamic
+            short, long = (frequencies.to(device) for frequencies in self.scaled_frequencies)
+            return torch.where(positions[..., None] + 1 > self.original_max_positions, long, short)
+        if kind in TRANSFORMERS_SCALINGS:
+            return self.scaled_frequencies[0].to(device)[None, None]
         factor = self.scaling["factor"]
-        if kind == "linear":
-            return (rotary_inverse_frequencies(dim, theta) / factor).to(device)[None, None]
         if kind == "ntk":
             return rotary_inverse_frequencies(dim, theta * factor ** (dim / (dim - 2))).to(device)[None, None]
-        if kind == "yarn":
-            frequencies = yarn_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
-            return frequencies.to(device)[None, None]
-        if kind == "llama3":
-            frequencies = llama3_inverse_frequencies(dim, theta, self.scaling, self.original_max_positions)
-            return frequencies.to(device)[None, None]
         original = self.original_max_positions
         length = (positions[..., None] + 1).clamp(min=original).double()
         base = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))

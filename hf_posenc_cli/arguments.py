@@ -53,21 +53,25 @@ class RecipeParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def scheme_spec(kind: str) -> Callable[[str], str | dict[str, Any]]:
+def scheme_spec(kind: str) -> Callable[[str], str | dict[str, Any] | list[str | dict[str, Any]]]:
     """The flag type of a ``kind`` value (``"position_encoding"``, ``"attention_normalizer"``): a name, or a JSON dict
-    ``{"type": name, **options}``, checked against the catalogue (names, options, types) while parsing."""
+    ``{"type": name, **options}``, checked against the catalogue (names, options, types) while parsing; a
+    ``position_encoding`` may also be a JSON list of them, one per attention layer (the config checks its length)."""
+    per_layer = kind == "position_encoding"
 
-    def parse(text: str) -> str | dict[str, Any]:
+    def parse(text: str) -> str | dict[str, Any] | list[str | dict[str, Any]]:
         value = text
-        if text.lstrip().startswith("{"):
+        if text.lstrip().startswith("{") or per_layer and text.lstrip().startswith("["):
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as error:
                 raise argparse.ArgumentTypeError(
                     f"{text!r} is not valid JSON ({error.msg}, character {error.pos}); give a name or a JSON dict "
                     f'such as \'{{"type": "{catalogue.names(kind)[0]}"}}\''
+                    + (" (or a JSON list of them, one per layer)" if per_layer else "")
                 ) from None
-        checked(catalogue.check_spec, kind, value)
+        for spec in value if isinstance(value, list) else [value]:
+            checked(catalogue.check_spec, kind, spec)
         return value
 
     parse.__name__ = kind
@@ -249,7 +253,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         "--position_encoding",
         type=scheme_spec("position_encoding"),
         default=None,
-        help="a name or a JSON dict (when None: learned)",
+        help="a name, a JSON dict, or a JSON list of them, one per layer (when None: learned)",
     )
     model.add_argument(
         "--attention_normalizer",

@@ -41,7 +41,15 @@ NORMALIZER_VARIANTS = [
     {"type": "softmax", "output_gate": "elementwise"},
     {"type": "differential", "output_gate": "headwise"},
 ]
-COMBOS = [(scheme, "softmax") for scheme in SCHEMES] + [
+# Per-layer layouts of the 2-layer test models (``position_encoding=[layer_0, layer_1]``): a rotary layer beside a
+# score bias; Llama 4's NoPE layer with its temperature (a step every 4 positions, so the tests see it) beside a
+# content term with a value term; a score bias beside a layer term that keeps per-layer cache state (decoder).
+LAYOUTS = [
+    ["rope", "t5"],
+    [{"type": "none", "attn_temperature_tuning": True, "floor_scale": 4}, "shaw"],
+    ["alibi", "fox"],
+]
+COMBOS = [(scheme, "softmax") for scheme in SCHEMES + LAYOUTS] + [
     (scheme, normalizer)
     for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS
     for scheme in REPRESENTATIVE_SCHEMES
@@ -154,8 +162,18 @@ def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
-def supports(family: str, scheme: str) -> bool:
-    return scheme in (ENCODER_SCHEMES if family == "bert" else DECODER_SCHEMES)
+def supports(family: str, scheme: str | dict | list) -> bool:
+    """Whether the family has a form for the scheme (a name or spec), or for every layer's of a per-layer list."""
+    if isinstance(scheme, list):
+        return all(supports(family, layer) for layer in scheme)
+    name = scheme if isinstance(scheme, str) else scheme["type"]
+    return name in (ENCODER_SCHEMES if family == "bert" else DECODER_SCHEMES)
+
+
+def layout_schemes(scheme: str | dict | list) -> list[str]:
+    """The scheme names a position encoding (a name, a spec or a per-layer list) runs."""
+    layers = scheme if isinstance(scheme, list) else [scheme]
+    return [layer if isinstance(layer, str) else layer["type"] for layer in layers]
 
 
 def normalizer_supports(family: str, normalizer: str | dict) -> bool:
@@ -177,9 +195,12 @@ def family_combos(combos: list[tuple[str, str]]) -> list:
 
 
 def pytest_make_parametrize_id(config, val, argname):
-    """A spec dict's test id names its type and options (``softmax-sink=learned``), not ``normalizer68``."""
+    """A spec dict's test id names its type and options (``softmax-sink=learned``), not ``normalizer68``; a
+    per-layer list joins its layers' (``rope+t5``)."""
     if isinstance(val, dict) and "type" in val:
         return "-".join([str(val["type"]), *(f"{key}={value}" for key, value in val.items() if key != "type")])
+    if isinstance(val, list) and val and all(isinstance(layer, (str, dict)) for layer in val):
+        return "+".join(pytest_make_parametrize_id(config, layer, argname) or layer for layer in val)
     return None
 
 

@@ -14,6 +14,7 @@ from conftest import (
     COMBOS,
     assert_flex_training_step_equals_eager,
     family_combos,
+    layout_schemes,
     make_config,
     make_model,
     random_ids,
@@ -24,7 +25,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
-from hf_posenc.configuration_posenc import resolve_attention_normalizer
+from hf_posenc.configuration_posenc import layer_position_specs, resolve_attention_normalizer
 from hf_posenc.posenc_attention import (
     build_dense_mask,
     choose_backend,
@@ -194,7 +195,8 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
     monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
     monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
     monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
+    for name in layout_schemes(scheme):
+        monkeypatch.setattr(POSITION_ENCODINGS[name], "flex_compiles_on_cpu", True)
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 7:] = 0
@@ -203,8 +205,9 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
         model = make_model(family, scheme, normalizer, attn=attn)
         with torch.no_grad():
             outputs[attn] = model(ids, attention_mask=attention_mask).logits
-    spec, normalizer_spec = model.config.position_encoding, model.config.attention_normalizer
-    runs_flex = "flex_attention" in POSITION_ENCODINGS[scheme].supported_backends(spec)
+    specs = layer_position_specs(model.config.position_encoding, model.config.num_hidden_layers)
+    normalizer_spec = model.config.attention_normalizer
+    runs_flex = any("flex_attention" in POSITION_ENCODINGS[spec["type"]].supported_backends(spec) for spec in specs)
     runs_flex &= "flex_attention" in ATTENTION_NORMALIZERS[normalizer_spec["type"]].supported_backends(normalizer_spec)
     assert bool(calls) == runs_flex
     visible = attention_mask.bool()

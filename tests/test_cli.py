@@ -88,6 +88,11 @@ BAD_INPUTS = [
         "'rope'; valid options: ['apply_to_value', ",
     ),
     (
+        ["pretrain", "--position_encoding", '["rope", {"type": "none", "floor_scale": "8192"}]'],
+        "hf-posenc pretrain: error: argument --position_encoding: position_encoding 'none': option 'floor_scale' "
+        "must be float or int, got '8192' (str)",
+    ),
+    (
         ["pretrain", "--attention_normalizer", '{"type": "softmax", "toeplitz_gate": 1}'],
         "hf-posenc pretrain: error: argument --attention_normalizer: attention_normalizer 'softmax': option "
         "'toeplitz_gate' must be bool, got 1 (int)",
@@ -162,3 +167,12 @@ def test_help_states_each_default_once(recipe, monkeypatch):
     monkeypatch.setenv("COLUMNS", "10000")
     help_text = PARSERS[recipe]().format_help()
     assert not re.search(r"\(default(?!: )", help_text), re.findall(r".*\(default(?!: ).*", help_text)
+
+
+def test_a_per_layer_position_encoding_is_a_json_list():
+    """``--position_encoding`` takes one spec per layer as a JSON list, each checked against the catalogue."""
+    from hf_posenc_cli.arguments import pretrain_parser
+
+    layers = '["rope", {"type": "none", "attn_temperature_tuning": true}]'
+    args = pretrain_parser().parse_args(["--position_encoding", layers])
+    assert args.position_encoding == ["rope", {"type": "none", "attn_temperature_tuning": True}]

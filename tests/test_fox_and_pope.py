@@ -62,8 +62,9 @@ def test_fox_keeps_each_layers_gates_with_the_cache():
         cache = cache_of(first)
         logits = model(ids[:, 5:], **with_cache(cache)).logits
         full = model(ids).logits
-    assert len(cache.layers) == 2 + 1 + 2  # attention layers, key positions, one log-gate slot per layer
-    stored = [cache.layers[3 + layer].keys[0, 0] for layer in range(2)]  # (kv_len, heads)
+    # attention layers, key positions (full layers; the sliding layers' slot unused), one log-gate slot per layer
+    assert len(cache.layers) == 2 + 2 + 2
+    stored = [cache.layers[4 + layer].keys[0, 0] for layer in range(2)]  # (kv_len, heads)
     assert stored[0].shape == (9, 4) and not torch.allclose(stored[0], stored[1])
     assert (stored[0] < 0).all()
     torch.testing.assert_close(logits, full[:, 5:], atol=1e-5, rtol=1e-4)

@@ -111,7 +111,7 @@ def test_a_normalizer_option_decides_the_backend(monkeypatch, gate, backend):
         causal=True,
         attention_dropout=0.0,
     )
-    assert inputs["backend"] == backend
+    assert [layer_inputs["backend"] for layer_inputs in inputs] == [backend] * model.config.n_layer
 
 
 class RunningMeanScheme(PositionEncoding):
@@ -155,8 +155,9 @@ def test_embed_sees_ids_mask_and_keeps_state_in_the_cache(monkeypatch):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_layer_states_have_their_own_cache_slots_after_the_schemes(static):
-    """``PositionCache.append_layer_state``: slot 0 the key positions, then the scheme's states, then each layer's
-    term states (two per layer here), every slot appended to as the keys are and read back whole."""
+    """``PositionCache.append_layer_state``: slot 0 the key positions (slot 1 those of sliding-window layers, unused
+    here), then the scheme's states, then each layer's term states (two per layer here), every slot appended to as
+    the keys are and read back whole."""
     scheme = RunningMeanScheme({"type": RunningMeanScheme.name}, None)
     term = LayerPositionTerm()
     term.cache_states = ("first", "second")
@@ -169,10 +170,10 @@ def test_layer_states_have_their_own_cache_slots_after_the_schemes(static):
             for index, name in enumerate(term.cache_states):
                 value = torch.full((1, length, 2), 10.0 * layer + index + step / 10)
                 stored = position_cache.append_layer_state(name, value, scheme, term, layer)
-    assert len(cache.layers) == 2 + 2 + 2 * 2
+    assert len(cache.layers) == 2 + 3 + 2 * 2
     for layer in range(2):
         for index in range(2):
-            keys = cache.layers[4 + 2 * layer + index].keys[0, 0]
+            keys = cache.layers[5 + 2 * layer + index].keys[0, 0]
             expected = torch.tensor([10.0 * layer + index] * 3 + [10.0 * layer + index + 0.1] + [0.0] * static)
             torch.testing.assert_close(keys, expected[:, None].expand(-1, 2))
     assert stored.shape == (1, 5 if static else 4, 2)

@@ -9,7 +9,6 @@ import torch
 import transformers
 from conftest import (
     COMBOS,
-    DECODER_SCHEMES,
     FAMILIES,
     REPRESENTATIVE_SCHEMES,
     SCHEMES,
@@ -26,12 +25,13 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.configuration_posenc import layer_position_specs
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 
 
 ATOL = 1e-5
 FAMILY_COMBOS = family_combos(COMBOS)
-DECODER_COMBOS = [combo for combo in COMBOS if combo[0] in DECODER_SCHEMES]
+DECODER_COMBOS = [combo for combo in COMBOS if supports("gpt2", combo[0])]
 FAMILY_SCHEMES = [(family, scheme) for family in FAMILIES for scheme in SCHEMES if supports(family, scheme)]
 # Options that may change whether a scheme is relative, besides every scheme's defaults.
 OPTION_VARIANTS = [
@@ -44,9 +44,11 @@ OPTION_VARIANTS = [
 
 
 def is_relative(family: str, position_encoding) -> bool:
-    """The scheme's own flag for these options (``PositionEncoding.is_relative``)."""
-    spec = make_config(family, position_encoding).position_encoding
-    return POSITION_ENCODINGS[spec["type"]].is_relative(spec)
+    """The scheme's own flag for these options (``PositionEncoding.is_relative``); a per-layer layout is relative
+    when every layer's scheme is."""
+    config = make_config(family, position_encoding)
+    specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
+    return all(POSITION_ENCODINGS[spec["type"]].is_relative(spec) for spec in specs)
 
 
 SHIFT_CASES = FAMILY_COMBOS + [(family, spec, "softmax") for family in FAMILIES for spec in OPTION_VARIANTS]
@@ -371,11 +373,17 @@ def test_static_cache_prefill_equals_the_uncached_forward(scheme, normalizer, at
 
 
 def prefills_on_flex(config) -> bool:
-    """Whether the scheme and normalizer list FlexAttention, and no value term sends a cached forward to SDPA."""
-    spec, normalizer_spec = config.position_encoding, config.attention_normalizer
-    scheme_class, normalizer_class = POSITION_ENCODINGS[spec["type"]], ATTENTION_NORMALIZERS[normalizer_spec["type"]]
-    listed = set(scheme_class.supported_backends(spec)) & set(normalizer_class.supported_backends(normalizer_spec))
-    return "flex_attention" in listed and not scheme_class.has_value_term(spec)
+    """Whether a layer's scheme and the normalizer list FlexAttention, and no value term sends that layer's cached
+    forward to SDPA."""
+    normalizer_spec = config.attention_normalizer
+    normalizer_backends = set(ATTENTION_NORMALIZERS[normalizer_spec["type"]].supported_backends(normalizer_spec))
+
+    def layer_on_flex(spec: dict) -> bool:
+        scheme_class = POSITION_ENCODINGS[spec["type"]]
+        listed = set(scheme_class.supported_backends(spec)) & normalizer_backends
+        return "flex_attention" in listed and not scheme_class.has_value_term(spec)
+
+    return any(map(layer_on_flex, layer_position_specs(config.position_encoding, config.num_hidden_layers)))
 
 
 @pytest.mark.parametrize("padding", ["left", "none"])

@@ -76,6 +76,8 @@ OTHER_PYTHON = os.environ.get("HF_POSENC_OTHER_PYTHON")
         ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
         ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
         ("bert", "alibi", {"type": "softmax", "sink": "learned"}, "AutoModelForMaskedLM"),
+        ("bert", ["rope", "t5"], "softmax", "AutoModelForMaskedLM"),  # a scheme per layer
+        ("gpt2", ["alibi", "fox"], "softmax", "AutoModelForCausalLM"),
     ],
 )
 def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):

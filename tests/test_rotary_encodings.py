@@ -223,7 +223,12 @@ def test_yarn_attention_factor_scales_the_logits_like_transformers():
 @pytest.mark.parametrize(
     ("scaling", "message"),
     [
-        ({"type": "longrope", "factor": 2.0}, r"scaling type 'longrope' is unknown; valid types: \['linear', 'ntk'"),
+        ({"type": "ropeyarn", "factor": 2.0}, r"scaling type 'ropeyarn' is unknown; valid types: \['linear', 'ntk'"),
+        ({"type": "longrope", "factor": 2.0}, r"short_factor must be a list of numbers \(one per frequency\)"),
+        (
+            {"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [1, "2"]},
+            r"long_factor must be a list of numbers",
+        ),
         ({"type": "linear"}, r"scaling 'linear' needs a 'factor'"),
         ({"type": "linear", "factor": 0.5}, r"option 'factor'=0.5 is out of range; valid: >= 1"),
         ({"type": "ntk", "factor": 2.0, "beta_fast": 3}, r"unknown scaling option\(s\) \['beta_fast'\] for 'ntk'"),
@@ -299,6 +304,7 @@ def test_rope_on_values_sees_a_shift_and_plain_rope_does_not(family):
         ({}, True),
         ({"apply_to_value": True}, False),
         ({"scaling": {"type": "dynamic", "factor": 2.0}}, False),
+        ({"scaling": {"type": "longrope", "factor": 2.0, "short_factor": [1.0], "long_factor": [2.0]}}, False),
         ({"scaling": {"type": "yarn", "factor": 2.0}}, True),
         ({"scaling": {"type": "linear", "factor": 2.0}}, True),
         ({"kept_frequency_fraction": 0.5}, True),
@@ -309,7 +315,7 @@ def test_rope_relative_flag_follows_its_options(options, relative):
     assert POSITION_ENCODINGS["rope"].is_relative(spec) is relative
     listed = hf_posenc.list_position_encodings()["rope"]
     assert listed["relative"] is True  # the defaults' value
-    assert listed["relative_unless"] == "apply_to_value, or scaling of type 'dynamic'"
+    assert listed["relative_unless"] == "apply_to_value, or scaling of type 'dynamic' or 'longrope'"
 
 
 LONG_ROPES = [
@@ -413,3 +419,92 @@ def test_xpos_scales_q_up_and_k_down_by_position():
 def test_xpos_has_no_encoder_form():
     with pytest.raises(ValueError, match=r"position_encoding 'xpos' has no encoder form; it runs in: \['decoder'\]"):
         hf_posenc.PosEncBertConfig(position_encoding="xpos")
+
+
+def hand_yarn(dim: int, theta: float, factor: float, original: int, beta_fast=32.0, beta_slow=1.0) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" (Peng et al. 2023, section 3.2), by hand: dimension i turns ``original / wavelength``
+    times over the original length; dimensions turning more than ``beta_fast`` times keep ``theta^(-2i/d)``, fewer
+    than ``beta_slow`` are divided by ``factor``, linear in between over the (whole-dimension) correction range."""
+    base = [theta ** (-2 * i / dim) for i in range(dim // 2)]
+
+    def dimension(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dimension(beta_fast)), 0), min(math.ceil(dimension(beta_slow)), dim - 1)
+    ramp = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(dim // 2)]
+    return torch.tensor([b / factor * r + b * (1 - r) for b, r in zip(base, ramp, strict=True)], dtype=torch.float64)
+
+
+def hand_llama3(dim: int, theta: float, factor: float, original: int, low=1.0, high=4.0) -> torch.Tensor:
+    """Llama 3.1's scaling (Meta's ``apply_scaling``), by hand: wavelengths above ``original / low`` divided by
+    ``factor``, below ``original / high`` kept, smooth in between."""
+    frequencies = []
+    for i in range(dim // 2):
+        frequency = theta ** (-2 * i / dim)
+        wavelength = 2 * math.pi / frequency
+        if wavelength < original / high:
+            frequencies.append(frequency)
+        elif wavelength > original / low:
+            frequencies.append(frequency / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            frequencies.append((1 - smooth) * frequency / factor + smooth * frequency)
+    return torch.tensor(frequencies, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "expected", "attention_factor"),
+    [
+        ({"type": "yarn", "factor": 4.0}, hand_yarn(HEAD_DIM, 10000.0, 4.0, 32), 0.1 * math.log(4.0) + 1),
+        (
+            {"type": "yarn", "factor": 8.0, "original_max_positions": 16, "beta_fast": 16, "beta_slow": 2},
+            hand_yarn(HEAD_DIM, 10000.0, 8.0, 16, 16.0, 2.0),
+            0.1 * math.log(8.0) + 1,
+        ),
+        ({"type": "llama3", "factor": 8.0, "original_max_positions": 32}, hand_llama3(HEAD_DIM, 10000.0, 8.0, 32), 1),
+        ({"type": "linear", "factor": 3.0}, rotary_inverse_frequencies(HEAD_DIM, 10000.0) / 3.0, 1.0),
+    ],
+)
+def test_scalings_from_transformers_equal_their_papers_formulas_by_hand(scaling, expected, attention_factor):
+    encoding = rope(scaling)
+    torch.testing.assert_close(encoding.inverse_frequencies(torch.arange(3)[None])[0, 0], expected, rtol=1e-6, atol=0)
+    assert encoding.attention_factor == pytest.approx(attention_factor)
+
+
+SHORT = [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)]
+LONG = [2.0 + 0.5 * i for i in range(HEAD_DIM // 2)]
+
+
+def test_longrope_reads_short_and_long_factors_per_token_as_transformers_and_by_hand():
+    """Transformers' ``longrope`` at a length within and past the original (16), and by hand: ``theta^(-2i/d) /
+    factor_i``, q and k times ``sqrt(1 + ln(factor) / ln(16))``; here each token by its own position."""
+    scaling = {"type": "longrope", "factor": 2.0, "original_max_positions": 16, "short_factor": SHORT}
+    encoding = rope({**scaling, "long_factor": LONG})
+    positions = torch.tensor([[0, 14, 15, 16, 40]])
+    ours = encoding.inverse_frequencies(positions)[0]
+    base = rotary_inverse_frequencies(HEAD_DIM, 10000.0)
+    theirs = {"factor": 2.0, "original_max_position_embeddings": 16, "short_factor": SHORT, "long_factor": LONG}
+    for seq_len, factors, rows in ((16, SHORT, [0, 1, 2]), (17, LONG, [3, 4])):
+        inv_freq, attention_factor = transformers_rope("longrope", seq_len=seq_len, **theirs)
+        torch.testing.assert_close(ours[rows].float(), inv_freq.expand(len(rows), -1), rtol=1e-6, atol=0)
+        torch.testing.assert_close(ours[rows[0]], base / torch.tensor(factors, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert encoding.attention_factor == pytest.approx(math.sqrt(1 + math.log(2.0) / math.log(16)))
+    assert encoding.attention_factor == pytest.approx(attention_factor)
+
+
+def test_longrope_generates_past_the_original_length_with_cache_as_without():
+    scaling = {"type": "longrope", "factor": 2.0, "original_max_positions": 8}
+    scaling.update(short_factor=SHORT[:4], long_factor=LONG[:4])  # head_dim 8: 4 frequencies
+    model = make_model("gpt2", {"type": "rope", "scaling": scaling})
+    ids = random_ids(2, 6)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached, uncached = (model.generate(ids, use_cache=use_cache, **kwargs) for use_cache in (True, False))
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), atol=1e-5, rtol=1e-4)
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused():
+    scaling = {"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}
+    with pytest.raises(ValueError, match=r"short_factor has 3 numbers; it needs one per rotated frequency, 4"):
+        make_model("gpt2", {"type": "rope", "scaling": scaling})

@@ -1,0 +1,339 @@
+"""Per-layer layouts: ``position_encoding`` as a list of specs (one per attention layer), Transformers' Llama 4 /
+SmolLM3 ``no_rope_layers`` convention, and Llama 4's attention temperature on NoPE layers. The behaviours every
+combination keeps (cache, padding, backends, checkpointing, save/load, bf16) run on the layouts of
+``conftest.LAYOUTS`` in ``test_model_properties.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import hf_posenc
+from hf_posenc import posenc_attention
+from hf_posenc.absolute_encodings import attention_temperature
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+
+
+TEMPERATURE = {"type": "none", "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5}
+
+
+def test_a_per_layer_list_is_stored_as_full_specs(tmp_path):
+    config = make_config("gpt2", ["rope", {"type": "t5", "num_buckets": 8}])
+    config.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())["position_encoding"]
+    assert [spec["type"] for spec in stored] == ["rope", "t5"]
+    assert stored[0]["theta"] == 10000.0 and stored[1]["num_buckets"] == 8 and stored[1]["max_distance"] == 128
+    assert hf_posenc.PosEncGPT2Config.from_pretrained(tmp_path).position_encoding == stored
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (["rope"], r"one spec per attention layer: 2 \(num_hidden_layers\); got 1"),
+        (["learned", "rope"], r"\['learned'\], which act once on the input embeddings"),
+        (["rope", "sinusoidal"], r"\['sinusoidal'\], which act once on the input embeddings"),
+        (["rope", "rotary"], r"Unknown position_encoding 'rotary'"),
+    ],
+)
+def test_a_bad_per_layer_list_is_refused_when_the_config_is_built(family, value, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(family, value)
+
+
+def test_an_input_side_scheme_on_every_layer_is_that_scheme():
+    model = make_model("gpt2", ["learned", "learned"])
+    assert type(model.transformer.position_encoding).__name__ == "LearnedAbsolute"
+    assert "transformer.position_encoding.table.weight" in model.state_dict()
+
+
+def test_layers_with_equal_specs_share_the_scheme_and_its_parameters():
+    model = make_model("bert", ["t5", "rope", "t5"], num_hidden_layers=3)
+    encoding = model.bert.position_encoding
+    assert encoding.layer_encoding(0) is encoding.layer_encoding(2)
+    assert [name for name, _ in encoding.named_parameters()] == ["schemes.0.relative_attention_steps.weight"]
+
+
+@pytest.mark.parametrize(("layers", "interval"), [(8, 4), (6, 2), (5, 3)])
+def test_no_rope_layer_interval_places_nope_layers_as_llama4_and_smollm3_do(layers, interval):
+    config = make_config("gpt2", "rope", n_layer=layers, no_rope_layer_interval=interval)
+    for reference in (
+        Llama4TextConfig(num_hidden_layers=layers, no_rope_layer_interval=interval),
+        SmolLM3Config(num_hidden_layers=layers, no_rope_layer_interval=interval),
+    ):
+        uses_rope = [spec["type"] == "rope" for spec in config.position_encoding]
+        assert uses_rope == [bool(flag) for flag in reference.no_rope_layers]
+
+
+def test_no_rope_layers_gives_the_spec_where_the_flag_is_1():
+    spec = {"type": "rope", "theta": 500000.0}
+    config = make_config("bert", spec, num_hidden_layers=3, no_rope_layers=[1, 0, 1])
+    assert [layer["type"] for layer in config.position_encoding] == ["rope", "none", "rope"]
+    assert config.position_encoding[2]["theta"] == 500000.0
+    assert not hasattr(config, "no_rope_layers")  # the list it gives is what the config stores
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"no_rope_layers": [1, 0, 1]}, r"no_rope_layers has one flag per attention layer: 2"),
+        ({"no_rope_layers": [1, 2]}, r"no_rope_layers must be a list of 0 \(NoPE\) and 1"),
+        ({"no_rope_layer_interval": 0}, r"no_rope_layer_interval must be an int >= 1; got 0"),
+        ({"no_rope_layers": [1, 0], "no_rope_layer_interval": 4}, "not both"),
+    ],
+)
+def test_bad_no_rope_layers_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_config("gpt2", "rope", **kwargs)
+
+
+def test_attention_temperature_is_llama4s_formula():
+    """Llama 4 (``Llama4TextAttention``): ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1``."""
+    positions = torch.tensor([0, 8190, 8191, 16382, 16383, 100000])
+    expected = [1.0, 1.0, 1.0 + 0.1 * torch.log(torch.tensor(2.0)), 1.0 + 0.1 * torch.log(torch.tensor(2.0))]
+    expected += [1.0 + 0.1 * torch.log(torch.tensor(3.0)), 1.0 + 0.1 * torch.log(torch.tensor(13.0))]
+    torch.testing.assert_close(attention_temperature(positions, 8192.0, 0.1), torch.tensor(expected))
+
+
+def test_none_defaults_to_nope_and_takes_llama4s_temperature_defaults():
+    spec = make_config("gpt2", "none").position_encoding
+    assert spec == {"type": "none", "attn_temperature_tuning": False, "floor_scale": 8192.0, "attn_scale": 0.1}
+    llama4 = Llama4TextConfig()
+    assert (llama4.floor_scale, llama4.attn_scale) == (spec["floor_scale"], spec["attn_scale"])
+
+
+def hand_gpt2_logits(
+    model, ids: torch.Tensor, positions: torch.Tensor, layers: list[dict], windows: list[int | None] | None = None
+) -> torch.Tensor:
+    """GPT-2 written out by hand with each layer's scheme: ``rope`` through Transformers' Llama
+    ``apply_rotary_pos_emb`` with ``theta^(-2i/d)`` frequencies, ``none`` with Llama 4's temperature on q; a layer
+    with a window sees the keys ``i - window < j <= i``."""
+    base = model.transformer
+    hidden = base.wte(ids)
+    n, heads = ids.shape[1], model.config.n_head
+    head_dim = model.config.n_embd // heads
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for block, spec, window in zip(base.h, layers, windows or [None] * len(layers), strict=True):
+        x = block.ln_1(hidden)
+        q, k, v = (t.view(*x.shape[:2], heads, head_dim).transpose(1, 2) for t in block.attn.c_attn(x).split(32, -1))
+        if spec["type"] == "rope":
+            inverse = spec["theta"] ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            angles = positions[:, :, None].float() * inverse
+            emb = torch.cat([angles, angles], -1)
+            q, k = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())
+        elif spec["attn_temperature_tuning"]:
+            scale = torch.log1p(torch.floor((positions.float() + 1.0) / spec["floor_scale"])) * spec["attn_scale"] + 1
+            q = q * scale[:, None, :, None]
+        scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
+        visible = causal if window is None else causal & ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out = (weights @ v).transpose(1, 2).reshape(x.shape)
+        hidden = hidden + block.attn.c_proj(out)
+        hidden = hidden + block.mlp(block.ln_2(hidden))
+    return model.lm_head(base.ln_f(hidden))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_each_layer_runs_its_own_scheme_as_a_hand_written_gpt2(attn):
+    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
+    model = make_model("gpt2", layers, attn=attn, n_layer=3)
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None].expand(2, -1) + torch.tensor([[3], [11]])  # the temperature steps inside
+    specs = model.config.position_encoding
+    with torch.no_grad():
+        logits = model(ids, position_ids=positions).logits
+        expected = hand_gpt2_logits(model, ids, positions, specs)
+        uniform_none = hand_gpt2_logits(model, ids, positions, [specs[1]] * 3)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    assert (logits - uniform_none).abs().max() > 1e-2  # the rope layers matter
+
+
+def test_temperature_makes_none_absolute_and_a_shift_changes_it():
+    spec = make_config("gpt2", TEMPERATURE).position_encoding
+    assert not POSITION_ENCODINGS["none"].is_relative(spec)
+    model = make_model("gpt2", TEMPERATURE)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        shifted = model(ids, position_ids=torch.arange(9)[None] + 13).logits
+        assert (shifted - model(ids, position_ids=torch.arange(9)[None]).logits).abs().max() > 1e-3
+
+
+def test_retrofit_refuses_a_per_layer_list():
+    stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=40))
+    with pytest.raises(ValueError, match=r"retrofit\(\) gives every layer one position_encoding"):
+        hf_posenc.retrofit(stock, ["rope", "none"])
+
+
+def test_convert_gives_a_stock_gpt2_a_per_layer_layout_and_keeps_its_table_on_every_layer():
+    stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=40)).eval()
+    ids = random_ids(2, 9)
+    kept = hf_posenc.convert(stock, ["learned", "learned"]).eval()
+    layered = hf_posenc.convert(stock, ["rope", "none"]).eval()
+    assert [spec["type"] for spec in layered.config.position_encoding] == ["rope", "none"]
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, stock(ids).logits, atol=1e-5, rtol=1e-4)
+        assert torch.isfinite(layered(ids).logits).all()
+    longer = hf_posenc.extend_positions(kept, 60)
+    assert [spec["max_positions"] for spec in longer.config.position_encoding] == [60, 60]
+
+
+# Sliding-window layers: ``layer_types`` and ``sliding_window``.
+
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layer_types": ["sliding_attention"]}, r"one type per attention layer: 2 \(num_hidden_layers\)"),
+        ({"layer_types": ["full_attention", "local"], "sliding_window": 2}, r"Unknown layer_types \['local'\]"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_window is None"),
+        ({"sliding_window": 0}, r"sliding_window must be an int >= 1 \(tokens a query sees\); got 0"),
+    ],
+)
+def test_bad_layer_types_are_refused_when_the_config_is_built(family, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(family, "rope", **kwargs)
+
+
+def test_a_sliding_window_alone_makes_every_layer_slide_as_transformers_infers(tmp_path):
+    config = make_config("gpt2", "rope", sliding_window=4)
+    assert config.layer_types == ["sliding_attention", "sliding_attention"]
+    assert make_config("gpt2", "rope").layer_types is None
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["layer_types"] == config.layer_types
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_sliding_layers_see_their_window_as_a_hand_written_gpt2(attn):
+    """Transformers' causal window (``sliding_window_overlay``): query i sees keys ``i - window < j <= i``."""
+    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, sliding_window=3)
+    ids = random_ids(2, 9)
+    positions = torch.arange(9)[None].expand(2, -1)
+    with torch.no_grad():
+        logits = model(ids).logits
+        expected = hand_gpt2_logits(model, ids, positions, model.config.position_encoding, windows=[3, None, 3])
+        unwindowed = hand_gpt2_logits(model, ids, positions, model.config.position_encoding)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    assert (logits - unwindowed).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_an_encoders_window_equals_the_same_window_given_as_a_four_d_mask(attn):
+    """Every layer sliding: the model's window equals its unwindowed twin given the hand-made 4-D mask
+    ``abs(i - j) <= window`` (Transformers' ``sliding_window_bidirectional_overlay``), with padding."""
+    windowed = make_model("bert", "t5", attn=attn, sliding_window=2)
+    plain = make_model("bert", "t5", attn=attn)
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    distance = torch.arange(9)[:, None] - torch.arange(9)[None]
+    four_d = (distance.abs() <= 2)[None, None] & attention_mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        logits = windowed(ids, attention_mask=attention_mask).logits
+        expected = plain(ids, attention_mask=four_d).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+
+
+SLIDING_SCHEMES = ["rope", "t5", "fox", ["alibi", "fox"], ["fox", "rope"]]
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("scheme", SLIDING_SCHEMES)
+def test_generate_past_the_window_with_cache_equals_without(scheme, cache_implementation):
+    """A window of 3 tokens, a prompt of 6 and 8 new tokens: the sliding layers' caches evict keys (their key
+    positions and FoX's per-layer gates with them), left padding included."""
+    model = make_model("gpt2", scheme, attn="sdpa", **SLIDING)
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", SLIDING_SCHEMES)
+def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
+    model = make_model("gpt2", scheme, attn="eager", **SLIDING)
+    ids = random_ids(2, 12, seed=4)
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :7], use_cache=True)
+        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-5, rtol=1e-4)
+    layer_classes = [type(layer).__name__ for layer in cache_of(first).layers[:2]]
+    assert layer_classes == ["DynamicSlidingWindowLayer", "DynamicLayer"]
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("bert", "shaw"), ("gpt2", "t5"), ("gpt2", "rope")])
+def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+    """The flex path (a sliding ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, as in
+    ``test_flex_path_of_every_combination_equals_eager``; padding included."""
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    calls = []
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(kwargs["block_mask"])
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    logits = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model(family, scheme, attn=attn, **SLIDING)
+        with torch.no_grad():
+            logits[attn] = model(ids, attention_mask=attention_mask).logits
+    assert len({id(block_mask) for block_mask in calls}) == 2  # a sliding and a full BlockMask
+    visible = attention_mask.bool()
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_sliding_layers_keep_checkpointing_save_load_and_bf16(family, tmp_path):
+    ids = random_ids(2, 8)
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING).train()
+        if checkpointing:
+            assert enable_activation_checkpointing(model, use_reentrant=True)
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING)
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert (reloaded.config.layer_types, reloaded.config.sliding_window) == (SLIDING["layer_types"], 3)
+    with torch.no_grad():
+        reference = model(ids).logits
+        assert torch.equal(reloaded(ids).logits, reference)
+        torch.testing.assert_close(model.to(torch.bfloat16)(ids).logits.float(), reference, atol=0.2, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_a_layout_with_sliding_layers_compiles_in_one_graph(family):
+    """``torch.compile(fullgraph=True)`` (dynamo only, where a graph break shows), forward and backward; the decoder
+    builds its cache, with a sliding layer, inside the graph."""
+    model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING).train()
+    ids = random_ids(2, 10)
+    torch._dynamo.reset()
+    loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(loss.detach(), model(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)
