@@ -44,7 +44,8 @@ def transformers_rope(rope_type, seq_len=None, rotary_fraction=1.0, **parameters
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **parameters},
-        partial_rotary_factor=rotary_fraction,
+        # Transformers 5.15's standardize_rope_params copies the config's own factor into rope_parameters
+        partial_rotary_factor=parameters.get("partial_rotary_factor", rotary_fraction),
     )
     if rotary_fraction != 1.0:
         config.rope_parameters["partial_rotary_factor"] = rotary_fraction
