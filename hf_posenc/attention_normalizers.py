@@ -810,7 +810,7 @@ class Softpick(AttentionNormalizer):
     options = {
         "eps": Option(
             1e-8,
-            (float,),
+            (float, int),
             "added to the denominator (the reference's softpick(); its Triton kernel uses 1e-6)",
             _positive,
             "a finite number > 0",

@@ -365,6 +365,14 @@ class RoPE(PositionEncoding):
         return query, key, value
 
 
+def clamp_with_gradient_at_bounds(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``x.clamp(low, high)`` whose gradient is 1 on ``[low, high]`` bounds included, 0 outside. PoPE's phase bias
+    starts at its bound 0 and learns from there in the reference (x-transformers' ``clamp``, written when torch
+    passed the gradient at a bound); torch 2.14 passes none there, which would freeze the bias at its start."""
+    inside = (x >= low) & (x <= high)
+    return torch.where(inside, x, x.clamp(low, high).detach())
+
+
 def xpos_decay_base(head_dim: int, gamma: float = 0.4) -> torch.Tensor:
     """xPos per-pair decay base ``zeta_i = (2i/d + gamma) / (1 + gamma)``, ``i = 0 .. d/2 - 1`` (Sun et al. 2022)."""
     return (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim + gamma) / (1 + gamma)
@@ -469,7 +477,9 @@ class PoPE(PositionEncoding):
         phases = (query_positions[..., None].float() * frequencies)[:, None]  # (batch|1, 1, seq, d)
         query_phases = phases
         if self.phase_bias is not None:  # t theta - delta on q: cos((t - s) theta - delta), as delta on k
-            query_phases = phases - self.phase_bias.float().clamp(-2 * math.pi, 0.0)[None, :, None, :]
+            query_phases = (
+                phases - clamp_with_gradient_at_bounds(self.phase_bias.float(), -2 * math.pi, 0.0)[None, :, None, :]
+            )
         return {
             "query_cos": query_phases.cos(),
             "query_sin": query_phases.sin(),
