@@ -10,7 +10,7 @@ as its reference initialises them (:func:`hf_posenc.pretraining.reference_init`)
 normalizer differ between runs. Torch runs ``--threads`` threads per process (default 1: on a shared 2-core CPU the
 fastest, and a rerun gives the same numbers)::
 
-    hf-posenc compare                    # decoders, 6 schemes, softmax, one thread: 10.7 min on 2 CPU cores
+    hf-posenc compare                    # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores
     hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
     accelerate launch -m hf_posenc_cli compare ...       # the same on accelerate's devices
 """

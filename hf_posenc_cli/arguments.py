@@ -337,7 +337,7 @@ the same data, seed, batches, steps and optimiser for every scheme), then report
 length, at 2x, 4x, 8x that length (sliding windows), the position probe's relative fit error, parameters and
 tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
 
-  hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 10.7 min on 2 CPU cores at load 2-4
+  hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores at load 2-4
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
 """,
     )
