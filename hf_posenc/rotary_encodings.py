@@ -169,7 +169,9 @@ def transformers_rope_parameters(
         rope_parameters={"rope_type": kind, "rope_theta": theta, **parameters},
     )
     seq_len = original + 1 if beyond_original else original
-    inverse_frequencies, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=seq_len)
+    # On the CPU even inside from_pretrained's meta-device context: Transformers' functions copy to `device`.
+    with torch.device("cpu"):
+        inverse_frequencies, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=seq_len)
     return inverse_frequencies.double(), float(attention_factor)
 
 

@@ -509,3 +509,21 @@ def test_longrope_factors_of_the_wrong_length_are_refused():
     scaling = {"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}
     with pytest.raises(ValueError, match=r"short_factor has 3 numbers; it needs one per rotated frequency, 4"):
         make_model("gpt2", {"type": "rope", "scaling": scaling})
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn", "llama3", "longrope"])
+def test_transformers_scalings_load_with_from_pretrained(kind, tmp_path):
+    """``from_pretrained`` builds the model on the meta device; the scalings Transformers computes are computed on
+    the CPU there too, and the loaded model gives the outputs of one built directly with the same weights."""
+    scaling = {"type": kind, "factor": 4.0}
+    if kind == "longrope":
+        scaling.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4)
+    make_model("gpt2", "rope").save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, position_encoding={"type": "rope", "scaling": scaling}
+    ).eval()
+    built = transformers.AutoModelForCausalLM.from_config(loaded.config).eval()
+    built.load_state_dict(loaded.state_dict())
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, built(ids).logits)
