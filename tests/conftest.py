@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch.nn.attention.flex_attention import flex_attention
 
 import hf_posenc
+from hf_posenc import posenc_attention
+from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import CACHE_NAME
 
 
@@ -236,3 +239,21 @@ def console_script() -> str:
 def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """A command as a user runs it, with this checkout's code (``CLI_ENV``)."""
     return subprocess.run(command, capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def uncompiled_flex(monkeypatch):
+    """FlexAttention's uncompiled path in place of the compiled kernel: the same semantics, the log-sum-exp on CPU,
+    any head width, no compile per combination. Returns the list of its calls (one entry each)."""
+    calls = []
+
+    def flex(*args, **kwargs):
+        calls.append(1)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: flex)
+    for scheme_class in POSITION_ENCODINGS.values():
+        monkeypatch.setattr(scheme_class, "flex_compiles_on_cpu", True)
+    return calls

@@ -14,7 +14,6 @@ from conftest import (
     COMBOS,
     assert_flex_training_step_equals_eager,
     family_combos,
-    layout_schemes,
     make_config,
     make_model,
     random_ids,
@@ -181,22 +180,12 @@ def test_flex_request_with_head_dim_8_on_cpu_gives_eager_numbers(family, caplog)
 
 
 @pytest.mark.parametrize(("family", "scheme", "normalizer"), family_combos(COMBOS))
-def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer, monkeypatch):
+def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer, uncompiled_flex):
     """The flex path (the scheme's score_mod, the normalizer's flex_output, the BlockMask) of every combination,
     with uncompiled FlexAttention standing in for the compiled kernel (same semantics, no compile per combination,
     any head width; it returns the log-sum-exp on CPU); combinations flex cannot express fall back. The compiled
     CPU kernel is checked by the tests below on heads of 32."""
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(1)
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    for name in layout_schemes(scheme):
-        monkeypatch.setattr(POSITION_ENCODINGS[name], "flex_compiles_on_cpu", True)
+    calls = uncompiled_flex
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 7:] = 0

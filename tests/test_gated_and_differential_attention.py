@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 from conftest import make_config, make_model, random_ids
-from torch.nn.attention.flex_attention import flex_attention
 from transformers.models.diffllama.configuration_diffllama import DiffLlamaConfig
 from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, lambda_init_fn
 
 import hf_posenc
-from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
@@ -246,19 +244,10 @@ def test_differential_trains_with_attention_dropout_on_eager_where_both_halves_s
 
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_differential_with_shaws_value_term_gives_eager_numbers_on_every_backend(family, attn, monkeypatch):
+def test_differential_with_shaws_value_term_gives_eager_numbers_on_every_backend(family, attn, uncompiled_flex):
     """The value term added to each value half; flex with uncompiled FlexAttention standing in for the kernel (it
     returns the log-sum-exp on CPU), as ``test_flex_path_of_every_combination_equals_eager``."""
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(1)
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS["shaw"], "flex_compiles_on_cpu", True)
+    calls = uncompiled_flex
     ids, attention_mask = padded_batch()
     logits = {}
     for backend in ("eager", attn):

@@ -21,9 +21,7 @@ from conftest import (
     supports,
     with_cache,
 )
-from torch.nn.attention.flex_attention import flex_attention
 
-from hf_posenc import posenc_attention
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import layer_position_specs
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -336,24 +334,6 @@ STATIC_CACHE_COMBOS = DECODER_COMBOS + [
     for scheme in REPRESENTATIVE_SCHEMES
     for normalizer in ({"type": "softmax", "sink": 0.0}, {"type": "softmax", "toeplitz_gate": True})
 ]
-
-
-@pytest.fixture
-def uncompiled_flex(monkeypatch):
-    """FlexAttention's uncompiled path in place of the compiled kernel, as in ``test_attention_backends``: the same
-    semantics, the log-sum-exp on CPU, any head width, no compile per combination. Returns the list of its calls."""
-    calls = []
-
-    def flex(*args, **kwargs):
-        calls.append(1)
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: flex)
-    for scheme_class in POSITION_ENCODINGS.values():
-        monkeypatch.setattr(scheme_class, "flex_compiles_on_cpu", True)
-    return calls
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention"])
