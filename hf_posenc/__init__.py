@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
-from .configuration_posenc import PosEncBertConfig, PosEncGPT2Config
+from .configuration_posenc import LAYOUT_PRESETS, PosEncBertConfig, PosEncGPT2Config, layout_preset
 from .conversion import convert
 from .modeling_posenc_bert import (
     POSENC_BERT_MODELS,
@@ -78,6 +78,8 @@ def list_attention_normalizers() -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
+    "LAYOUT_PRESETS",
+    "layout_preset",
     "PosEncBertConfig",
     "PosEncGPT2Config",
     "PosEncBertModel",

@@ -20,15 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from accelerate.utils import broadcast_object_list
 
 import hf_posenc
+from hf_posenc_cli import catalogue
 from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
@@ -42,108 +45,221 @@ TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = compare_parser()
     args = parser.parse_args(argv)
-    for flag, catalogue in (
+    for flag, registry in (
         ("schemes", hf_posenc.list_position_encodings()),
         ("normalizers", hf_posenc.list_attention_normalizers()),
     ):
         if "all" in getattr(args, flag):
-            setattr(args, flag, list(catalogue))
+            setattr(args, flag, list(registry))
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
     args.factors = tuple(sorted(set(args.factors)))
     if args.train_file is not None and not args.train_file.is_file():
         parser.error(f"--train_file {args.train_file} does not exist")
+    if args.dataset_name is not None and args.train_file is not None:
+        parser.error("give --dataset_name or --train_file, not both")
+    if args.dataset_config_name is not None and args.dataset_name is None:
+        parser.error("--dataset_config_name needs --dataset_name")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
+    sliding = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["sliding"]]
+    if sliding and args.sliding_window is None:
+        parser.error(f"--layouts {' '.join(sliding)} slide: give --sliding_window")
+    if args.sliding_window is not None and not sliding:
+        parser.error("--sliding_window is the window of a sliding layout (rnope_swa); no --layouts slides")
     if args.tokenizer_name is not None:
         load_tokenizer = partial(pretraining.load_tokenizer, task="mlm" if args.encoders else "clm")
         checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
     return args
 
 
-def run_name(task: str, scheme: str, normalizer: str) -> str:
-    """One run's folder under ``models/`` and the suffix of its Hub repository."""
-    return f"{task}-{scheme}-{normalizer}"
+Run = tuple[str, str, str, int]
+"""One model of a comparison: task, scheme (or layout), normalizer, seed."""
 
 
-def recipe_argv(args: argparse.Namespace, task: str, scheme: str, normalizer: str, output_dir: Path) -> list[str]:
-    """The pretraining command line of one run: everything shared, except the scheme and the normalizer; with
-    ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>``."""
-    argv = ["--task", task, "--position_encoding", scheme, "--attention_normalizer", normalizer]
+def run_name(args: argparse.Namespace, run: Run) -> str:
+    """One run's name: ``<task>-<scheme>-<normalizer>``, and ``-seed<s>`` with ``--seeds`` (its Hub suffix)."""
+    task, scheme, normalizer, seed = run
+    return f"{task}-{scheme}-{normalizer}" + (f"-seed{seed}" if args.seeds is not None else "")
+
+
+def run_folder(args: argparse.Namespace, run: Run) -> Path:
+    """``models/<task>-<scheme>-<normalizer>``, with ``--seeds`` one ``seed_<s>`` folder in it per seed."""
+    task, scheme, normalizer, seed = run
+    folder = args.output_dir / "models" / f"{task}-{scheme}-{normalizer}"
+    return folder / f"seed_{seed}" if args.seeds is not None else folder
+
+
+def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:
+    """The pretraining command line of one run: everything shared, except the scheme (or layout), the normalizer and
+    the seed; with ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>`` (and
+    ``-seed<s>`` with ``--seeds``)."""
+    task, scheme, normalizer, seed = run
+    if scheme in args.layouts:
+        argv = ["--task", task, "--layout", scheme]
+        window = catalogue.load_catalogue()["layout"][scheme]["sliding"]
+        argv += ["--sliding_window", str(args.sliding_window)] if window else []
+    else:
+        argv = ["--task", task, "--position_encoding", scheme]
+    argv += ["--attention_normalizer", normalizer]
     for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
     for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
         argv += [f"--{flag}", str(getattr(args, flag))]
-    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(args.seed)]
+    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(seed)]
     if args.with_tracking:
         argv += ["--with_tracking", "--report_to", args.report_to]
     if args.train_file is not None:
         argv += ["--train_file", str(args.train_file)]
+    if args.dataset_name is not None:
+        argv += ["--dataset_name", args.dataset_name, "--text_column_name", args.text_column_name]
+        argv += ["--dataset_config_name", args.dataset_config_name] if args.dataset_config_name is not None else []
     if args.tokenizer_name is not None:
         argv += ["--tokenizer_name", args.tokenizer_name]
     if args.push_to_hub:
         prefix = args.hub_model_id or args.output_dir.resolve().name
-        argv += ["--push_to_hub", "--hub_model_id", f"{prefix}-{run_name(task, scheme, normalizer)}"]
+        argv += ["--push_to_hub", "--hub_model_id", f"{prefix}-{run_name(args, run)}"]
         argv += ["--hub_token", args.hub_token] if args.hub_token is not None else []
     return [*argv, "--output_dir", str(output_dir)]
 
 
-def position_probe(task: str, scheme: str, normalizer: str, steps: int, accelerator) -> float:
-    """The position probe's relative fit error (:func:`hf_posenc.probe`: final mean squared error over
-    the variance of the targets; about 1 for a model that cannot tell positions apart) in the task's family. One
-    small model on one thread: the main process runs it and the others receive the result."""
+def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
+    """The position probe's relative fit error (:func:`hf_posenc.probe`: final mean squared error over the variance of
+    the targets; about 1 for a model that cannot tell positions apart) in the task's family, at the run's seed; a
+    layout's probe has the run's depth (its per-layer pattern). One small model on one thread: the main process runs
+    it and the others receive the result."""
+    task, scheme, normalizer, seed = run
     family = "gpt2" if task == "clm" else "bert"
+    layout = {"position_encoding": scheme}
+    if scheme in args.layouts:
+        window = args.sliding_window if catalogue.load_catalogue()["layout"][scheme]["sliding"] else None
+        layout = hf_posenc.layout_preset(scheme, args.num_hidden_layers, window)
+        layout["num_hidden_layers"] = args.num_hidden_layers
     result = [None]
     if accelerator.is_main_process:
-        probe = hf_posenc.probe(scheme, attention_normalizer=normalizer, family=family, steps=steps, progress_bar=True)
+        probe = hf_posenc.probe(
+            **layout, attention_normalizer=normalizer, family=family, steps=args.probe_steps, seed=seed,
+            progress_bar=True,
+        )  # fmt: skip
         result = [probe["relative_mse"]]
     return broadcast_object_list(result)[0]
 
 
-def compare_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
-    """The markdown table of one model family."""
-    header = ["scheme", "normalizer", "eval loss", *[f"{f}x" for f in factors], f"{factors[-1]}x / 1x"]
-    header += ["probe rel. MSE"]
-    header += ["parameters", "tokens/s", "train s"]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+SUMMARY_FIELDS = ("eval_loss", "extrapolation", "ratio", "probe", "tokens_per_second", "train_seconds")
+"""The figures of a row that :func:`summarize` gives as mean and spread over the seeds."""
+
+
+def length_ratio(row: dict[str, Any], factors: tuple[int, ...]) -> float | None:
+    """Loss at the longest length over loss at the shortest; None when either is missing."""
+    first, last = row["extrapolation"].get(f"{factors[0]}x"), row["extrapolation"].get(f"{factors[-1]}x")
+    return last / first if isinstance(first, float) and isinstance(last, float) else None
+
+
+def mean_and_spread(values: list[Any]) -> dict[str, Any] | str | None:
+    """``{"mean", "std", "min", "max"}`` of one figure over the seeds (``std``: the sample standard deviation, None
+    for one seed); the reason where a seed has one instead of a number (a length the model cannot run); None if
+    any is None."""
+    reasons = [value for value in values if isinstance(value, str)]
+    if reasons:
+        return reasons[0]
+    if any(value is None for value in values):
+        return None
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values)}
+
+
+def summarize(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One row per (task, scheme, normalizer): every figure of :data:`SUMMARY_FIELDS` as :func:`mean_and_spread`
+    over its seeds, the seeds, and the mean training curve with its spread."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
-        first, last = row["extrapolation"].get(f"{factors[0]}x"), row["extrapolation"].get(f"{factors[-1]}x")
-        ratio = last / first if isinstance(first, float) and isinstance(last, float) else None
-        cells = [row["scheme"], row["normalizer"], format_cell(row["eval_loss"])]
-        cells += [format_cell(row["extrapolation"].get(f"{f}x")) for f in factors] + [format_cell(ratio, 2)]
-        cells += [format_cell(row["probe"])]
-        cells += [f"{row['num_parameters']:,}", f"{row['tokens_per_second']:,.0f}", f"{row['train_seconds']:.0f}"]
+        groups.setdefault((row["task"], row["scheme"], row["normalizer"]), []).append(row)
+    summary = []
+    for (task, scheme, normalizer), runs in groups.items():
+        figures = {
+            "eval_loss": mean_and_spread([run["eval_loss"] for run in runs]),
+            "extrapolation": {
+                f"{f}x": mean_and_spread([run["extrapolation"].get(f"{f}x") for run in runs]) for f in factors
+            },
+            "ratio": mean_and_spread([length_ratio(run, factors) for run in runs]),
+            "probe": mean_and_spread([run["probe"] for run in runs]),
+            "tokens_per_second": mean_and_spread([run["tokens_per_second"] for run in runs]),
+            "train_seconds": mean_and_spread([run["train_seconds"] for run in runs]),
+        }
+        curves = [run["loss_curve"] for run in runs]
+        steps = [step for step, _ in curves[0]]
+        losses = [[loss for _, loss in curve] for curve in curves if [step for step, _ in curve] == steps]
+        summary.append({
+            "task": task, "scheme": scheme, "normalizer": normalizer, "seeds": [run["seed"] for run in runs],
+            "num_parameters": runs[0]["num_parameters"], **figures,
+            "loss_curve": [(step, *(f(column) for f in (statistics.fmean, min, max))) for step, column in
+                           zip(steps, zip(*losses, strict=True), strict=True)],
+            "messages": {f"{f}x": run["extrapolation"][f"{f}x"] for run in runs for f in factors
+                         if isinstance(run["extrapolation"].get(f"{f}x"), str)},
+        })  # fmt: skip
+    return summary
+
+
+def summary_cell(figure: dict[str, Any] | str | None, digits: int = 3) -> str:
+    """``mean ± std`` (``mean`` for one seed), ``n/a`` for a length a model cannot run."""
+    if figure is None:
+        return ""
+    if isinstance(figure, str):
+        return "n/a"
+    if figure["std"] is None:
+        return f"{figure['mean']:.{digits}f}"
+    return f"{figure['mean']:.{digits}f} ± {figure['std']:.{digits}f}"
+
+
+def compare_table(summary: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
+    """The markdown table of one model family, one row per scheme and normalizer (mean ± std over the seeds)."""
+    header = ["scheme", "normalizer", "eval loss", *[f"{f}x" for f in factors], f"{factors[-1]}x / 1x"]
+    header += ["probe rel. MSE", "parameters", "tokens/s", "train s", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 3) + "---|"]
+    for row in summary:
+        cells = [row["scheme"], row["normalizer"], summary_cell(row["eval_loss"])]
+        cells += [summary_cell(row["extrapolation"][f"{f}x"]) for f in factors] + [summary_cell(row["ratio"], 2)]
+        cells += [summary_cell(row["probe"]), f"{row['num_parameters']:,}"]
+        speed, seconds = row["tokens_per_second"], row["train_seconds"]
+        cells += [f"{speed['mean']:,.0f}", f"{seconds['mean']:.0f}", " ".join(str(seed) for seed in row["seeds"])]
         lines.append("| " + " | ".join(cells) + " |")
     notes = []
-    for row in rows:
-        reasons = {f: row["extrapolation"][f"{f}x"] for f in factors if isinstance(row["extrapolation"][f"{f}x"], str)}
-        if reasons:
-            where = ", ".join(f"{f}x" for f in reasons)
-            notes.append(f"{row['scheme']} + {row['normalizer']}, n/a at {where}: {next(iter(reasons.values()))}.")
+    for row in summary:
+        if row["messages"]:
+            where, message = ", ".join(row["messages"]), next(iter(row["messages"].values()))
+            notes.append(f"{row['scheme']} + {row['normalizer']}, n/a at {where}: {message}.")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
-def plot_comparison(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path) -> None:
-    """Per family: the training curves (the held-out loss as markers), and the held-out loss against the evaluation
-    length."""
+def plot_comparison(summary: list[dict[str, Any]], rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path):
+    """Per family: the training curves (the mean over the seeds, the band between the lowest and the highest seed;
+    the held-out loss of each seed as markers), and the held-out loss against the evaluation length (the mean, with
+    error bars of one standard deviation over the seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    tasks = list(dict.fromkeys(row["task"] for row in summary))
     figure, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.5 * len(tasks)), squeeze=False)
     for (curves, lengths), task in zip(axes, tasks, strict=True):
-        for row in (row for row in rows if row["task"] == task):
-            label = f"{row['scheme']} + {row['normalizer']}"
-            steps, losses = zip(*row["loss_curve"], strict=True)
-            (line,) = curves.plot(steps, losses, label=label, linewidth=1, marker="." if len(steps) < 30 else None)
-            if row["eval_curve"]:
-                curves.plot(
-                    *zip(*row["eval_curve"], strict=True), linestyle="none", marker="o", color=line.get_color()
-                )
-            points = [(f, row["extrapolation"].get(f"{f}x")) for f in factors]
-            points = [(f, loss) for f, loss in points if isinstance(loss, float)]
+        for entry in (entry for entry in summary if entry["task"] == task):
+            label = f"{entry['scheme']} + {entry['normalizer']}"
+            steps, mean, low, high = zip(*entry["loss_curve"], strict=True)
+            (line,) = curves.plot(steps, mean, label=label, linewidth=1, marker="." if len(steps) < 30 else None)
+            if len(entry["seeds"]) > 1:
+                curves.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            for row in rows:
+                if (row["task"], row["scheme"], row["normalizer"]) == (task, entry["scheme"], entry["normalizer"]):
+                    if row["eval_curve"]:
+                        points = zip(*row["eval_curve"], strict=True)
+                        curves.plot(*points, linestyle="none", marker="o", color=line.get_color())
+            points = [(f, entry["extrapolation"][f"{f}x"]) for f in factors]
+            points = [(f, figure_) for f, figure_ in points if isinstance(figure_, dict)]
             if points:
-                lengths.plot(*zip(*points, strict=True), marker="o", label=label)
+                spread = [figure_["std"] or 0.0 for _, figure_ in points]
+                means = [figure_["mean"] for _, figure_ in points]
+                lengths.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=label)
         curves.set_title(f"{TASK_NAMES[task]}: training loss (lines), held-out loss (dots)")
         curves.set_xlabel("optimizer step")
         curves.set_ylabel("loss (nats per token)")
@@ -179,62 +295,101 @@ def eval_curve(log_path: Path) -> list[tuple[int, float]]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     tasks = ["clm", "mlm"] if args.encoders else ["clm"]
-    runs = [(task, scheme, normalizer) for task in tasks for scheme in args.schemes for normalizer in args.normalizers]
+    seeds = args.seeds if args.seeds is not None else [args.seed]
+    entries = [*args.schemes, *args.layouts]
+    runs = [(task, entry, normalizer, seed) for seed in seeds for task in tasks for entry in entries
+            for normalizer in args.normalizers]  # fmt: skip
     for run in runs:  # before any work: every Hub target is created (or found); each run uploads its model
-        hub_repository(args, f"-{run_name(*run)}")
+        hub_repository(args, f"-{run_name(args, run)}")
     accelerator = recipe_accelerator(args)
     with torch_threads(args.threads) as threads:
         accelerator.print(f"compare: {threads} torch thread(s) per process (--threads)")
         started = time.perf_counter()
-        rows = [compare_run(args, run, accelerator) for run in runs]
+        evaluation = evaluation_text_ids(args)
+        rows = [compare_run(args, run, evaluation, accelerator) for run in runs]
         if accelerator.is_main_process:
             write_report(args, rows, time.perf_counter() - started, threads)
     accelerator.wait_for_everyone()
     return rows
 
 
-def compare_run(args: argparse.Namespace, run: tuple[str, str, str], accelerator) -> dict[str, Any]:
-    """Pretrain one model (``run``: task, scheme, normalizer), score it at every length and probe it: its row."""
-    task, scheme, normalizer = run
-    model_dir = args.output_dir / "models" / run_name(task, scheme, normalizer)
+def evaluation_text_ids(args: argparse.Namespace):
+    """A function of a tokenizer giving the held-out text's ids: the held-out 5 % of ``--train_file`` or of the
+    embedded corpus, or ``--dataset_name``'s validation split (the held-out 5 % of its train split where it has none,
+    as the pretraining recipe splits it); at most ``--max_eval_tokens``."""
+    if args.dataset_name is None:
+        return lambda tokenizer: evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
+    data = argparse.Namespace(
+        dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=None,
+        validation_file=None, validation_split_percentage=5, text_column_name=args.text_column_name,
+    )  # fmt: skip
+    text = "".join(pretraining.load_text_datasets(data)["validation"][args.text_column_name])
+
+    def ids(tokenizer):
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return ids[: args.max_eval_tokens] if args.max_eval_tokens else ids
+
+    return ids
+
+
+def compare_run(args: argparse.Namespace, run: Run, evaluation, accelerator) -> dict[str, Any]:
+    """Pretrain one model (``run``: task, scheme, normalizer, seed), score it at every length and probe it: its row,
+    also written to ``compare_row.json`` in its folder. With ``--resume`` a folder holding the row of the same recipe
+    is read instead."""
+    task, scheme, normalizer, seed = run
+    model_dir = run_folder(args, run)
+    argv = recipe_argv(args, run, model_dir)
+    saved = model_dir / "compare_row.json"
+    if args.resume and saved.is_file():
+        row = json.loads(saved.read_text())
+        if row.get("recipe") == argv:
+            accelerator.print(f"{run_name(args, run)}: kept from {saved} (--resume)")
+            return row
     run_started = time.perf_counter()
-    results = pretraining.main(recipe_argv(args, task, scheme, normalizer, model_dir))
+    results = pretraining.main(argv)
     train_seconds = time.perf_counter() - run_started
     auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
     model = auto_class.from_pretrained(model_dir).to(accelerator.device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = evaluation_ids(tokenizer, args.train_file, 5, args.max_eval_tokens)
     mask_token_id = tokenizer.mask_token_id if task == "mlm" else None
     extrapolation = extrapolation_row(
-        model, ids, args.block_size, args.factors, args.per_device_eval_batch_size, mask_token_id, args.seed,
-        accelerator,
+        model, evaluation(tokenizer), args.block_size, args.factors, args.per_device_eval_batch_size, mask_token_id,
+        seed, accelerator,
     )  # fmt: skip
     losses = ", ".join(f"{factor} {format_cell(loss)}" for factor, loss in extrapolation.items())
-    accelerator.print(f"{task} {scheme} + {normalizer}: {losses}")
-    return {
+    accelerator.print(f"{run_name(args, run)}: {losses}")
+    row = {
         "task": task,
         "scheme": scheme,
         "normalizer": normalizer,
+        "seed": seed,
         "eval_loss": results["eval_loss"],
         "eval_accuracy": results["eval_accuracy"],
         "extrapolation": extrapolation,
-        "probe": position_probe(task, scheme, normalizer, args.probe_steps, accelerator),
+        "probe": position_probe(args, run, accelerator),
         "num_parameters": results["num_parameters"],
         "tokens_per_second": results["tokens_per_second"],
         "train_seconds": train_seconds,
         "reference_init": results["reference_init"],
         "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
         "eval_curve": eval_curve(model_dir / "train_log.jsonl"),
+        "recipe": argv,
     }
+    if accelerator.is_main_process:
+        saved.write_text(json.dumps(row, indent=1))
+    return row
 
 
 def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seconds: float, threads: int) -> None:
-    """``compare.md``, ``compare.json`` and ``compare.png`` in ``--output_dir``; the table printed."""
+    """``compare.md``, ``compare.json`` (every seed's row, and the summary) and ``compare.png`` in ``--output_dir``;
+    the table printed."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows, args.factors)
     sections = []
-    for task in dict.fromkeys(row["task"] for row in rows):
-        family_rows = [row for row in rows if row["task"] == task]
+    for task in dict.fromkeys(row["task"] for row in summary):
+        family_rows = [row for row in summary if row["task"] == task]
         sections.append(f"### {TASK_NAMES[task]}\n\n" + compare_table(family_rows, args.factors))
+    seeds = sorted({row["seed"] for row in rows})
     notes = [
         f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
         f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
@@ -243,10 +398,15 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
         f"{args.block_size} positions of sliding windows N times the training length; n/a: the model cannot run "
         "at that length (see compare.json for its message).",
     ]
+    if len(seeds) > 1:
+        notes.append(
+            f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) per model: mean ± sample standard deviation over the "
+            "seeds (tokens/s and train s: the mean); every seed's figures are in compare.json (rows)."
+        )
     report = "\n".join(sections) + "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
     arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}
-    summary = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows}
-    (args.output_dir / "compare.json").write_text(json.dumps(summary, indent=2))
-    plot_comparison(rows, args.factors, args.output_dir / "compare.png")
+    document = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows, "summary": summary}
+    (args.output_dir / "compare.json").write_text(json.dumps(document, indent=2))
+    plot_comparison(summary, rows, args.factors, args.output_dir / "compare.png")
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")

@@ -115,6 +115,42 @@ def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any,
     return [value if flag else "none" for flag in no_rope_layers]
 
 
+LAYOUT_PRESETS = {
+    "irope": "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 on three layers of four, none with Llama 4's "
+    "attention temperature on every fourth (no_rope_layer_interval 4); Llama 4's chunked attention is not built",
+    "smollm3": "SmolLM3 (SmolLM3Config): rope with theta 2000000 on three layers of four, none on every fourth",
+    "rnope_swa": "RNoPE-SWA (Yang et al. 2025, 'Rope to Nope and Back Again'): rope with a sliding window on three "
+    "layers of four, none with full attention on every fourth; needs sliding_window",
+}
+"""Layouts of 2025-26 models as one name: :func:`layout_preset` gives their config values."""
+SLIDING_LAYOUTS = ("rnope_swa",)
+"""The layouts of :data:`LAYOUT_PRESETS` with sliding-window layers (they need ``sliding_window``)."""
+
+
+def layout_preset(name: str, num_layers: int, sliding_window: int | None = None) -> dict[str, Any]:
+    """The config values of a layout of :data:`LAYOUT_PRESETS` for ``num_layers`` attention layers:
+    ``position_encoding`` (a per-layer list, ``none`` where ``(layer + 1) % 4 == 0``, as Transformers'
+    ``no_rope_layer_interval=4``), and for ``rnope_swa`` ``layer_types`` and ``sliding_window``. Pass them to
+    ``PosEncGPT2Config(**layout_preset(...))`` or ``PosEncBertConfig``."""
+    if name not in LAYOUT_PRESETS:
+        raise ValueError(f"Unknown layout {name!r}; valid choices: {sorted(LAYOUT_PRESETS)}.")
+    sliding = name in SLIDING_LAYOUTS
+    if sliding and sliding_window is None:
+        raise ValueError("layout 'rnope_swa' slides on its rope layers: give sliding_window (tokens a query sees).")
+    if not sliding and sliding_window is not None:
+        raise ValueError(f"layout {name!r} has no sliding-window layers; sliding_window={sliding_window!r} is unused.")
+    rope = {"irope": {"type": "rope", "theta": 500000.0}, "smollm3": {"type": "rope", "theta": 2000000.0}}
+    nope = {"type": "none", "attn_temperature_tuning": True} if name == "irope" else {"type": "none"}
+    keeps_rope = [(layer + 1) % 4 != 0 for layer in range(num_layers)]
+    values: dict[str, Any] = {
+        "position_encoding": [rope.get(name, {"type": "rope"}) if flag else nope for flag in keeps_rope]
+    }
+    if sliding:
+        values["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in keeps_rope]
+        values["sliding_window"] = sliding_window
+    return values
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Attention layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV
 caches)."""

@@ -102,7 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a folder")
         if checkpoint_step(args.resume_from_checkpoint) is None:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: expected a step_<N> folder")
-    flag_fields = ["position_encoding", "attention_normalizer", *MODEL_SIZE_DEFAULTS, "intermediate_size"]
+    if args.layout is not None and args.position_encoding is not None:
+        parser.error(f"--layout {args.layout} sets the position encoding of every layer; drop --position_encoding")
+    flag_fields = ["position_encoding", "layout", "sliding_window", "attention_normalizer", *MODEL_SIZE_DEFAULTS]
+    flag_fields += ["intermediate_size"]
     flag_fields += ["dropout", "initializer_range"]
     if args.config_name is not None and args.model_name_or_path is not None:
         parser.error("give --model_name_or_path (continue a checkpoint) or --config_name (a new model), not both")
@@ -117,8 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         if args.config_overrides is not None:
             parser.error("--config_overrides needs --config_name or --model_name_or_path")
-        for name, default in {**MODEL_SIZE_DEFAULTS, "position_encoding": "learned"}.items():
+        for name, default in MODEL_SIZE_DEFAULTS.items():
             setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+        if args.layout is None:
+            args.position_encoding = args.position_encoding or "learned"
         args.attention_normalizer = args.attention_normalizer or "softmax"
         args.dropout = 0.0 if args.dropout is None else args.dropout
         args.initializer_range = 0.02 if args.initializer_range is None else args.initializer_range
@@ -183,8 +188,12 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
         return config
+    if args.layout is not None:
+        layout = hf_posenc.layout_preset(args.layout, args.num_hidden_layers, args.sliding_window)
+    else:
+        layout = {"position_encoding": args.position_encoding, "sliding_window": args.sliding_window}
     common = dict(
-        position_encoding=args.position_encoding,
+        **layout,
         attention_normalizer=args.attention_normalizer,
         vocab_size=vocab_size,
         pad_token_id=pad_token_id,

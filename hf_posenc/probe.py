@@ -37,6 +37,9 @@ def probe(
     seed: int = 0,
     learning_rate: float = 1e-3,
     progress_bar: bool = False,
+    num_hidden_layers: int = 2,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> dict[str, Any]:
     """Train the probe and return its result.
 
@@ -51,6 +54,8 @@ def probe(
         seed: seeds the model's initialisation (the input is fixed).
         learning_rate: Adam's learning rate.
         progress_bar: show the training steps with tqdm.
+        num_hidden_layers, layer_types, sliding_window: the model's depth (2) and its sliding-window layers, as the
+            configs take them (a per-layer ``position_encoding`` list has ``num_hidden_layers`` specs).
 
     It runs on one CPU thread (restored after): the model is tiny, and more threads only wait on each other, badly
     so on a busy machine (a 2-core CPU under load: 86 s with two threads, 1.2 s with one).
@@ -68,20 +73,22 @@ def probe(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        layers = {"num_hidden_layers": num_hidden_layers, "layer_types": layer_types, "sliding_window": sliding_window}
         return _train_probe(
             position_encoding, attention_normalizer, family, boundary_tokens, length, steps, seed, learning_rate,
-            progress_bar,
+            progress_bar, layers,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_probe(
-    position_encoding, attention_normalizer, family, boundary_tokens, length, steps, seed, learning_rate, progress_bar
-):
+    position_encoding, attention_normalizer, family, boundary_tokens, length, steps, seed, learning_rate, progress_bar,
+    layers,
+):  # fmt: skip
     """:func:`probe` with its arguments checked."""
     torch.manual_seed(seed)
-    model = AutoModel.from_config(_probe_config(family, position_encoding, attention_normalizer, length + 2))
+    model = AutoModel.from_config(_probe_config(family, position_encoding, attention_normalizer, length + 2, layers))
     head = nn.Linear(model.config.hidden_size, 1)
     input_ids, scored = _probe_inputs(family, boundary_tokens, length)
     targets = torch.arange(1, length + 1, dtype=torch.float32)
@@ -121,13 +128,15 @@ def _train_probe(
     }
 
 
-def _probe_config(family: str, position_encoding, attention_normalizer, max_positions: int):
-    """A small model without dropout: hidden 64, 2 layers, 4 heads."""
+def _probe_config(family: str, position_encoding, attention_normalizer, max_positions: int, layers: dict[str, Any]):
+    """A small model without dropout: hidden 64, 4 heads, ``layers["num_hidden_layers"]`` layers (2 by default) with
+    ``layers``' ``layer_types`` and ``sliding_window``."""
+    depth, windows = layers["num_hidden_layers"], {key: layers[key] for key in ("layer_types", "sliding_window")}
     if family == "bert":
         return PosEncBertConfig(
             vocab_size=3,
             hidden_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=depth,
             num_attention_heads=4,
             intermediate_size=128,
             max_position_embeddings=max_positions,
@@ -135,11 +144,12 @@ def _probe_config(family: str, position_encoding, attention_normalizer, max_posi
             attention_probs_dropout_prob=0.0,
             position_encoding=position_encoding,
             attention_normalizer=attention_normalizer,
+            **windows,
         )
     return PosEncGPT2Config(
         vocab_size=3,
         n_embd=64,
-        n_layer=2,
+        n_layer=depth,
         n_head=4,
         n_inner=128,
         n_positions=max_positions,
@@ -150,6 +160,7 @@ def _probe_config(family: str, position_encoding, attention_normalizer, max_posi
         eos_token_id=LAST_TOKEN,
         position_encoding=position_encoding,
         attention_normalizer=attention_normalizer,
+        **windows,
     )
 
 

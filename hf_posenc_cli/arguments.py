@@ -157,6 +157,17 @@ def probe_variant(text: str) -> str:
     return text
 
 
+def positive_int(text: str) -> int:
+    """The flag type of a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """The flag type of a count that may be 0."""
     try:
@@ -263,6 +274,19 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     )
     for name, default in MODEL_SIZE_DEFAULTS.items():
         model.add_argument(f"--{name}", type=int, default=None, help=f"when None: {default}")
+    model.add_argument(
+        "--layout",
+        choices=catalogue.names("layout"),
+        default=None,
+        help="a 2025-26 layout instead of --position_encoding (hf_posenc.LAYOUT_PRESETS): "
+        + "; ".join(f"{name}: {entry['description']}" for name, entry in catalogue.load_catalogue()["layout"].items()),
+    )
+    model.add_argument(
+        "--sliding_window",
+        type=positive_int,
+        default=None,
+        help="tokens a sliding-window layer sees: rnope_swa's rope layers, or, without --layout, every layer",
+    )
     model.add_argument("--intermediate_size", type=int, default=None, help="when None: 4 * hidden_size")
     model.add_argument("--dropout", type=float, default=None, help="every dropout probability (when None: 0)")
     model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (when None: 0.02)")
@@ -339,6 +363,8 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
 
   hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores at load 2-4
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
+  hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \
+      --seeds 0 1 2
 """,
     )
     parser.add_argument(
@@ -358,7 +384,20 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
         default=["softmax"],
         help="attention normalizers, or all",
     )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=catalogue.names("layout"),
+        default=[],
+        help="2025-26 layouts (hf_posenc.LAYOUT_PRESETS), each a run beside the schemes",
+    )
+    parser.add_argument(
+        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
     parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
+    parser.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
+    parser.add_argument("--dataset_config_name", default=None, help="the configuration of --dataset_name")
+    parser.add_argument("--text_column_name", default="text", help="--dataset_name: the column holding the text")
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
     parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
@@ -372,6 +411,19 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     parser.add_argument("--per_device_eval_batch_size", type=int, default=16, help="held-out blocks and windows")
     parser.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
     parser.add_argument("--seed", type=int, default=0, help="the same seed for every model")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="train every model once per seed (models/<run>/seed_<s>); the table gives mean ± standard deviation",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs whose folder already holds their result (compare_row.json) from the same recipe: an "
+        "interrupted compare, or seeds run by separate processes into one --output_dir",
+    )
     parser.add_argument(
         "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
     )

@@ -23,13 +23,15 @@ JSON_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict
 
 
 def build_catalogue() -> dict[str, dict[str, Any]]:
-    """``{kind: {name: {"families": [...], "options": {key: {"default", "types", "valid"}}}}}`` from the registries
-    (imports hf_posenc, hence torch)."""
+    """``{kind: {name: {"families": [...], "options": {key: {"default", "types", "valid"}}}}}`` from the registries,
+    and ``{"layout": {name: {"description", "sliding"}}}`` from :data:`hf_posenc.LAYOUT_PRESETS` (imports hf_posenc,
+    hence torch)."""
     from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+    from hf_posenc.configuration_posenc import LAYOUT_PRESETS, SLIDING_LAYOUTS
     from hf_posenc.position_encodings import POSITION_ENCODINGS
 
     registries = {"position_encoding": POSITION_ENCODINGS, "attention_normalizer": ATTENTION_NORMALIZERS}
-    return {
+    entries = {
         kind: {
             name: {
                 "families": list(entry.families),
@@ -39,6 +41,9 @@ def build_catalogue() -> dict[str, dict[str, Any]]:
         }
         for kind in KINDS
     }
+    layouts = {name: {"description": text, "sliding": name in SLIDING_LAYOUTS}
+               for name, text in LAYOUT_PRESETS.items()}  # fmt: skip
+    return {**entries, "layout": layouts}
 
 
 def describe_option(option) -> dict[str, Any]:
@@ -57,7 +62,8 @@ def load_catalogue() -> dict[str, dict[str, Any]]:
 
 
 def names(kind: str) -> list[str]:
-    """The registered names of ``kind`` (``"position_encoding"`` or ``"attention_normalizer"``)."""
+    """The registered names of ``kind`` (``"position_encoding"``, ``"attention_normalizer"`` or ``"layout"``, the
+    presets of :data:`hf_posenc.LAYOUT_PRESETS`)."""
     return list(load_catalogue()[kind])
 
 
