@@ -256,10 +256,12 @@ def plot_comparison(summary: list[dict[str, Any]], rows: list[dict[str, Any]], f
                         curves.plot(*points, linestyle="none", marker="o", color=line.get_color())
             points = [(f, entry["extrapolation"][f"{f}x"]) for f in factors]
             points = [(f, figure_) for f, figure_ in points if isinstance(figure_, dict)]
-            if points:
-                spread = [figure_["std"] or 0.0 for _, figure_ in points]
-                means = [figure_["mean"] for _, figure_ in points]
-                lengths.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=label)
+            factors_run, means = [f for f, _ in points], [figure_["mean"] for _, figure_ in points]
+            if points and len(entry["seeds"]) > 1:
+                spread = [figure_["std"] for _, figure_ in points]
+                lengths.errorbar(factors_run, means, yerr=spread, marker="o", capsize=3, label=label)
+            elif points:
+                lengths.plot(factors_run, means, marker="o", label=label)
         curves.set_title(f"{TASK_NAMES[task]}: training loss (lines), held-out loss (dots)")
         curves.set_xlabel("optimizer step")
         curves.set_ylabel("loss (nats per token)")
@@ -339,10 +341,12 @@ def compare_run(args: argparse.Namespace, run: Run, evaluation, accelerator) -> 
     task, scheme, normalizer, seed = run
     model_dir = run_folder(args, run)
     argv = recipe_argv(args, run, model_dir)
+    token = argv.index("--hub_token") if "--hub_token" in argv else None
+    recipe = argv if token is None else argv[:token] + argv[token + 2 :]  # what the row keeps: no token
     saved = model_dir / "compare_row.json"
     if args.resume and saved.is_file():
         row = json.loads(saved.read_text())
-        if row.get("recipe") == argv:
+        if row.get("recipe") == recipe:
             accelerator.print(f"{run_name(args, run)}: kept from {saved} (--resume)")
             return row
     run_started = time.perf_counter()
@@ -373,7 +377,7 @@ def compare_run(args: argparse.Namespace, run: Run, evaluation, accelerator) -> 
         "reference_init": results["reference_init"],
         "loss_curve": smoothed_curve(model_dir / "train_log.jsonl"),
         "eval_curve": eval_curve(model_dir / "train_log.jsonl"),
-        "recipe": argv,
+        "recipe": recipe,
     }
     if accelerator.is_main_process:
         saved.write_text(json.dumps(row, indent=1))

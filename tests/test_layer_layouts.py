@@ -6,6 +6,7 @@ combination keeps (cache, padding, backends, checkpointing, save/load, bf16) run
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -68,6 +69,55 @@ def test_no_rope_layer_interval_places_nope_layers_as_llama4_and_smollm3_do(laye
     ):
         uses_rope = [spec["type"] == "rope" for spec in config.position_encoding]
         assert uses_rope == [bool(flag) for flag in reference.no_rope_layers]
+
+
+LAYERS = {"gpt2": "n_layer", "bert": "num_hidden_layers"}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_layout_presets_are_the_reference_configs_layouts(family):
+    """Each preset against the reference's own config: Llama 4's and SmolLM3's ``no_rope_layers`` and ``rope_theta``
+    (Transformers' ``Llama4TextConfig`` / ``SmolLM3Config`` defaults), Llama 4's temperature switched on where it
+    drops RoPE; RNoPE-SWA written out (three sliding rope layers, then a full NoPE one)."""
+    layers = 8
+    llama4, smollm3 = Llama4TextConfig(num_hidden_layers=layers), SmolLM3Config(num_hidden_layers=layers)
+    for name, reference in (("irope", llama4), ("smollm3", smollm3)):
+        config = make_config(family, **hf_posenc.layout_preset(name, layers), **{LAYERS[family]: layers})
+        specs = config.position_encoding
+        assert [spec["type"] == "rope" for spec in specs] == [bool(flag) for flag in reference.no_rope_layers]
+        assert {spec["theta"] for spec in specs if spec["type"] == "rope"} == {reference.rope_parameters["rope_theta"]}
+        nope = [spec["attn_temperature_tuning"] for spec in specs if spec["type"] == "none"]
+        assert nope == [name == "irope"] * 2
+        assert config.sliding_window is None
+    config = make_config(family, **hf_posenc.layout_preset("rnope_swa", layers, 16), **{LAYERS[family]: layers})
+    assert [spec["type"] for spec in config.position_encoding] == ["rope", "rope", "rope", "none"] * 2
+    assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + [
+        "full_attention"
+    ]
+    assert config.sliding_window == 16
+
+
+@pytest.mark.parametrize(
+    ("name", "window", "message"),
+    [
+        ("rnope_swa", None, "layout 'rnope_swa' slides on its rope layers: give sliding_window"),
+        ("smollm3", 16, "layout 'smollm3' has no sliding-window layers; sliding_window=16 is unused"),
+        ("chunked", None, "Unknown layout 'chunked'; valid choices: ['irope', 'rnope_swa', 'smollm3']"),
+    ],
+)
+def test_a_layout_preset_refuses_what_it_cannot_use(name, window, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_posenc.layout_preset(name, 4, window)
+
+
+def test_the_probe_takes_a_layouts_depth_and_windows():
+    """``probe(num_hidden_layers=, layer_types=, sliding_window=)``: the model it trains has them; with softmax a
+    mix of ``rope`` and ``none`` layers sees identical tokens as identical (9105: relative schemes and NoPE under a
+    normalised softmax give every position the mean of the same values), sliding windows or not."""
+    layout = hf_posenc.layout_preset("rnope_swa", 4, 4)
+    result = hf_posenc.probe(**layout, num_hidden_layers=4, steps=20, length=8)
+    assert [spec["type"] for spec in result["position_encoding"]] == ["rope", "rope", "rope", "none"]
+    assert result["output_spread"] < 1e-4
 
 
 def test_no_rope_layers_gives_the_spec_where_the_flag_is_1():

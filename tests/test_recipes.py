@@ -334,6 +334,98 @@ def test_compare_writes_the_table_the_json_and_the_plot(tmp_path, saved_figures,
     assert curves["ylabel"] == lengths["ylabel"] == "loss (nats per token)"
 
 
+TINY_COMPARE = [
+    "--max_train_steps", "4", "--num_warmup_steps", "1", "--block_size", "16", "--hidden_size", "32",
+    "--num_attention_heads", "2", "--factors", "1", "2", "--max_eval_tokens", "256", "--probe_steps", "5",
+]  # fmt: skip
+
+
+def test_compare_over_seeds_reports_mean_and_spread_and_keeps_every_seed(tmp_path, saved_figures, monkeypatch):
+    """``--seeds``: one model per seed in ``models/<run>/seed_<s>``; every cell of the table is the mean ± the sample
+    standard deviation of the seeds' figures (recomputed here from the JSON's per-seed rows); the plot draws the
+    spread (a band around the mean training curve, error bars on the lengths). ``--resume`` then keeps every run
+    without training again and writes the same table; a layout (``rnope_swa``) is a run beside the schemes."""
+    argv = [*TINY_COMPARE, "--schemes", "rope", "--layouts", "rnope_swa", "--sliding_window", "8"]
+    argv += ["--num_hidden_layers", "4", "--seeds", "0", "1", "--output_dir", str(tmp_path)]
+    rows = compare.main(argv)
+    assert [(row["scheme"], row["seed"]) for row in rows] == [
+        ("rope", 0),
+        ("rnope_swa", 0),
+        ("rope", 1),
+        ("rnope_swa", 1),
+    ]
+    assert (tmp_path / "models" / "clm-rnope_swa-softmax" / "seed_1" / "model.safetensors").is_file()
+    saved = transformers.AutoConfig.from_pretrained(tmp_path / "models" / "clm-rnope_swa-softmax" / "seed_0")
+    assert [spec["type"] for spec in saved.position_encoding] == ["rope", "rope", "rope", "none"]
+    assert saved.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and saved.sliding_window == 8
+    document = json.loads((tmp_path / "compare.json").read_text())
+    report = (tmp_path / "compare.md").read_text()
+    for scheme in ("rope", "rnope_swa"):
+        seeds = [row for row in document["rows"] if row["scheme"] == scheme]
+        losses = [row["eval_loss"] for row in seeds]
+        assert losses[0] != losses[1]  # the seeds differ
+        mean, spread = sum(losses) / 2, abs(losses[0] - losses[1]) / math.sqrt(2)  # n - 1 = 1
+        assert f"| {scheme} | softmax | {mean:.3f} ± {spread:.3f} |" in report
+        longer = [row["extrapolation"]["2x"] for row in seeds]
+        assert f"{sum(longer) / 2:.3f} ± {abs(longer[0] - longer[1]) / math.sqrt(2):.3f}" in report
+        assert report.count(f"| {scheme} | softmax |") == 1 and "| 0 1 |" in report
+    assert "2 seeds (0, 1) per model: mean ± sample standard deviation" in report
+    curves, lengths = saved_figures[-1]
+    assert curves["legend"] == lengths["legend"] == ["rope + softmax", "rnope_swa + softmax"]
+    assert lengths["points"][:1] == [2]  # the mean at 1x and 2x, then the error bars' caps
+    assert len(lengths["points"]) > 2
+
+    def no_training(argv):
+        raise AssertionError(f"--resume trained again: {argv}")
+
+    monkeypatch.setattr(pretraining, "main", no_training)
+    assert compare.main([*argv, "--resume"]) == json.loads(json.dumps(rows))  # as saved: lists for tuples
+    assert (tmp_path / "compare.md").read_text().split("- ")[0] == report.split("- ")[0]
+
+
+def test_compare_reads_a_datasets_corpus(tmp_path):
+    """``--dataset_name`` (here a local folder, which ``datasets.load_dataset`` reads as the Hub's text datasets):
+    the pretraining recipe trains on it and the lengths are scored on its held-out split, not on the embedded
+    corpus."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("".join(f"line {i} of a small corpus, abcdefghij.\n" for i in range(400)))
+    argv = [*TINY_COMPARE, "--schemes", "alibi", "--num_hidden_layers", "1", "--dataset_name", str(corpus)]
+    (row,) = compare.main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert row["recipe"][row["recipe"].index("--dataset_name") + 1] == str(corpus)
+    held_out = compare.evaluation_text_ids(compare.parse_args(argv))(pretraining.byte_tokenizer())
+    assert bytes(held_out[:9].tolist()) == bytes(byte + 3 for byte in b"line 0 of")
+    assert math.isfinite(row["eval_loss"]) and isinstance(row["extrapolation"]["2x"], float)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--layouts", "rnope_swa"], "--layouts rnope_swa slide: give --sliding_window"),
+        (["--layouts", "irope", "--sliding_window", "8"], "--sliding_window is the window of a sliding layout"),
+        (["--seeds", "1", "1"], "--seeds must not repeat a seed, got [1, 1]"),
+        (["--dataset_config_name", "x"], "--dataset_config_name needs --dataset_name"),
+        (["--dataset_name", "x", "--train_file", __file__], "give --dataset_name or --train_file, not both"),
+        (["--layouts", "chunked"], "argument --layouts: invalid choice: 'chunked'"),
+    ],
+)
+def test_compare_refuses_flags_that_cannot_go_together(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        compare.parse_args(flags)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_pretrain_builds_a_layout_preset(tmp_path):
+    """``pretrain --layout smollm3``: the preset's per-layer list at the model's depth; with --position_encoding too
+    it stops, naming both."""
+    args = pretraining.parse_args(["--layout", "smollm3", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)])
+    config = pretraining.build_config(args, 384, 0, 1)
+    assert [spec["type"] for spec in config.position_encoding] == ["rope", "rope", "rope", "none"]
+    assert config.position_encoding[0]["theta"] == 2000000.0 and config.sliding_window is None
+    with pytest.raises(SystemExit):
+        pretraining.parse_args(["--layout", "smollm3", "--position_encoding", "rope"])
+
+
 def test_training_curve_keeps_every_step_of_a_short_run_and_averages_a_long_one(tmp_path):
     for steps in (12, 1000):
         log = tmp_path / f"{steps}.jsonl"
