@@ -4,6 +4,7 @@ errors (against the targets' variance, the error of predicting their mean) and a
 
     hf-posenc probe                                   # the README table: every scheme, the default variants
     hf-posenc probe --families gpt2 --schemes t5 alibi --variants softmax l2 softmax+gate softmax+boundary
+    hf-posenc probe --schemes rope none --layouts irope smollm3 rnope_swa --sliding_window 8 --num_hidden_layers 4
 
 A variant is a normalizer name, optionally with ``+gate`` (the Toeplitz gate) and ``+boundary`` (boundary tokens:
 [CLS] ... [SEP] in the encoder, a BOS in the decoder). A scheme is a name, optionally with options:
@@ -26,6 +27,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 import hf_posenc
+from hf_posenc_cli import catalogue
 from hf_posenc_cli.arguments import parse_scheme, parse_variant, probe_parser
 
 from .recipe_common import recipe_accelerator
@@ -41,8 +43,25 @@ def default_schemes() -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = probe_parser()
     args = parser.parse_args(argv)
-    args.schemes = args.schemes or default_schemes()
+    sliding = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["sliding"]]
+    if sliding and args.sliding_window is None:
+        parser.error(f"--layouts {' '.join(sliding)} slide: give --sliding_window")
+    if args.sliding_window is not None and not sliding:
+        parser.error("--sliding_window is the window of a sliding layout (rnope_swa); no --layouts slides")
+    schemes = args.schemes or ([] if args.layouts else default_schemes())
+    args.schemes = schemes + args.layouts  # the rows of the table: schemes, then layouts
     return args
+
+
+def model_layout(args: argparse.Namespace, entry: str) -> dict:
+    """The probe's position-encoding arguments for one row: a scheme on every layer, or a layout's preset."""
+    if entry not in args.layouts:
+        return {"position_encoding": parse_scheme(entry), "num_hidden_layers": args.num_hidden_layers}
+    window = args.sliding_window if catalogue.load_catalogue()["layout"][entry]["sliding"] else None
+    return {
+        **hf_posenc.layout_preset(entry, args.num_hidden_layers, window),
+        "num_hidden_layers": args.num_hidden_layers,
+    }
 
 
 def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: int = 1) -> list[dict]:
@@ -52,8 +71,11 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
     def has_form(family: str, scheme: str, variant: str) -> bool:  # both have a form for the family
         kind = "encoder" if family == "bert" else "decoder"
         normalizer = parse_variant(variant)[0]["type"]
-        scheme_families = encodings[parse_scheme(scheme)["type"]]["families"]
-        return kind in scheme_families and kind in normalizers[normalizer]["families"]
+        specs = model_layout(args, scheme)["position_encoding"]
+        types = {spec["type"] for spec in (specs if isinstance(specs, list) else [specs])}
+        return (
+            all(kind in encodings[name]["families"] for name in types) and kind in normalizers[normalizer]["families"]
+        )
 
     grid = [
         (family, scheme, variant, seed)
@@ -69,8 +91,8 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
         normalizer, boundary = parse_variant(variant)
         start = time.perf_counter()
         result = hf_posenc.probe(
-            parse_scheme(scheme),
-            normalizer,
+            **model_layout(args, scheme),
+            attention_normalizer=normalizer,
             family=family,
             boundary_tokens=boundary,
             length=args.length,

@@ -576,6 +576,19 @@ Several processes split the grid.
         default=DEFAULT_PROBE_VARIANTS,
         help="normalizers, each optionally +gate, +sink, +boundary",
     )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=catalogue.names("layout"),
+        default=[],
+        help="2025-26 layouts (hf_posenc.LAYOUT_PRESETS), rows beside the schemes (alone when --schemes is not given)",
+    )
+    parser.add_argument(
+        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
+    parser.add_argument(
+        "--num_hidden_layers", type=positive_int, default=2, help="the probe model's depth (a layout repeats every 4)"
+    )
     parser.add_argument("--length", type=int, default=16, help="n, the number of identical tokens")
     parser.add_argument("--max_train_steps", type=int, default=400, help="full-batch Adam steps per probe")
     parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam's learning rate")
