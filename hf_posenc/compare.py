@@ -35,7 +35,7 @@ from hf_posenc_cli import catalogue
 from hf_posenc_cli.arguments import compare_parser
 
 from . import pretraining
-from .extrapolation import evaluation_ids, extrapolation_row, format_cell
+from .extrapolation import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
 from .recipe_common import checked_input, hub_repository, recipe_accelerator, torch_threads
 
 
@@ -155,19 +155,6 @@ def length_ratio(row: dict[str, Any], factors: tuple[int, ...]) -> float | None:
     return last / first if isinstance(first, float) and isinstance(last, float) else None
 
 
-def mean_and_spread(values: list[Any]) -> dict[str, Any] | str | None:
-    """``{"mean", "std", "min", "max"}`` of one figure over the seeds (``std``: the sample standard deviation, None
-    for one seed); the reason where a seed has one instead of a number (a length the model cannot run); None if
-    any is None."""
-    reasons = [value for value in values if isinstance(value, str)]
-    if reasons:
-        return reasons[0]
-    if any(value is None for value in values):
-        return None
-    std = statistics.stdev(values) if len(values) > 1 else None
-    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values)}
-
-
 def summarize(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> list[dict[str, Any]]:
     """One row per (task, scheme, normalizer): every figure of :data:`SUMMARY_FIELDS` as :func:`mean_and_spread`
     over its seeds, the seeds, and the mean training curve with its spread."""
@@ -198,17 +185,6 @@ def summarize(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> list[dict
                          if isinstance(run["extrapolation"].get(f"{f}x"), str)},
         })  # fmt: skip
     return summary
-
-
-def summary_cell(figure: dict[str, Any] | str | None, digits: int = 3) -> str:
-    """``mean ± std`` (``mean`` for one seed), ``n/a`` for a length a model cannot run."""
-    if figure is None:
-        return ""
-    if isinstance(figure, str):
-        return "n/a"
-    if figure["std"] is None:
-        return f"{figure['mean']:.{digits}f}"
-    return f"{figure['mean']:.{digits}f} ± {figure['std']:.{digits}f}"
 
 
 def compare_table(summary: list[dict[str, Any]], factors: tuple[int, ...]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -144,36 +145,108 @@ def format_cell(value: float | str | None, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def markdown_table(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
-    """One row per model: loss at each length and the ratio of the longest to the training length."""
+def mean_and_spread(values: list[Any]) -> dict[str, Any] | str | None:
+    """``{"mean", "std", "min", "max"}`` of one figure over the seeds (``std``: the sample standard deviation, None
+    for one seed); the reason where a seed has one instead of a number (a length the model cannot run); None if
+    any is None."""
+    reasons = [value for value in values if isinstance(value, str)]
+    if reasons:
+        return reasons[0]
+    if any(value is None for value in values):
+        return None
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values)}
+
+
+def summary_cell(figure: dict[str, Any] | str | None, digits: int = 3) -> str:
+    """``mean ± std`` (``mean`` for one seed), ``n/a`` for a length a model cannot run."""
+    if figure is None:
+        return ""
+    if isinstance(figure, str):
+        return "n/a"
+    if figure["std"] is None:
+        return f"{figure['mean']:.{digits}f}"
+    return f"{figure['mean']:.{digits}f} ± {figure['std']:.{digits}f}"
+
+
+TRAINING_DETAILS = (
+    "seed", "output_dir", "hub_model_id", "hub_token", "push_to_hub", "resume_from_checkpoint", "checkpointing_steps",
+    "with_tracking", "report_to", "preprocessing_num_workers", "overwrite_cache",
+)  # fmt: skip
+"""What a model's ``training_args.json`` records that does not make it another experiment: two models whose
+arguments differ only here are seeds of one."""
+
+
+def training_recipe(name: str | Path) -> str:
+    """What makes a model one experiment: the pretraining recipe's arguments in its folder (``training_args.json``)
+    without :data:`TRAINING_DETAILS`, so the seeds of one ``compare --seeds`` run share it; a model without the file
+    (a Hub name, a stock checkpoint) is its own."""
+    path = Path(name) / "training_args.json"
+    if not path.is_file():
+        return f"model {name}"
+    arguments = json.loads(path.read_text())
+    return json.dumps({key: value for key, value in arguments.items() if key not in TRAINING_DETAILS}, sort_keys=True)
+
+
+def summarize_models(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One row per experiment (label and :func:`training_recipe`): each length and the ratio as
+    :func:`mean_and_spread` over its models (the seeds it was trained with) and their masking draws (``--seeds``)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["label"], row["recipe"]), []).append(row)
+    summary = []
+    for (label, _), models in groups.items():
+        draws = [draw for model in models for draw in model["draws"].values()]
+        ratios = [
+            draw[f"{factors[-1]}x"] / draw[f"{factors[0]}x"]
+            if isinstance(draw[f"{factors[-1]}x"], float) and isinstance(draw[f"{factors[0]}x"], float)
+            else None
+            for draw in draws
+        ]
+        summary.append({
+            "label": label, "models": [model["model"] for model in models], "values": len(draws),
+            **{f"{f}x": mean_and_spread([draw[f"{f}x"] for draw in draws]) for f in factors},
+            "ratio": mean_and_spread(ratios),
+        })  # fmt: skip
+    return summary
+
+
+def markdown_table(summary: list[dict[str, Any]], factors: tuple[int, ...]) -> str:
+    """One row per experiment: loss at each length and the ratio of the longest to the training length, the mean ±
+    the sample standard deviation where it has several models (seeds) or masking draws."""
     last = f"{factors[-1]}x"
     header = ["model", "scheme", *[f"{f}x" for f in factors], f"{last} / {factors[0]}x"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
-    for row in rows:
-        first = row.get(f"{factors[0]}x")
-        ratio = row[last] / first if isinstance(row.get(last), float) and isinstance(first, float) else None
-        cells = [row["model"], row.get("label", ""), *[format_cell(row.get(f"{f}x")) for f in factors]]
-        cells.append(format_cell(ratio, 2))
+    for row in summary:
+        models = (
+            row["models"][0] if len(row["models"]) == 1 else f"{len(row['models'])} models ({row['models'][0]}, ...)"
+        )
+        cells = [models, row["label"], *[summary_cell(row[f"{f}x"]) for f in factors], summary_cell(row["ratio"], 2)]
         lines.append("| " + " | ".join(cells) + " |")
-        notes += [f"{row['model']} at {f}x: {row[f'{f}x']}" for f in factors if isinstance(row.get(f"{f}x"), str)]
-    return "\n".join(lines + ([""] + [f"n/a: {note}." for note in notes] if notes else [])) + "\n"
+        notes += [f"n/a: {models} at {f}x: {row[f'{f}x']}." for f in factors if isinstance(row[f"{f}x"], str)]
+    if any(row["values"] > 1 for row in summary):
+        notes.append("Mean ± sample standard deviation over each experiment's models (its seeds) and masking draws.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
-def plot_rows(rows: list[dict[str, Any]], factors: tuple[int, ...], path: Path, title: str) -> None:
-    """Loss against the length factor (log scale), one line per model, labelled ``row["label"]`` (its scheme and
-    normalizer); lengths a model cannot run are left out."""
+def plot_rows(summary: list[dict[str, Any]], factors: tuple[int, ...], path: Path, title: str) -> None:
+    """Loss against the length factor (log scale), one line per experiment, labelled ``row["label"]`` (its scheme and
+    normalizer), with error bars of one standard deviation where it has several values; lengths a model cannot run
+    are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
-        losses = [row.get(f"{f}x") for f in factors]
-        points = [(f, loss) for f, loss in zip(factors, losses, strict=True) if isinstance(loss, float)]
-        if points:
-            axes.plot(*zip(*points, strict=True), marker="o", label=row["label"])
+    for row in summary:
+        points = [(f, row[f"{f}x"]) for f in factors if isinstance(row[f"{f}x"], dict)]
+        if points and row["values"] > 1:
+            means, spread = [p["mean"] for _, p in points], [p["std"] for _, p in points]
+            axes.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=row["label"])
+        elif points:
+            axes.plot([f for f, _ in points], [p["mean"] for _, p in points], marker="o", label=row["label"])
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(factors), [f"{f}x" for f in factors])
     axes.set_xlabel("evaluation length / training length")
@@ -241,6 +314,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--eval_file {args.eval_file} does not exist")
     if any(factor < 1 for factor in args.factors):
         parser.error(f"--factors must be >= 1, got {args.factors}")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     args.factors = tuple(sorted(set(args.factors)))
     models = [(name, *checked_model(parser, args, name)) for name in args.model_name_or_path]
     accelerator = recipe_accelerator(args)
@@ -253,21 +328,39 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         held_out = None if args.eval_file is not None else args.validation_split_percentage
         ids = evaluation_ids(tokenizer, args.eval_file, held_out, args.max_eval_tokens)
         mask_token_id = None if decoder else tokenizer.mask_token_id
-        row = extrapolation_row(
-            model, ids, train_length, args.factors, args.per_device_eval_batch_size, mask_token_id, args.seed,
-            accelerator,
-        )  # fmt: skip
+        seeds = [args.seed] if decoder or args.seeds is None else args.seeds  # a decoder's score draws nothing
+        draws = {
+            str(seed): extrapolation_row(
+                model,
+                ids,
+                train_length,
+                args.factors,
+                args.per_device_eval_batch_size,
+                mask_token_id,
+                seed,
+                accelerator,
+            )  # fmt: skip
+            for seed in seeds
+        }
+        row = {f"{f}x": mean_and_spread([draw[f"{f}x"] for draw in draws.values()]) for f in args.factors}
+        row = {key: value["mean"] if isinstance(value, dict) else value for key, value in row.items()}
         label = model_label(name, config)
-        rows.append({"model": str(name), "label": label, "train_length": train_length, **row})
+        rows.append({
+            "model": str(name), "label": label, "train_length": train_length, **row, "draws": draws,
+            "recipe": training_recipe(name),
+        })  # fmt: skip
         accelerator.print(f"{name} ({label}): " + ", ".join(f"{k} {format_cell(v)}" for k, v in row.items()))
-    for row, label in zip(rows, unique_labels([r["label"] for r in rows], [r["model"] for r in rows]), strict=True):
-        row["label"] = label
+    summary = summarize_models(rows, args.factors)
+    labels = unique_labels([entry["label"] for entry in summary], [entry["models"][0] for entry in summary])
+    for entry, label in zip(summary, labels, strict=True):
+        entry["label"] = label
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        table = markdown_table(rows, args.factors)
+        table = markdown_table(summary, args.factors)
         (args.output_dir / "extrapolation.md").write_text(table)
-        (args.output_dir / "extrapolation.json").write_text(json.dumps(rows, indent=2))
-        plot_rows(rows, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
+        document = {"rows": rows, "summary": summary}
+        (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))
+        plot_rows(summary, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
         print(table)
     accelerator.wait_for_everyone()
     return rows

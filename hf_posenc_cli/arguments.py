@@ -454,6 +454,9 @@ of those positions, masked (fixed draw). A model that cannot run at a length get
 Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_dir.
 
   hf-posenc extrapolate --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+  hf-posenc extrapolate --model_name_or_path compare-output/models/*/seed_* --output_dir out/extrapolation
+Models whose training_args.json differ only in the seed (the seeds of one compare --seeds run) are one row: mean ±
+standard deviation.
 """,
     )
     parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
@@ -473,6 +476,14 @@ Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_di
     parser.add_argument("--max_eval_tokens", type=int, default=16384, help="evaluate on the first N tokens only")
     parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="windows per process and batch")
     parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="score each encoder once per masking draw (a decoder's score draws nothing: once); the table gives the "
+        "mean ± standard deviation over the draws and over the models that differ only in their training seed",
+    )
     parser.add_argument(
         "--output_dir", type=output_folder, default="extrapolation-output", help="the table, the JSON file, the plot"
     )

@@ -244,12 +244,34 @@ def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder,
         assert "outside the learned position table of 16 positions" in learned[f"{factor}x"]
     table = (tmp_path / "report" / "extrapolation.md").read_text()
     assert "| n/a | n/a | n/a |" in table and "learned position table of 16 positions" in table
-    assert json.loads((tmp_path / "report" / "extrapolation.json").read_text()) == rows
+    assert json.loads((tmp_path / "report" / "extrapolation.json").read_text())["rows"] == rows
     assert (tmp_path / "report" / "extrapolation.png").stat().st_size > 10_000
     (axis,) = saved_figures[-1]
     assert axis["legend"] == ["alibi + softmax", "learned + softmax"]  # the schemes, not the folders' paths
     assert axis["points"] == [4, 1] and "training length" in axis["xlabel"] and "nats" in axis["ylabel"]
     assert "| alibi + softmax |" in table
+
+
+def test_extrapolation_groups_the_seeds_of_one_experiment_and_draws_the_encoders_masks_per_seed(tmp_path):
+    """Two decoders that differ only in their training seed are one row (mean ± sample standard deviation of their
+    losses, recomputed here), a third with another recipe its own; ``--seeds`` scores an encoder once per masking
+    draw (the draws differ) and a decoder once (it draws nothing)."""
+    for name, flags in (("a0", ["--seed", "0"]), ("a1", ["--seed", "1"]), ("b", ["--learning_rate", "1e-3"])):
+        pretrain(tmp_path / name, "--position_encoding", "rope", *flags, steps=3)
+    pretrain(tmp_path / "mlm", "--task", "mlm", "--position_encoding", "rope", steps=3)
+    models = [str(tmp_path / name) for name in ("a0", "a1", "b", "mlm")]
+    argv = ["--model_name_or_path", *models, "--factors", "1", "2", "--max_eval_tokens", "512", "--seeds", "3", "4"]
+    rows = extrapolation.main([*argv, "--output_dir", str(tmp_path / "report")])
+    assert [list(row["draws"]) for row in rows] == [["0"], ["0"], ["0"], ["3", "4"]]
+    encoder_draws = [draw["1x"] for draw in rows[3]["draws"].values()]
+    assert encoder_draws[0] != encoder_draws[1] and rows[3]["1x"] == pytest.approx(sum(encoder_draws) / 2)
+    table = (tmp_path / "report" / "extrapolation.md").read_text()
+    seeds = [rows[0]["2x"], rows[1]["2x"]]
+    assert f"| 2 models ({models[0]}, ...) | rope + softmax (a0) | " in table  # labels that repeat name a folder
+    assert f"{sum(seeds) / 2:.3f} ± {abs(seeds[0] - seeds[1]) / math.sqrt(2):.3f}" in table
+    assert f"| {models[2]} | rope + softmax ({Path(models[2]).name}) | {rows[2]['1x']:.3f} |" in table
+    summary = json.loads((tmp_path / "report" / "extrapolation.json").read_text())["summary"]
+    assert [entry["values"] for entry in summary] == [2, 1, 2]
 
 
 def test_extrapolation_checks_every_model_before_scoring_any(alibi_decoder, tmp_path, monkeypatch, capsys):
