@@ -32,7 +32,7 @@ from accelerate.utils import broadcast_object_list
 
 import hf_posenc
 from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import compare_parser
+from hf_posenc_cli.arguments import compare_parser, parse_scheme
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
@@ -77,17 +77,29 @@ Run = tuple[str, str, str, int]
 """One model of a comparison: task, scheme (or layout), normalizer, seed."""
 
 
+def folder_name(text: str) -> str:
+    """A scheme or normalizer as a folder and Hub name part: ``softmax:output_gate=elementwise`` ->
+    ``softmax-output_gate_elementwise``."""
+    return text.replace(":", "-").replace(",", "-").replace("=", "_")
+
+
 def run_name(args: argparse.Namespace, run: Run) -> str:
     """One run's name: ``<task>-<scheme>-<normalizer>``, and ``-seed<s>`` with ``--seeds`` (its Hub suffix)."""
     task, scheme, normalizer, seed = run
-    return f"{task}-{scheme}-{normalizer}" + (f"-seed{seed}" if args.seeds is not None else "")
+    name = f"{task}-{folder_name(scheme)}-{folder_name(normalizer)}"
+    return name + (f"-seed{seed}" if args.seeds is not None else "")
 
 
 def run_folder(args: argparse.Namespace, run: Run) -> Path:
     """``models/<task>-<scheme>-<normalizer>``, with ``--seeds`` one ``seed_<s>`` folder in it per seed."""
     task, scheme, normalizer, seed = run
-    folder = args.output_dir / "models" / f"{task}-{scheme}-{normalizer}"
+    folder = args.output_dir / "models" / f"{task}-{folder_name(scheme)}-{folder_name(normalizer)}"
     return folder / f"seed_{seed}" if args.seeds is not None else folder
+
+
+def spec_argument(text: str) -> str:
+    """The pretraining flag value of ``name`` or ``name:key=value,...``: the name, or the spec as JSON."""
+    return json.dumps(parse_scheme(text)) if ":" in text else text
 
 
 def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:
@@ -100,8 +112,8 @@ def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[st
         window = catalogue.load_catalogue()["layout"][scheme]["sliding"]
         argv += ["--sliding_window", str(args.sliding_window)] if window else []
     else:
-        argv = ["--task", task, "--position_encoding", scheme]
-    argv += ["--attention_normalizer", normalizer]
+        argv = ["--task", task, "--position_encoding", spec_argument(scheme)]
+    argv += ["--attention_normalizer", spec_argument(normalizer)]
     for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
     for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -130,7 +142,7 @@ def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
     it and the others receive the result."""
     task, scheme, normalizer, seed = run
     family = "gpt2" if task == "clm" else "bert"
-    layout = {"position_encoding": scheme}
+    layout = {"position_encoding": parse_scheme(scheme)}
     if scheme in args.layouts:
         window = args.sliding_window if catalogue.load_catalogue()["layout"][scheme]["sliding"] else None
         layout = hf_posenc.layout_preset(scheme, args.num_hidden_layers, window)
@@ -138,7 +150,7 @@ def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
     result = [None]
     if accelerator.is_main_process:
         probe = hf_posenc.probe(
-            **layout, attention_normalizer=normalizer, family=family, steps=args.probe_steps, seed=seed,
+            **layout, attention_normalizer=parse_scheme(normalizer), family=family, steps=args.probe_steps, seed=seed,
             progress_bar=True,
         )  # fmt: skip
         result = [probe["relative_mse"]]

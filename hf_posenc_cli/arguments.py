@@ -78,11 +78,14 @@ def scheme_spec(kind: str) -> Callable[[str], str | dict[str, Any] | list[str | 
     return parse
 
 
-def catalogue_name(kind: str, also: tuple[str, ...] = ()) -> Callable[[str], str]:
-    """The flag type of one name of ``kind`` (or of ``also``, such as ``all``), checked against the catalogue."""
+def catalogue_name(kind: str, also: tuple[str, ...] = (), options: bool = False) -> Callable[[str], str]:
+    """The flag type of one name of ``kind`` (or of ``also``, such as ``all``), checked against the catalogue; with
+    ``options``, also ``name:key=value,...`` (:func:`parse_scheme`), its options checked too."""
 
     def parse(text: str) -> str:
-        if text not in also and text not in catalogue.names(kind):
+        if options and ":" in text:
+            checked(catalogue.check_spec, kind, parse_scheme(text))
+        elif text not in also and text not in catalogue.names(kind):
             valid = ", ".join(catalogue.names(kind)) + "".join(f" or {name}" for name in also)
             raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}; valid: {valid}")
         return text
@@ -373,16 +376,16 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     parser.add_argument(
         "--schemes",
         nargs="+",
-        type=catalogue_name("position_encoding", also=("all",)),
+        type=catalogue_name("position_encoding", also=("all",), options=True),
         default=DEFAULT_COMPARE_SCHEMES,
-        help="position encodings, or all",
+        help="position encodings (a name, or name:key=value,... as path:forget_gate=true), or all",
     )
     parser.add_argument(
         "--normalizers",
         nargs="+",
-        type=catalogue_name("attention_normalizer", also=("all",)),
+        type=catalogue_name("attention_normalizer", also=("all",), options=True),
         default=["softmax"],
-        help="attention normalizers, or all",
+        help="attention normalizers (a name, or name:key=value,... as softmax:output_gate=elementwise), or all",
     )
     parser.add_argument(
         "--layouts",

@@ -429,12 +429,38 @@ def test_compare_reads_a_datasets_corpus(tmp_path):
         (["--dataset_config_name", "x"], "--dataset_config_name needs --dataset_name"),
         (["--dataset_name", "x", "--train_file", __file__], "give --dataset_name or --train_file, not both"),
         (["--layouts", "chunked"], "argument --layouts: invalid choice: 'chunked'"),
+        (
+            ["--normalizers", "softmax:output_gat=headwise"],
+            "argument --normalizers: unknown option(s) ['output_gat'] for attention_normalizer 'softmax'; valid",
+        ),
     ],
 )
 def test_compare_refuses_flags_that_cannot_go_together(flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
         compare.parse_args(flags)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_takes_a_scheme_or_normalizer_with_options(tmp_path):
+    """``name:key=value,...`` reaches the pretraining recipe as the JSON spec, and names its folder and Hub suffix
+    with characters both allow."""
+    args = compare.parse_args(
+        ["--schemes", "path:forget_gate=true", "--normalizers", "softmax:output_gate=elementwise,sink=learned"]
+        + ["--seeds", "3", "--output_dir", str(tmp_path)]
+    )
+    run = ("clm", *args.schemes, *args.normalizers, 3)
+    argv = compare.recipe_argv(args, run, compare.run_folder(args, run))
+    assert json.loads(argv[argv.index("--position_encoding") + 1]) == {"type": "path", "forget_gate": True}
+    normalizer = json.loads(argv[argv.index("--attention_normalizer") + 1])
+    assert normalizer == {"type": "softmax", "output_gate": "elementwise", "sink": "learned"}
+    assert (
+        compare.run_name(args, run) == "clm-path-forget_gate_true-softmax-output_gate_elementwise-sink_learned-seed3"
+    )
+    folder = compare.run_folder(args, run)
+    assert (
+        folder
+        == tmp_path / "models" / "clm-path-forget_gate_true-softmax-output_gate_elementwise-sink_learned" / "seed_3"
+    )
 
 
 def test_pretrain_builds_a_layout_preset(tmp_path):
