@@ -227,3 +227,15 @@ def test_path_in_query_chunks_equals_one_chunk(monkeypatch):
     torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-6, rtol=1e-5)
     for p, grad in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_cropped_cache_drops_the_factors_of_the_dropped_tokens():
+    model = make_model("gpt2", PATH_FOX, attn="eager")
+    ids = random_ids(1, 10)
+    kept = [0, 1, 2, 3, 4, 8, 9]
+    with torch.no_grad():
+        full = model(ids[:, kept]).logits
+        cache = cache_of(model(ids[:, :8], use_cache=True))
+        cache.crop(-3)
+        tail = model(ids[:, 8:], **with_cache(cache)).logits
+    torch.testing.assert_close(tail, full[:, 5:], atol=1e-5, rtol=1e-4)
