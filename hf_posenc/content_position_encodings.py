@@ -951,3 +951,187 @@ class FoX(PositionEncoding):
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
         return ForgetGate(dims)
+
+
+def path_householder_term(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    directions: torch.Tensor,
+    strengths: torch.Tensor,
+    visible: torch.Tensor,
+    solve_matrix: torch.Tensor,
+) -> torch.Tensor:
+    """PaTH's correction to ``q_i . k_j`` for a chunk of queries: ``q_i^T (H_i ... H_{j+1} - I) k_j``, ``H_t = I -
+    beta_t w_t w_t^T``, ``(batch, heads, q, kv_len)`` in at least float32, unscaled.
+
+    ``directions`` ``w`` ``(batch, heads, kv_len, head_dim)`` (unit vectors), ``strengths`` ``beta`` ``(batch, heads,
+    kv_len)``, ``visible`` ``(batch|1, 1|heads, q, kv_len)`` the keys each query sees (``s <= i`` in the product),
+    ``solve_matrix`` ``L = I + diag(beta) stril(W W^T, -1)`` ``(batch, heads, kv_len, kv_len)``. With the UT transform
+    ``H_i ... H_{j+1} = I - sum_{j < t <= s <= i} w_s T_st w_t^T``, ``T = L^{-1} diag(beta)`` (lower triangular; a
+    contiguous range of tokens reads the diagonal block of one global ``T``), the term is
+    ``-((Q W^T) [s <= i]) T ((W K^T) [t > j])``: one triangular solve and two matmuls, nothing ``(q, k, head_dim)``."""
+    compute_dtype = directions.dtype
+    query, key = query.to(compute_dtype), key.to(compute_dtype)
+    kv_len = key.shape[-2]
+    reach = torch.matmul(query, directions.transpose(-1, -2)) * visible  # (q_i . w_s) for s the query sees
+    # X L = reach, X = reach L^{-1}; then R = X diag(beta) = reach T.
+    solved = torch.linalg.solve_triangular(solve_matrix, reach, upper=False, left=False, unitriangular=True)
+    weighted = solved * strengths[..., None, :]
+    index = torch.arange(kv_len, device=key.device)
+    later = index[:, None] > index[None, :]  # [t > j]
+    projected_keys = torch.matmul(directions, key.transpose(-1, -2)) * later  # (w_t . k_j) for t > j
+    return -torch.matmul(weighted, projected_keys)
+
+
+class HouseholderTerm(LayerPositionTerm):
+    """One layer's PaTH parameters: ``direction`` (the reference's ``w_proj``: ``hidden -> rank -> heads * head_dim``,
+    two ``nn.Linear`` without bias, or one ``hidden -> heads * head_dim`` with ``w_rank=0``), ``strength``
+    (``bt_proj``: ``nn.Linear(hidden, heads)`` with bias, ``beta = 2 sigmoid``), and with ``forget_gate`` a FoX
+    :class:`ForgetGate` (the reference's ``g_proj``, the same module). Every ``nn.Linear`` gets the family's init
+    (weight ``N(0, initializer_range)``, bias 0: fla's ``_init_weights`` alike), so every ``beta`` starts at 1.
+
+    Per token it keeps one state with the KV cache, ``path_state``: ``w`` (``heads * head_dim``), ``beta`` (``heads``)
+    and, with the forget gate, FoX's ``log f`` (``heads``), in float32 (one state, so per-layer layouts with FoX keep
+    distinct cache slots)."""
+
+    cache_states = ("path_state",)
+    query_chunk: int | None = None  # None: by CHUNK_ELEMENTS
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.num_heads, self.head_dim = dims.num_heads, dims.head_dim
+        width = dims.num_heads * dims.head_dim
+        rank = spec["w_rank"]
+        if rank == 0:
+            self.direction = nn.Linear(dims.hidden_size, width, bias=False)
+        else:
+            self.direction = nn.Sequential(
+                nn.Linear(dims.hidden_size, rank, bias=False), nn.Linear(rank, width, bias=False)
+            )
+        self.strength = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
+        self.forget_gate = ForgetGate(dims) if spec["forget_gate"] else None
+
+    def layer_tables(self, hidden_states, attention_inputs, store):
+        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        batch, q_len, _ = hidden_states.shape
+        directions = self.direction(hidden_states).to(compute_dtype).view(batch, q_len, self.num_heads, -1)
+        directions = directions * torch.rsqrt(directions.square().sum(-1, keepdim=True) + 1e-6)  # fla's l2_norm
+        strengths = 2.0 * torch.sigmoid(self.strength(hidden_states).to(compute_dtype))  # (batch, q_len, heads)
+        states = torch.cat((directions.flatten(-2), strengths), dim=-1)
+        width = states.shape[-1]
+        tables = {}
+        if self.forget_gate is not None:
+            # FoX's own tables, its log f kept in the same per-token state (one store call, one cache slot).
+            def store_with_path(name, log_forget):
+                nonlocal states
+                joined = torch.cat((states, log_forget.to(compute_dtype)), dim=-1)
+                joined = joined if store is None else store("path_state", joined)
+                states = joined[..., :width]
+                return joined[..., width:]
+
+            tables = self.forget_gate.layer_tables(hidden_states, attention_inputs, store_with_path)
+        elif store is not None:
+            states = store("path_state", states)
+        kv_len = states.shape[1]
+        directions = states[..., : width - self.num_heads].reshape(batch, kv_len, self.num_heads, -1).transpose(1, 2)
+        strengths = states[..., width - self.num_heads :].transpose(1, 2)
+        return {**tables, "path_directions": directions.contiguous(), "path_strengths": strengths.contiguous()}
+
+    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
+        tables = attention_inputs["layer"]
+        directions, strengths = tables["path_directions"], tables["path_strengths"]
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        visible = attention_inputs["visible"]
+        if visible is None:  # no mask: every key is a token, causal with the cached keys first
+            visible = implicit_causal(q_len, kv_len, query.device)[None, None]
+        else:
+            # A key no query sees (padding, a hole in the mask, an unwritten static-cache row) is not a token of
+            # the sequence: its H is the identity.
+            strengths = strengths * visible.any(dim=-2)
+        gram = torch.matmul(directions, directions.transpose(-1, -2)).tril(-1)
+        solve_matrix = torch.eye(kv_len, dtype=gram.dtype, device=gram.device) + strengths[..., :, None] * gram
+
+        def chunk_scores(start: int, stop: int) -> torch.Tensor:
+            chunk_visible = visible[..., start:stop, :].to(directions.dtype)
+            return path_householder_term(
+                query[..., start:stop, :], key, directions, strengths, chunk_visible, solve_matrix
+            )
+
+        term = in_query_chunks(chunk_scores, (*query.shape[:-1], kv_len), self.query_chunk) * scaling
+        if self.forget_gate is not None:
+            term = term + self.forget_gate.score_term(query, key, attention_inputs, scaling, project_query_key)
+        return term
+
+
+def implicit_causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``(q_len, kv_len)`` boolean: query ``i`` (the ``i``-th of the last ``q_len`` tokens) sees keys ``<= kv_len -
+    q_len + i``."""
+    return torch.arange(kv_len, device=device) <= torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+
+
+class PaTH(PositionEncoding):
+    """PaTH, position encoding by accumulated Householder transformations (Yang, Shen, Wen, Tan, Mishra, Ren, Panda,
+    Kim, NeurIPS 2025, arXiv 2505.16381; reference code flash-linear-attention ``fla/layers/path_attn.py``,
+    ``PaTHAttention``), decoder only:
+
+    ``score_ij = q_i^T H_i H_(i-1) ... H_(j+1) k_j`` (the empty product at ``j = i``), ``H_t = I - beta_t w_t w_t^T``,
+    per head, with ``w_t = l2norm(W_w x_t)`` (``W_w`` low rank, ``hidden -> 32 -> heads * head_dim``, no bias) and
+    ``beta_t = 2 sigmoid(W_beta x_t + b)`` in ``(0, 2)`` (negative eigenvalues allowed), ``x_t`` the layer's input; the
+    score takes the layer's scaling like ``q . k``. As the reference's decoding step (``k <- k - beta (k . w) w`` on
+    every cached key for each new token), a key is transformed by the Householder factor of every later token up to
+    the query. ``forget_gate=True`` is PaTH-FoX (the paper's best variant; the reference's ``use_forget_gate``): plus
+    FoX's bias ``sum_(l=j+1..i) log f_l`` from the same :class:`ForgetGate` as ``fox``.
+
+    Computation, exact, no ``(q, k, head_dim)`` tensor: with ``T = (I + diag(beta) stril(W W^T, -1))^(-1) diag(beta)``
+    (the UT transform, lower triangular; ``H_i ... H_(j+1) = I - sum_(j<t<=s<=i) w_s T_st w_t^T``), the scores are
+    ``Q K^T - ((Q W^T) [s <= i]) T ((W K^T) [t > j])``: an additive ``(batch, heads, q, k)`` layer term
+    (:class:`HouseholderTerm`, :func:`path_householder_term`), one triangular solve with the queries' rows as
+    right-hand sides and two matmuls, in float32 and in checkpointed chunks of queries. Cost per head and layer:
+    ``O(q k^2)`` flops for the solve and ``O(q k (k + d))`` for the matmuls (``O(n^3)`` in training), ``O(k^2)``
+    memory, where the reference's Triton kernel (blockwise UT transforms, FlashAttention-style) is ``O(n^2 d)`` and
+    keeps no ``(n, n)`` tensor: that kernel is not built.
+
+    KV cache: each token's ``w``, ``beta`` (and ``log f``) are kept with the cache (``path_state``), and every forward
+    applies every key's later factors from them, so cache = no cache exactly, the raw keys stay in the KV cache (the
+    reference keeps the transformed keys instead). Padding: a key no query sees (padding on either side, a hole in a
+    2-D mask, an unwritten row of a static cache) gets ``beta = 0``, its ``H`` the identity, so a padded row equals the
+    row alone (the reference removes padding tokens, ``unpad_input``). The factors depend on the tokens, not on the
+    position ids: shifting the positions changes nothing.
+
+    Deviations from the reference: no short convolution on ``w`` (the reference's ``use_w_shortconv=True``, a causal
+    depthwise convolution of width 3 before the norm): it reads the two tokens before each key, which a sliding-window
+    layer's cache has evicted for its oldest keys; the directions then depend on the token alone. No q/k RMS norm (the
+    reference's default ``use_qk_norm=False`` too). Backends: eager and SDPA (the term as a per-layer float mask, on
+    CPU ``attention_with_learned_bias``); FlexAttention is not offered (``backends``): the term is a ``(q, k)`` tensor
+    per layer, which a ``score_mod`` would only read back, so a flex request runs SDPA (logged).
+    """
+
+    name = "path"
+    description = "PaTH (decoder): q_i^T H_i...H_(j+1) k_j, H_t = I - beta_t w_t w_t^T from the input; PaTH-FoX option"
+    relative = True
+    families = ("decoder",)
+    has_layer_term = True
+    backends = ("eager", "sdpa")
+    options = {
+        "w_rank": Option(
+            32,
+            (int,),
+            "rank of the w projection hidden -> rank -> heads*head_dim (the reference's 32); 0: one full matrix",
+            lambda v: v >= 0,
+            "an int >= 0",
+        ),
+        "forget_gate": Option(False, (bool,), "PaTH-FoX: add FoX's forget-gate bias sum_(l=j+1..i) log f_l"),
+    }
+
+    @classmethod
+    def check_family(cls, spec, causal):
+        if not causal:
+            raise ValueError(
+                "position_encoding 'path' has no encoder form: a key is transformed by the Householder factors of "
+                "the tokens from it to a later query (Yang et al. 2025), so it runs in a decoder only (posenc_gpt2, "
+                "or PosEncBertConfig(is_decoder=True))."
+            )
+
+    @classmethod
+    def layer_term(cls, spec, dims, layer_idx):
+        return HouseholderTerm(spec, dims)

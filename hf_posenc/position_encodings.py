@@ -21,7 +21,7 @@ from .absolute_encodings import (
     RecurrentAbsolute,
     SinusoidalAbsolute,
 )
-from .content_position_encodings import TUPE, CoPE, DeBERTa, FoX, RelativeKey, Shaw, TransformerXL
+from .content_position_encodings import TUPE, CoPE, DeBERTa, FoX, PaTH, RelativeKey, Shaw, TransformerXL
 from .position_interface import AttentionDims, PositionEncoding
 from .rotary_encodings import PoPE, RoPE, XPos
 from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias
@@ -32,7 +32,7 @@ POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
     for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE, XPos)
     + (RecurrentAbsolute, Floater, MultiplicativeAbsolute, HierarchicalAbsolute, ComplexOrder, ConvAbsolute)
     + (Shaw, TransformerXL, DeBERTa, TUPE, CoPE, RelativeKey)
-    + (PoPE, FoX)
+    + (PoPE, FoX, PaTH)
 }
 
 

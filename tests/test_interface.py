@@ -21,7 +21,7 @@ from hf_posenc.position_interface import EmbeddingInputs, LayerPositionTerm, Pos
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox"])
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox", "path"])
 def test_beam_search_with_cache_equals_without_cache(scheme):
     """Beam search reorders the cache every step: the cached key positions (and FoX's per-layer gates) must follow
     their keys."""

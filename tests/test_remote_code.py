@@ -72,6 +72,7 @@ OTHER_PYTHON = os.environ.get("HF_POSENC_OTHER_PYTHON")
         ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
         ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
         ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
+        ("gpt2", {"type": "path", "forget_gate": True}, "softmax", "AutoModelForCausalLM"),  # PaTH-FoX
         ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
         ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
         ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),

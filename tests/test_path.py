@@ -1,0 +1,241 @@
+"""PaTH (Householder position encoding, Yang et al. 2025) against explicit products of its matrices; the shared
+properties (padding, caches, backends, save/load, checkpointing, bf16, shift) run ``path`` through the registry, and
+PaTH-FoX here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from torch.nn import functional as F
+
+import hf_posenc
+from hf_posenc.content_position_encodings import implicit_causal, path_householder_term
+
+
+PATH_FOX = {"type": "path", "forget_gate": True}
+
+
+def householder_loop(query, key, directions, strengths):
+    """``q_i^T H_i H_(i-1) ... H_(j+1) k_j`` for ``j <= i`` (0 elsewhere), ``H_t = I - beta_t w_t w_t^T``, as
+    explicit ``(d, d)`` matrix products, one (batch, head, i, j) at a time; ``(batch, heads, n, n)``."""
+    batch, heads, n, d = query.shape
+    rows = []
+    for b in range(batch):
+        for h in range(heads):
+            eye = torch.eye(d, dtype=query.dtype)
+            factors = [eye - strengths[b, h, t] * torch.outer(w, w) for t, w in enumerate(directions[b, h])]
+            scores = []
+            for i in range(n):
+                for j in range(n):
+                    if j > i:
+                        scores.append(query.new_zeros(()))
+                        continue
+                    product = eye
+                    for t in range(i, j, -1):  # H_i first (leftmost)
+                        product = product @ factors[t]
+                    scores.append(query[b, h, i] @ product @ key[b, h, j])
+            rows.append(torch.stack(scores).view(n, n))
+    return torch.stack(rows).view(batch, heads, n, n)
+
+
+def random_factors(batch=2, heads=2, n=6, d=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query, key, raw = (torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64) for _ in range(3))
+    directions = F.normalize(raw, dim=-1)
+    strengths = 2 * torch.rand(batch, heads, n, generator=generator, dtype=torch.float64)
+    return query, key, directions, strengths
+
+
+def ut_term(query, key, directions, strengths):
+    n = key.shape[-2]
+    gram = (directions @ directions.transpose(-1, -2)).tril(-1)
+    solve_matrix = torch.eye(n, dtype=gram.dtype) + strengths[..., :, None] * gram
+    visible = implicit_causal(query.shape[-2], n, query.device)[None, None].to(query.dtype)
+    return path_householder_term(query, key, directions, strengths, visible, solve_matrix)
+
+
+def test_the_ut_transform_term_equals_explicit_householder_products():
+    query, key, directions, strengths = random_factors()
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    expected = householder_loop(query, key, directions, strengths)
+    got = (query @ key.transpose(-1, -2) + ut_term(query, key, directions, strengths)) * causal
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_the_ut_transform_term_has_the_gradients_of_the_explicit_products():
+    inputs = [tensor.requires_grad_() for tensor in random_factors(batch=1, n=5, seed=1)]
+    weights = torch.randn(1, 2, 5, 5, dtype=torch.float64).tril()
+    loop_grads = torch.autograd.grad((householder_loop(*inputs) * weights).sum(), inputs)
+    query, key = inputs[:2]
+    scores = query @ key.transpose(-1, -2) + ut_term(*inputs)
+    term_grads = torch.autograd.grad((scores * weights).sum(), inputs)
+    for got, expected in zip(term_grads, loop_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
+def model_factors(model, ids, layer=0):
+    """The first layer's input, q, k, v and PaTH's w, beta (float64 model), by hand from its weights."""
+    block = model.transformer.h[layer]
+    x = block.ln_1(model.transformer.wte(ids))[0]
+    query, key, value = (part.view(-1, 4, 8).transpose(0, 1) for part in block.attn.c_attn(x).split(32, dim=-1))
+    term = block.attn.position_term
+    raw = term.direction(x).view(-1, 4, 8)
+    directions = (raw / (raw.square().sum(-1, keepdim=True) + 1e-6).sqrt()).transpose(0, 1)  # fla's l2_norm, eps 1e-6
+    strengths = 2 * torch.sigmoid(term.strength(x)).T
+    return block, x, query, key, value, directions, strengths
+
+
+@pytest.mark.parametrize("spec", ["path", PATH_FOX])
+def test_path_attention_and_output_equal_the_householder_loop(spec):
+    """The model's weights and attention output: softmax over ``j <= i`` of ``q_i^T H_i...H_(j+1) k_j / sqrt(d)``
+    (plus FoX's ``sum_(l=j+1..i) log f_l`` with ``forget_gate``), ``w``, ``beta`` computed from the layer's input by
+    hand, the product of explicit matrices, float64."""
+    model = make_model("gpt2", spec, n_layer=1, attn="eager").double()
+    ids = random_ids(1, 6)
+    captured = {}
+    model.transformer.h[0].attn.register_forward_hook(lambda module, args, output: captured.update(out=output[0]))
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions[0][0]
+        block, x, query, key, value, directions, strengths = model_factors(model, ids)
+        scores = householder_loop(query[None], key[None], directions[None], strengths[None])[0] / math.sqrt(8)
+        if spec == PATH_FOX:
+            gate = block.attn.position_term.forget_gate.forget_gate
+            log_forget = F.logsigmoid(gate(x)).T  # (heads, n)
+            cumulative = log_forget.cumsum(-1)
+            scores = scores + cumulative[:, :, None] - cumulative[:, None, :]
+        causal = torch.ones(6, 6, dtype=torch.bool).tril()
+        expected = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+        output = block.attn.c_proj((expected @ value).transpose(0, 1).reshape(6, 32))
+    torch.testing.assert_close(weights, expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(captured["out"][0], output, atol=1e-10, rtol=0)
+
+
+def test_path_starts_as_the_reference_initialises_it():
+    """fla's ``PaTHAttention``: ``w_proj`` hidden -> 32 -> heads*head_dim without bias, ``bt_proj`` with a bias (0 at
+    init, so every beta starts at 2 sigmoid(0) = 1); the forget gate is FoX's module."""
+    torch.manual_seed(0)
+    model = hf_posenc.PosEncGPT2Model(make_config("gpt2", PATH_FOX, n_embd=64, n_head=4, initializer_range=0.02))
+    term = model.h[1].attn.position_term
+    assert [layer.weight.shape for layer in term.direction] == [(32, 64), (64, 32)]
+    assert all(layer.bias is None for layer in term.direction)
+    assert torch.equal(term.strength.bias, torch.zeros(4))
+    assert type(term.forget_gate).__name__ == "ForgetGate"
+    full = hf_posenc.PosEncGPT2Model(make_config("gpt2", {"type": "path", "w_rank": 0}))
+    assert full.h[0].attn.position_term.direction.weight.shape == (32, 32)
+
+
+def test_path_in_an_encoder_config_says_why_it_is_refused():
+    with pytest.raises(ValueError, match="'path' has no encoder form"):
+        make_config("bert", "path")
+    assert make_config("bert", "path", is_decoder=True).position_encoding["type"] == "path"
+
+
+def test_path_keeps_each_layers_factors_with_the_cache():
+    """One state per layer (w, beta, and log f with the forget gate), after the key-position slots; a second chunk
+    applies the cached keys' factors: chunked forwards equal one forward."""
+    model = make_model("gpt2", PATH_FOX, attn="eager")
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        first = model(ids[:, :5], use_cache=True)
+        cache = cache_of(first)
+        logits = model(ids[:, 5:], **with_cache(cache)).logits
+        full = model(ids).logits
+    assert len(cache.layers) == 2 + 2 + 2
+    assert cache.layers[4].keys.shape == (1, 1, 9, 4 * 8 + 4 + 4)
+    torch.testing.assert_close(logits, full[:, 5:], atol=1e-5, rtol=1e-4)
+
+
+def generate(model, ids, **kwargs):
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True)
+    return model.generate(ids, return_dict_in_generate=True, **settings, **kwargs)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_path_fox_generation_with_a_cache_equals_without(cache):
+    model = make_model("gpt2", PATH_FOX, attn="sdpa")
+    ids = random_ids(2, 7, seed=5)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # left padding
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    cached = generate(model, ids, attention_mask=attention_mask, use_cache=True, **extra)
+    uncached = generate(model, ids, attention_mask=attention_mask, use_cache=False)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["path", PATH_FOX])
+def test_a_left_padded_row_equals_the_row_alone(spec):
+    """A padding token's beta is 0 (its H the identity) and its gate reaches no real token."""
+    model = make_model("gpt2", spec, attn="eager")
+    ids = random_ids(2, 8, seed=6)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :3] = 0
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=attention_mask, position_ids=positions).logits
+        alone = model(ids[:1, 3:]).logits
+    torch.testing.assert_close(batch[0, 3:], alone[0], atol=1e-5, rtol=1e-4)
+
+
+def test_path_fox_eager_equals_sdpa_and_flex_runs_sdpa():
+    """Values and gradients; a FlexAttention request runs SDPA (flex is not in the scheme's backends)."""
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :2] = 0
+    results = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model("gpt2", PATH_FOX, attn=attn)
+        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if "position_term" in name}
+        results[attn] = (loss.detach(), grads)
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(results[attn][0], results["eager"][0], atol=1e-5, rtol=1e-4)
+        for name, grad in results["eager"][1].items():
+            torch.testing.assert_close(results[attn][1][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_path_in_a_sliding_layer_generates_as_without_cache():
+    """The window keeps its keys' factors with them: the product from a visible key to the query stays inside it."""
+    layer_types = ["sliding_attention", "full_attention"]
+    model = make_model("gpt2", "path", attn="sdpa", sliding_window=4, layer_types=layer_types)
+    ids = random_ids(1, 6, seed=7)
+    for cache in ({}, {"cache_implementation": "static"}):
+        cached = generate(model, ids, use_cache=True, **cache)
+        uncached = generate(model, ids, use_cache=False)
+        assert torch.equal(cached.sequences, uncached.sequences)
+        for a, b in zip(cached.scores, uncached.scores, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_path_in_query_chunks_equals_one_chunk(monkeypatch):
+    from hf_posenc.content_position_encodings import HouseholderTerm
+
+    model = make_model("gpt2", "path", attn="eager")
+    ids = random_ids(2, 9)
+    whole = model(ids, labels=ids)
+    whole.loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(HouseholderTerm, "query_chunk", 4)
+    chunked = model(ids, labels=ids)
+    chunked.loss.backward()
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-6, rtol=1e-5)
+    for p, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_cropped_cache_drops_the_factors_of_the_dropped_tokens():
+    model = make_model("gpt2", PATH_FOX, attn="eager")
+    ids = random_ids(1, 10)
+    kept = [0, 1, 2, 3, 4, 8, 9]
+    with torch.no_grad():
+        full = model(ids[:, kept]).logits
+        cache = cache_of(model(ids[:, :8], use_cache=True))
+        cache.crop(-3)
+        tail = model(ids[:, 8:], **with_cache(cache)).logits
+    torch.testing.assert_close(tail, full[:, 5:], atol=1e-5, rtol=1e-4)
