@@ -6,7 +6,8 @@ For each family (BERT, GPT-2) and sequence length it times, as a ratio to the st
 * every position encoding (``--schemes``, default: every registered one) with softmax on sdpa and eager (and on
   flex_attention with ``--flex``), and one training step (forward + backward, no optimizer) of each on sdpa;
 * every other attention normalizer (``--normalizers``) with ``learned``, forward and training step, on the backend
-  it runs on;
+  it runs on (a scheme or normalizer may carry options, ``path:forget_gate=true``, ``softmax:output_gate=headwise``);
+* each layout of ``--layouts`` (``hf_posenc.LAYOUT_PRESETS``: a scheme and a window per layer) as a scheme row;
 * one training step of the stock model, both sdpa.
 
 Besides ``ratio_vs_stock``, each row gives ``ratio_vs_none`` (the ``none`` scheme, same backend and mode, same run)
@@ -24,6 +25,8 @@ peak counter), so on CPU the table shows latency only.
     python benchmarks/bench_attention.py --flex --json bench.json
     python benchmarks/bench_attention.py --families bert --seq-lens 512 --schemes none t5 alibi --memory-seq-len 2048
     python benchmarks/bench_attention.py --device cuda --batch 32 --seq-lens 512 1024 2048
+    python benchmarks/bench_attention.py --schemes rope path --layouts smollm3 rnope_swa --sliding-window 128 \
+        --normalizers softmax softmax:output_gate=elementwise differential
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 import transformers
 
 import hf_posenc
+from hf_posenc_cli.arguments import catalogue_name, parse_scheme
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())
@@ -66,8 +70,22 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=SCHEMES, help="`none` is always added")
-    parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding", options=True),
+        default=SCHEMES,
+        help="names or name:key=value,...; `none` is always added",
+    )
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        type=catalogue_name("attention_normalizer", options=True),
+        default=NORMALIZERS,
+        help="names or name:key=value,...",
+    )
+    parser.add_argument("--layouts", nargs="+", choices=list(hf_posenc.LAYOUT_PRESETS), default=[])
+    parser.add_argument("--sliding-window", type=int, default=None, help="the window of the --layouts that slide")
     parser.add_argument("--memory-seq-len", type=int, default=None, help="also measure peak training memory")
     parser.add_argument(
         "--malloc-mmap-threshold",
@@ -95,14 +113,40 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def supports(family: str, scheme: str) -> bool:
-    return ("encoder" if family == "bert" else "decoder") in hf_posenc.list_position_encodings()[scheme]["families"]
+def layout_values(scheme: str, args: argparse.Namespace) -> dict:
+    """The config values of a row: ``position_encoding`` (a spec, or a layout's per-layer list) and a layout's
+    windows."""
+    if scheme not in hf_posenc.LAYOUT_PRESETS:
+        return {"position_encoding": parse_scheme(scheme)}
+    window = args.sliding_window if scheme in hf_posenc.configuration_posenc.SLIDING_LAYOUTS else None
+    return hf_posenc.layout_preset(scheme, args.layers, window)
+
+
+def supports(family: str, scheme: str, args: argparse.Namespace) -> bool:
+    """Whether the scheme (or every scheme of a layout) has a form for the family."""
+    specs = layout_values(scheme, args)["position_encoding"]
+    kind = "encoder" if family == "bert" else "decoder"
+    catalogue = hf_posenc.list_position_encodings()
+    return all(kind in catalogue[spec["type"]]["families"] for spec in (specs if isinstance(specs, list) else [specs]))
 
 
 def normalizer_supports(family: str, normalizer: str) -> bool:
     """Whether the normalizer has a form for the family (``stick_breaking``: decoders only)."""
-    families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
+    families = hf_posenc.list_attention_normalizers()[parse_scheme(normalizer)["type"]]["families"]
     return ("encoder" if family == "bert" else "decoder") in families
+
+
+def converted(stock, scheme: str, normalizer: str, args: argparse.Namespace) -> transformers.PreTrainedModel:
+    """``hf_posenc.convert(stock)`` with the row's scheme (or layout) and normalizer; a layout's windows are set on
+    the config and the model rebuilt with the same weights."""
+    values = layout_values(scheme, args)
+    model = hf_posenc.convert(stock, values.pop("position_encoding"), parse_scheme(normalizer))
+    if not values:
+        return model
+    config = type(model.config).from_dict({**model.config.to_dict(), **values})
+    rebuilt = type(model)(config).to(model.device)
+    rebuilt.load_state_dict(model.state_dict())
+    return rebuilt
 
 
 def stock_model(family: str, args: argparse.Namespace) -> transformers.PreTrainedModel:
@@ -153,17 +197,17 @@ def build_cases(family: str, args: argparse.Namespace) -> list[Case]:
     for backend in backends:
         if backend != "flex_attention" or type(stock)._supports_flex_attn:  # stock GPT-2 has no flex support
             cases.append(Case(family, "stock", "softmax", backend, "forward", on_backend(stock, backend)))
-    for scheme in [s for s in args.schemes if supports(family, s)]:
-        converted = hf_posenc.convert(stock, position_encoding=scheme)
+    for scheme in [s for s in [*args.schemes, *args.layouts] if supports(family, s, args)]:
+        model = converted(stock, scheme, "softmax", args)
         for backend in backends:
-            cases.append(Case(family, scheme, "softmax", backend, "forward", on_backend(converted, backend)))
-        cases.append(Case(family, scheme, "softmax", "sdpa", "train", copy.deepcopy(converted)))
+            cases.append(Case(family, scheme, "softmax", backend, "forward", on_backend(model, backend)))
+        cases.append(Case(family, scheme, "softmax", "sdpa", "train", copy.deepcopy(model)))
     for normalizer in [n for n in args.normalizers if normalizer_supports(family, n)]:
-        converted = hf_posenc.convert(stock, attention_normalizer=normalizer)
+        base = converted(stock, "learned", normalizer, args)
         for mode in ("forward", "train"):
-            for backend in ("eager", "sdpa") if normalizer == "softmax" else (runs_on(converted),):
+            for backend in ("eager", "sdpa") if normalizer == "softmax" else (runs_on(base),):
                 if normalizer != "softmax" or not (backend == "sdpa" and "learned" in args.schemes):
-                    model = on_backend(copy.deepcopy(converted), backend)
+                    model = on_backend(copy.deepcopy(base), backend)
                     cases.append(Case(family, "learned", normalizer, backend, mode, model))
     cases.append(Case(family, "stock", "softmax", "sdpa", "train", stock_model(family, args)))
     for case in cases:
@@ -175,9 +219,16 @@ def runs_on(model: transformers.PreTrainedModel) -> str:
     """The backend hf_posenc picks for this model when asked for sdpa (with gradients, as in training, on the
     model's default positions)."""
     config = model.config
-    return hf_posenc.posenc_attention.choose_backend(
-        "sdpa", config.position_encoding, config.attention_normalizer, model.device, consecutive=True
-    )
+    specs = config.position_encoding if isinstance(config.position_encoding, list) else [config.position_encoding]
+    backends = {
+        hf_posenc.posenc_attention.choose_backend(
+            "sdpa", spec, config.attention_normalizer, model.device, consecutive=True
+        )
+        for spec in specs
+    }
+    if len(backends) > 1:
+        raise ValueError(f"the layers of {model.config.position_encoding} run on {sorted(backends)}; time one scheme")
+    return backends.pop()
 
 
 def step_fn(case: Case, ids: torch.Tensor) -> Callable[[], None]:
@@ -264,7 +315,7 @@ def rows_for(cases: list[Case], seq_len: int) -> list[dict]:
 def measure_peak_memory(family: str, scheme: str, normalizer: str, args: argparse.Namespace) -> float:
     """Peak memory (MiB) of one training step at ``--memory-seq-len``, batch 1, in this (fresh) process."""
     stock = stock_model(family, args)
-    model = hf_posenc.convert(stock, position_encoding=scheme, attention_normalizer=normalizer).train()
+    model = converted(stock, scheme, normalizer, args).train()
     model.set_attn_implementation(runs_on(model))
     ids = torch.randint(0, args.vocab, (1, args.memory_seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(args.device)
@@ -300,13 +351,14 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
     """Peak training memory of every scheme (softmax) and normalizer (learned), each in a fresh process."""
     rows = []
     for family in args.families:
-        combos = [(s, "softmax") for s in args.schemes if supports(family, s)]
+        combos = [(s, "softmax") for s in [*args.schemes, *args.layouts] if supports(family, s, args)]
         combos += [("learned", n) for n in args.normalizers if n != "softmax" and normalizer_supports(family, n)]
         for scheme, normalizer in combos:
             command = [sys.executable, __file__, "--memory-child", family, scheme, normalizer]
             command += ["--memory-seq-len", str(args.memory_seq_len), "--device", args.device, "--seq-lens", "1"]
             command += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads)]
             command += ["--vocab", str(args.vocab), "--seed", str(args.seed)]
+            command += ["--sliding-window", str(args.sliding_window)] if args.sliding_window is not None else []
             env = dict(os.environ)
             if args.malloc_mmap_threshold is not None:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
