@@ -134,17 +134,22 @@ def _number_or_string(value: str):
 
 
 def parse_variant(text: str) -> tuple[dict, bool]:
-    """``normalizer[+gate][+sink][+boundary]`` -> (the normalizer's config dict, boundary tokens); ``+sink``: softmax's
-    learned sink."""
+    """``normalizer[+gate][+sink][+output_gate][+boundary]`` -> (the normalizer's config dict, boundary tokens);
+    ``+gate``: the Toeplitz gate; ``+sink``: softmax's learned sink; ``+output_gate``: gated attention, elementwise."""
     name, *flags = text.split("+")
-    unknown = set(flags) - {"gate", "sink", "boundary"}
+    unknown = set(flags) - {"gate", "sink", "output_gate", "boundary"}
     if unknown:
-        raise ValueError(f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+boundary'.")
+        raise ValueError(
+            f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+output_gate', "
+            "'+boundary'."
+        )
     if "sink" in flags and name != "softmax":
         raise ValueError(f"variant {text!r}: '+sink' is an option of softmax only.")
     spec = {"type": name, "toeplitz_gate": "gate" in flags}
     if "sink" in flags:
         spec["sink"] = "learned"
+    if "output_gate" in flags:
+        spec["output_gate"] = "elementwise"
     return spec, "boundary" in flags
 
 
@@ -566,7 +571,8 @@ def probe_parser() -> argparse.ArgumentParser:
 The probe of kexue.fm/archives/9105: n identical tokens in, positions 1..n out, for a grid of model family x
 position encoding x normalizer variant. Prints and saves the table of final mean squared errors (probe_table.md,
 probe_results.json) and a heat map (probe_heatmap.png). A variant is a normalizer name, optionally with +gate (the
-Toeplitz gate), +sink (softmax's learned sink) and +boundary (boundary tokens). A scheme is a name, optionally with
+Toeplitz gate), +sink (softmax's learned sink), +output_gate (gated attention, elementwise) and +boundary (boundary
+tokens). A scheme is a name, optionally with
 options: shaw:use_value=false.
 Several processes split the grid.
 
@@ -588,7 +594,7 @@ Several processes split the grid.
         nargs="+",
         type=probe_variant,
         default=DEFAULT_PROBE_VARIANTS,
-        help="normalizers, each optionally +gate, +sink, +boundary",
+        help="normalizers, each optionally +gate, +sink, +output_gate, +boundary",
     )
     parser.add_argument(
         "--layouts",

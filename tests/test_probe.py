@@ -66,9 +66,24 @@ def test_recipe_parses_schemes_with_options_and_rejects_unknown_variants(capsys)
     assert probe_recipe.parse_variant("softmax+sink+boundary") == (
         {"type": "softmax", "toeplitz_gate": False, "sink": "learned"}, True
     )  # fmt: skip
+    assert probe_recipe.parse_variant("differential+output_gate") == (
+        {"type": "differential", "toeplitz_gate": False, "output_gate": "elementwise"}, False
+    )  # fmt: skip
     with pytest.raises(SystemExit):
         probe_recipe.parse_args(["--variants", "l2+sink"])
     assert "'+sink' is an option of softmax only" in capsys.readouterr().err
+
+
+def test_the_recipe_probes_layouts_at_their_depth(tmp_path):
+    """``--layouts``: rows beside the schemes, each model the preset at ``--num_hidden_layers`` with its window; 9105:
+    under softmax every layer of ``rope`` or NoPE gives identical tokens identical outputs, windows or not."""
+    argv = ["--families", "gpt2", "--schemes", "rope", "--layouts", "rnope_swa", "--sliding_window", "4"]
+    argv += ["--num_hidden_layers", "4", "--variants", "softmax", "--length", "8", "--max_train_steps", "3"]
+    results = probe_recipe.main([*argv, "--output_dir", str(tmp_path)])
+    assert [result["scheme"] for result in results] == ["rope", "rnope_swa"]
+    assert [spec["type"] for spec in results[1]["position_encoding"]] == ["rope", "rope", "rope", "none"]
+    assert all(result["output_spread"] < 1e-4 for result in results)
+    assert "| `rnope_swa` | " in (tmp_path / "probe_table.md").read_text()
 
 
 def test_stick_breaking_without_a_position_encoding_fits_and_the_grid_leaves_out_encoders(tmp_path):
