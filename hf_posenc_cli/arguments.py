@@ -400,6 +400,7 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
   hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \
       --seeds 0 1 2
+  hf-posenc compare --schemes rope --layouts irope --attention_chunk_size 32 --num_hidden_layers 4
 """,
     )
     parser.add_argument(
