@@ -32,7 +32,7 @@ from accelerate.utils import broadcast_object_list
 
 import hf_posenc
 from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import compare_parser, parse_scheme
+from hf_posenc_cli.arguments import check_layout_sizes, compare_parser, layout_sizes, parse_scheme
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
@@ -62,11 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--dataset_config_name needs --dataset_name")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
-    sliding = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["sliding"]]
-    if sliding and args.sliding_window is None:
-        parser.error(f"--layouts {' '.join(sliding)} slide: give --sliding_window")
-    if args.sliding_window is not None and not sliding:
-        parser.error("--sliding_window is the window of a sliding layout (rnope_swa); no --layouts slides")
+    check_layout_sizes(parser, args)
+    chunked = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["chunked"]]
+    if chunked and args.encoders:
+        parser.error(
+            f"--layouts {' '.join(chunked)} have chunked attention, which is causal (no encoder form): drop --encoders"
+        )
     if args.tokenizer_name is not None:
         load_tokenizer = partial(pretraining.load_tokenizer, task="mlm" if args.encoders else "clm")
         checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
@@ -109,8 +110,9 @@ def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[st
     task, scheme, normalizer, seed = run
     if scheme in args.layouts:
         argv = ["--task", task, "--layout", scheme]
-        window = catalogue.load_catalogue()["layout"][scheme]["sliding"]
-        argv += ["--sliding_window", str(args.sliding_window)] if window else []
+        window, chunk = layout_sizes(scheme, args.sliding_window, args.attention_chunk_size)
+        argv += ["--sliding_window", str(window)] if window is not None else []
+        argv += ["--attention_chunk_size", str(chunk)] if chunk is not None else []
     else:
         argv = ["--task", task, "--position_encoding", spec_argument(scheme)]
     argv += ["--attention_normalizer", spec_argument(normalizer)]
@@ -144,8 +146,8 @@ def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
     family = "gpt2" if task == "clm" else "bert"
     layout = {"position_encoding": parse_scheme(scheme)}
     if scheme in args.layouts:
-        window = args.sliding_window if catalogue.load_catalogue()["layout"][scheme]["sliding"] else None
-        layout = hf_posenc.layout_preset(scheme, args.num_hidden_layers, window)
+        sizes = layout_sizes(scheme, args.sliding_window, args.attention_chunk_size)
+        layout = hf_posenc.layout_preset(scheme, args.num_hidden_layers, *sizes)
         layout["num_hidden_layers"] = args.num_hidden_layers
     result = [None]
     if accelerator.is_main_process:

@@ -116,8 +116,9 @@ def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any,
 
 
 LAYOUT_PRESETS = {
-    "irope": "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 on three layers of four, none with Llama 4's "
-    "attention temperature on every fourth (no_rope_layer_interval 4); Llama 4's chunked attention is not built",
+    "irope": "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 and chunked attention on three layers of "
+    "four, none with Llama 4's attention temperature and full attention on every fourth (no_rope_layer_interval 4); "
+    "needs attention_chunk_size (Llama 4: 8192)",
     "smollm3": "SmolLM3 (SmolLM3Config): rope with theta 2000000 on three layers of four, none on every fourth",
     "rnope_swa": "RNoPE-SWA (Yang et al. 2025, 'Rope to Nope and Back Again'): rope with a sliding window on three "
     "layers of four, none with full attention on every fourth; needs sliding_window",
@@ -125,49 +126,87 @@ LAYOUT_PRESETS = {
 """Layouts of 2025-26 models as one name: :func:`layout_preset` gives their config values."""
 SLIDING_LAYOUTS = ("rnope_swa",)
 """The layouts of :data:`LAYOUT_PRESETS` with sliding-window layers (they need ``sliding_window``)."""
+CHUNKED_LAYOUTS = ("irope",)
+"""The layouts of :data:`LAYOUT_PRESETS` with chunked-attention layers (they need ``attention_chunk_size``)."""
 
 
-def layout_preset(name: str, num_layers: int, sliding_window: int | None = None) -> dict[str, Any]:
+def layout_preset(
+    name: str, num_layers: int, sliding_window: int | None = None, attention_chunk_size: int | None = None
+) -> dict[str, Any]:
     """The config values of a layout of :data:`LAYOUT_PRESETS` for ``num_layers`` attention layers:
     ``position_encoding`` (a per-layer list, ``none`` where ``(layer + 1) % 4 == 0``, as Transformers'
-    ``no_rope_layer_interval=4``), and for ``rnope_swa`` ``layer_types`` and ``sliding_window``. Pass them to
-    ``PosEncGPT2Config(**layout_preset(...))`` or ``PosEncBertConfig``."""
+    ``no_rope_layer_interval=4``), for ``rnope_swa`` ``layer_types`` (sliding on the rope layers) and
+    ``sliding_window``, for ``irope`` ``layer_types`` (chunked on the rope layers, as ``Llama4TextConfig`` lays
+    them out) and ``attention_chunk_size``. Pass them to ``PosEncGPT2Config(**layout_preset(...))`` or a decoder
+    ``PosEncBertConfig`` (an encoder has no chunked attention)."""
     if name not in LAYOUT_PRESETS:
         raise ValueError(f"Unknown layout {name!r}; valid choices: {sorted(LAYOUT_PRESETS)}.")
-    sliding = name in SLIDING_LAYOUTS
+    sliding, chunked = name in SLIDING_LAYOUTS, name in CHUNKED_LAYOUTS
     if sliding and sliding_window is None:
-        raise ValueError("layout 'rnope_swa' slides on its rope layers: give sliding_window (tokens a query sees).")
+        raise ValueError(f"layout {name!r} slides on its rope layers: give sliding_window (tokens a query sees).")
     if not sliding and sliding_window is not None:
         raise ValueError(f"layout {name!r} has no sliding-window layers; sliding_window={sliding_window!r} is unused.")
+    if chunked and attention_chunk_size is None:
+        raise ValueError(
+            f"layout {name!r} has chunked attention on its rope layers: give attention_chunk_size (tokens per chunk; "
+            "Llama 4: 8192)."
+        )
+    if not chunked and attention_chunk_size is not None:
+        raise ValueError(
+            f"layout {name!r} has no chunked-attention layers; attention_chunk_size={attention_chunk_size!r} is "
+            "unused."
+        )
     rope = {"irope": {"type": "rope", "theta": 500000.0}, "smollm3": {"type": "rope", "theta": 2000000.0}}
     nope = {"type": "none", "attn_temperature_tuning": True} if name == "irope" else {"type": "none"}
     keeps_rope = [(layer + 1) % 4 != 0 for layer in range(num_layers)]
     values: dict[str, Any] = {
         "position_encoding": [rope.get(name, {"type": "rope"}) if flag else nope for flag in keeps_rope]
     }
+    if sliding or chunked:
+        local = "sliding_attention" if sliding else "chunked_attention"
+        values["layer_types"] = [local if flag else "full_attention" for flag in keeps_rope]
     if sliding:
-        values["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in keeps_rope]
         values["sliding_window"] = sliding_window
+    if chunked:
+        values["attention_chunk_size"] = attention_chunk_size
     return values
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Attention layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV
 caches)."""
 
 
-def resolve_layer_types(layer_types: Any, sliding_window: Any, num_layers: int) -> list[str] | None:
+def _check_size(name: str, value: Any, meaning: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}); got {value!r}.")
+
+
+def resolve_layer_types(
+    layer_types: Any,
+    sliding_window: Any,
+    num_layers: int,
+    attention_chunk_size: Any = None,
+    causal: bool = True,
+) -> list[str] | None:
     """``layer_types`` checked, one of :data:`LAYER_TYPES` per attention layer: a causal ``sliding_attention`` layer
     sees the ``sliding_window`` tokens up to and including the query (``masking_utils.sliding_window_overlay``: keys
     ``j > i - sliding_window``), a bidirectional one the keys with ``abs(i - j) <= sliding_window``
-    (``sliding_window_bidirectional_overlay``). With ``sliding_window`` and no ``layer_types`` every layer slides (as
-    Transformers infers for Mistral); with neither, None (every layer full)."""
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be an int >= 1 (tokens a query sees); got {sliding_window!r}.")
+    (``sliding_window_bidirectional_overlay``); a ``chunked_attention`` layer (decoders only: Transformers has no
+    bidirectional chunked mask) sees the keys ``j <= i`` of the query's chunk of ``attention_chunk_size`` tokens,
+    ``j // C == i // C`` counted from the first real token (``masking_utils.chunked_overlay``). Without
+    ``layer_types`` they are inferred as Transformers' caches infer them: every layer sliding with a
+    ``sliding_window``, else every layer chunked with an ``attention_chunk_size`` (as Llama 4's cache does), else
+    None (every layer full). Given ``layer_types`` without such layers leave the size unused."""
+    _check_size("sliding_window", sliding_window, "tokens a query sees")
+    _check_size("attention_chunk_size", attention_chunk_size, "tokens per chunk")
     if layer_types is None:
-        return None if sliding_window is None else ["sliding_attention"] * num_layers
+        if sliding_window is not None:
+            layer_types = ["sliding_attention"] * num_layers
+        elif attention_chunk_size is not None:
+            layer_types = ["chunked_attention"] * num_layers
+        else:
+            return None
     if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
         raise ValueError(
             f"layer_types gives one type per attention layer: {num_layers} (num_hidden_layers); got {layer_types!r}."
@@ -177,16 +216,33 @@ def resolve_layer_types(layer_types: Any, sliding_window: Any, num_layers: int) 
         raise ValueError(f"Unknown layer_types {unknown}; valid choices: {list(LAYER_TYPES)}.")
     if "sliding_attention" in layer_types and sliding_window is None:
         raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window.")
+    if "chunked_attention" in layer_types:
+        if not causal:
+            raise ValueError(
+                "layer_types has 'chunked_attention' layers, which are causal (Llama 4's chunked attention: a query "
+                "sees the earlier keys of its chunk); an encoder has no chunked attention (Transformers builds no "
+                "bidirectional chunked mask). Use 'sliding_attention' for a local encoder layer, or is_decoder=True."
+            )
+        if attention_chunk_size is None:
+            raise ValueError(
+                "layer_types has 'chunked_attention' layers but attention_chunk_size is None; set "
+                "attention_chunk_size."
+            )
     return list(layer_types)
 
 
 def config_layer_types(config) -> list[str]:
     """The type of each attention layer: ``config.layer_types``, else as Transformers' caches infer it (every layer
-    sliding where the config has a ``sliding_window``, as stock Mistral's, else full)."""
+    sliding where the config has a ``sliding_window``, as stock Mistral's, else chunked where it has an
+    ``attention_chunk_size``, else full)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        sliding = getattr(config, "sliding_window", None) is not None
-        layer_types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+        layer_type = "full_attention"
+        if getattr(config, "sliding_window", None) is not None:
+            layer_type = "sliding_attention"
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            layer_type = "chunked_attention"
+        layer_types = [layer_type] * config.num_hidden_layers
     return list(layer_types)
 
 
@@ -204,7 +260,9 @@ def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embedding
     config.position_encoding = resolve_position_layout(
         config.position_encoding, num_layers, max_position_embeddings, causal, config.hidden_size
     )
-    config.layer_types = resolve_layer_types(config.layer_types, config.sliding_window, num_layers)
+    config.layer_types = resolve_layer_types(
+        config.layer_types, config.sliding_window, num_layers, config.attention_chunk_size, causal
+    )
 
 
 def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
@@ -227,12 +285,17 @@ class PosEncBertConfig(BertConfig):
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
     layer_types (`list[str]`, *optional*):
-        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
-        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
-        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
-        when `sliding_window` is set.
+        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer, as Transformers
+        spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the query, an
+        encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's; decoders only)
+        sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted from the first
+        real token (Transformers' masks). None: inferred as Transformers' caches do: every layer sliding when
+        `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every layer full.
     sliding_window (`int`, *optional*):
         The window of the sliding layers, in tokens (the query's own included).
+    attention_chunk_size (`int`, *optional*):
+        The chunk of the chunked layers, in tokens (Llama 4: 8192); their KV cache keeps a window of that many
+        tokens, as Transformers' caches do. Unused when `layer_types` has no chunked layer.
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
 
@@ -249,6 +312,7 @@ class PosEncBertConfig(BertConfig):
     attention_normalizer: str | dict = "softmax"
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
@@ -267,12 +331,17 @@ class PosEncGPT2Config(GPT2Config):
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
     layer_types (`list[str]`, *optional*):
-        `"full_attention"` or `"sliding_attention"` per attention layer, as Transformers spells them: a causal
-        sliding layer sees the `sliding_window` tokens up to and including the query, an encoder's the keys at most
-        `sliding_window` away on either side (Transformers' masks). None: every layer full, or every layer sliding
-        when `sliding_window` is set.
+        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer, as Transformers
+        spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the query, an
+        encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's; decoders only)
+        sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted from the first
+        real token (Transformers' masks). None: inferred as Transformers' caches do: every layer sliding when
+        `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every layer full.
     sliding_window (`int`, *optional*):
         The window of the sliding layers, in tokens (the query's own included).
+    attention_chunk_size (`int`, *optional*):
+        The chunk of the chunked layers, in tokens (Llama 4: 8192); their KV cache keeps a window of that many
+        tokens, as Transformers' caches do. Unused when `layer_types` has no chunked layer.
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
     """
@@ -284,6 +353,7 @@ class PosEncGPT2Config(GPT2Config):
     attention_normalizer: str | dict = "softmax"
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)

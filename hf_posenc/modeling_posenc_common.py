@@ -121,25 +121,34 @@ def prepare_attention(
     default_positions: bool = False,
 ) -> LayerAttentionInputs:
     """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each kind of layer: the
-    scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full or sliding
-    window). Each kind gets the backend that runs it, its mask (``masking_utils``, with the scheme's position bias
-    folded in), the positions of its queries and keys (cached keys' from ``position_cache``, as a layer of that
-    type keeps them) and its scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself
-    (``arange``); with no cached key the positions are then consecutive in every row, which the scheme's ``prepare``
-    is told (a static fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
+    scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full, sliding
+    window or chunked). Each kind gets the backend that runs it, its mask (the type's mask maker in
+    ``masking_utils``, sized as the cache keeps a layer of that type, with the scheme's position bias folded in), the
+    positions of its queries and keys (cached keys' from ``position_cache``, as a layer of that type keeps them) and
+    its scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``); with no
+    cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told (a static
+    fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
     num_layers = encoding.dims.num_layers
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
     layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
         for scheme, _ in layer_kinds:
             refuse_value_term_with_given_block_mask(scheme)
-    key_positions = {}
+    # Each layer type reads the key positions its cache layers keep: one slot per kind of cache layer, so types whose
+    # cache layers keep the same keys (a cache built without the config, or equal windows) store them once.
+    key_positions, first_layer, slot_keys = {}, {}, {}
+    key_slots = position_cache.key_slots() if position_cache is not None else None
     for layer_idx, (_, layer_type) in enumerate(layer_kinds):
-        if layer_type not in key_positions:
-            key_positions[layer_type] = position_ids
-            if position_cache is not None:
+        if layer_type in key_positions:
+            continue
+        first_layer[layer_type] = layer_idx
+        key_positions[layer_type] = position_ids
+        if position_cache is not None:
+            slot = key_slots[layer_idx]
+            if slot not in slot_keys:
                 batch = inputs_embeds.shape[0]
-                key_positions[layer_type] = position_cache.append_key_positions(position_ids, batch, like=layer_idx)
+                slot_keys[slot] = position_cache.append_key_positions(position_ids, batch, like=layer_idx)
+            key_positions[layer_type] = slot_keys[slot]
     masks: dict[tuple[str, bool, str], Any] = {}
 
     def kind_inputs(scheme: PositionEncoding, layer_type: str) -> AttentionInputs:
@@ -175,7 +184,8 @@ def prepare_attention(
                 cache=cache,
                 position_ids=position_ids,
                 allow_skip=allow_skip,
-                sliding=layer_type == "sliding_attention",
+                layer_type=layer_type,
+                layer_idx=None if layer_type == "full_attention" else first_layer[layer_type],
             )
         mask = masks[backend, allow_skip, layer_type]
         inputs = {"backend": backend, "query_positions": position_ids, "key_positions": keys, "position": tables}

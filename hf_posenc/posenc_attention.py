@@ -32,10 +32,9 @@ from torch import nn
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import (
+    LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING,
     create_bidirectional_mask,
     create_bidirectional_sliding_window_mask,
-    create_causal_mask,
-    create_sliding_window_causal_mask,
 )
 from transformers.utils import logging
 
@@ -323,6 +322,15 @@ def _log_fallback(requested: str, backend: str, encoding: str, normalizer: str) 
     logger.info(f"hf_posenc: {encoding} + {normalizer} runs on {backend} (requested {requested}).")
 
 
+BIDIRECTIONAL_MASK_FUNCTIONS = {
+    "full_attention": create_bidirectional_mask,
+    "sliding_attention": create_bidirectional_sliding_window_mask,
+}
+"""An encoder layer type's mask maker (``masking_utils``); a decoder's is Transformers' own
+``LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING`` (full, sliding, chunked). Transformers has no bidirectional chunked mask,
+so an encoder config refuses ``chunked_attention`` layers."""
+
+
 def build_attention_mask(
     config,
     backend: str,
@@ -332,29 +340,34 @@ def build_attention_mask(
     cache=None,
     position_ids: torch.Tensor | None = None,
     allow_skip: bool = False,
-    sliding: bool = False,
+    layer_type: str = "full_attention",
+    layer_idx: int | None = None,
 ):
     """The mask in the form ``backend`` takes, through ``transformers.masking_utils``: a ``BlockMask`` for flex, a
     boolean ``(batch, 1, q_len, kv_len)`` tensor (True = visible) for eager and sdpa, or None when ``allow_skip`` and
-    nothing is masked beyond plain causality. ``sliding``: the mask of a sliding-window layer
-    (``config.sliding_window`` tokens up to the query; both directions in an encoder), sized as the cache's sliding
-    layers keep their keys. A 4-D mask given by the user comes back as it is."""
+    nothing is masked beyond plain causality. ``layer_type`` picks the mask maker as Transformers' models do
+    (``LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``): ``sliding_attention`` the ``config.sliding_window`` tokens up to
+    the query (both directions in an encoder), ``chunked_attention`` the earlier keys of the query's chunk of
+    ``config.attention_chunk_size`` tokens; with a cache the mask is sized as cache layer ``layer_idx`` (a layer of
+    that type; None: Transformers' default) keeps its keys. A 4-D mask given by the user comes back as it is."""
     mask_format = "flex_attention" if backend == "flex_attention" else "sdpa"
     if config._attn_implementation != mask_format:
         config = copy.copy(config)
         config._attn_implementation_internal = mask_format
     if causal:
-        create = create_sliding_window_causal_mask if sliding else create_causal_mask
-        return create(
+        sized_as = {} if layer_idx is None else {"layer_idx": layer_idx}
+        return LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING[layer_type](
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{CACHE_NAME: cache},
+            **sized_as,
             allow_is_causal_skip=allow_skip,
         )
-    create = create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask
-    return create(
+    if layer_type not in BIDIRECTIONAL_MASK_FUNCTIONS:
+        raise ValueError(f"An encoder has no {layer_type!r} layers; valid: {sorted(BIDIRECTIONAL_MASK_FUNCTIONS)}.")
+    return BIDIRECTIONAL_MASK_FUNCTIONS[layer_type](
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,

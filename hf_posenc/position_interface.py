@@ -99,13 +99,15 @@ def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | N
 class PositionCache:
     """Per-token state kept with a Transformers KV cache, in extra cache layers after the model's attention layers.
 
-    Slot 0 holds the position of every key of the full-attention layers, slot 1 of the sliding-window layers (those
-    keep only their window); a scheme may keep more per-token state in the slots it names in
-    ``PositionEncoding.cache_states`` (slot ``2 + index``), and a layer term in its own (``append_layer_state``).
-    Each is stored as a ``(batch, 1, seq, features)`` key tensor of a cache layer of the same kind as the attention
-    layer it serves (full or sliding window, dynamic or static), so beam-search reordering, cropping, batch expansion,
-    a static cache's preallocation and a sliding window's eviction apply to it exactly as to that layer's keys and
-    values. Supports ``DynamicCache`` and ``StaticCache``.
+    The first slots hold the position of every key, one slot per kind of cache layer the attention layers have
+    (:func:`cache_layer_kind`): slot 0 the full layers', slot 1, 2, ... each distinct window's (sliding-window and
+    chunked layers, in the order of their first layer; layers whose cache layers keep the same keys share one), at
+    least two slots (:attr:`num_key_slots`: 0 and 1 as before, when the layers have at most one window). A scheme may
+    keep more per-token state in the slots it names in ``PositionEncoding.cache_states`` (slot ``num_key_slots +
+    index``), and a layer term in its own (``append_layer_state``). Each is stored as a ``(batch, 1, seq, features)``
+    key tensor of a cache layer of the same kind as the attention layer it serves (full or with its window, dynamic
+    or static), so beam-search reordering, cropping, batch expansion, a static cache's preallocation and a window's
+    eviction apply to it exactly as to that layer's keys and values. Supports ``DynamicCache`` and ``StaticCache``.
     """
 
     def __init__(self, cache: Cache, num_layers: int):
@@ -118,10 +120,30 @@ class PositionCache:
         self.num_layers = num_layers
 
     def is_sliding(self, layer_idx: int) -> bool:
-        """Whether attention layer ``layer_idx`` has a sliding-window cache layer (a cache built from the config's
-        ``layer_types``; one built without a config keeps every token in every layer)."""
+        """Whether attention layer ``layer_idx`` has a sliding-window cache layer (sliding or chunked attention, a
+        cache built from the config's ``layer_types``; one built without a config keeps every token in every
+        layer)."""
         layers = self.cache.layers
         return layer_idx < len(layers) and bool(getattr(layers[layer_idx], "is_sliding", False))
+
+    def key_slots(self) -> list[int]:
+        """The key-position slot of each attention layer: 0 for a full cache layer, ``1 + n`` for the ``n``-th
+        distinct windowed kind (:func:`cache_layer_kind`), numbered in layer order."""
+        layers, windowed, slots = self.cache.layers, [], []
+        for layer_idx in range(self.num_layers):
+            kind = cache_layer_kind(layers[layer_idx]) if layer_idx < len(layers) else None
+            if kind is None:
+                slots.append(0)
+                continue
+            if kind not in windowed:
+                windowed.append(kind)
+            slots.append(1 + windowed.index(kind))
+        return slots
+
+    @property
+    def num_key_slots(self) -> int:
+        """Slots that hold key positions (at least 2); the scheme's and the layer terms' states follow them."""
+        return max(2, 1 + max(self.key_slots(), default=0))
 
     def append(self, slot: int, states: torch.Tensor, like: int | None = None) -> torch.Tensor:
         """Store ``states`` ``(batch, seq, features)`` for the current tokens, in a cache layer of the kind of
@@ -135,20 +157,20 @@ class PositionCache:
                 like = next((i for i in range(self.num_layers) if not self.is_sliding(i)), 0)
             while len(layers) <= index:
                 layers.append(fresh_cache_layer(layers[like]))
-            if not layers[index].is_initialized and type(layers[index]) is not type(layers[like]):
+            if not layers[index].is_initialized and cache_layer_kind(layers[index]) != cache_layer_kind(layers[like]):
                 layers[index] = fresh_cache_layer(layers[like])  # a gap left by a later slot
         stored, _ = self.cache.update(states[:, None], states[:, None, :, :0], index)
         return stored[:, 0]
 
     def append_key_positions(self, positions: torch.Tensor, batch_size: int, like: int | None = None) -> torch.Tensor:
         """Store the positions ``(batch|1, seq)`` of the current tokens; return every key's ``(batch, kv_len)`` as
-        attention layer ``like`` (None: a full-attention layer) keeps them."""
-        slot = int(like is not None and self.is_sliding(like))
+        attention layer ``like`` (None: a full-attention layer) keeps them (its slot of :meth:`key_slots`)."""
+        slot = 0 if like is None else self.key_slots()[like]
         return self.append(slot, positions.expand(batch_size, -1)[..., None], like)[..., 0]
 
     def append_state(self, name: str, states: torch.Tensor, scheme: PositionEncoding) -> torch.Tensor:
         """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
-        return self.append(2 + scheme.cache_states.index(name), states)
+        return self.append(self.num_key_slots + scheme.cache_states.index(name), states)
 
     def append_layer_state(
         self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
@@ -156,8 +178,18 @@ class PositionCache:
         """:meth:`append` for the per-token state ``name`` (one of ``term.cache_states``) of the layer term of
         attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own,
         ``len(term.cache_states)`` per layer."""
-        first = 2 + len(scheme.cache_states) + layer_idx * len(term.cache_states)
+        first = self.num_key_slots + len(scheme.cache_states) + layer_idx * len(term.cache_states)
         return self.append(first + term.cache_states.index(name), states, like=layer_idx)
+
+
+def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:
+    """Which keys a cache layer keeps: None for every key (a full layer), else its class and window (a sliding or
+    chunked layer: Transformers caches both as a sliding window, ``attention_chunk_size`` tokens for a chunk; a static
+    sliding layer's ``max_cache_len`` is its window). Layers of one kind keep the same keys."""
+    if not getattr(layer, "is_sliding", False):
+        return None
+    window = layer.max_cache_len if isinstance(layer, StaticLayer) else layer.sliding_window
+    return type(layer).__name__, window
 
 
 def fresh_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:

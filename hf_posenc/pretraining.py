@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: expected a step_<N> folder")
     if args.layout is not None and args.position_encoding is not None:
         parser.error(f"--layout {args.layout} sets the position encoding of every layer; drop --position_encoding")
-    flag_fields = ["position_encoding", "layout", "sliding_window", "attention_normalizer", *MODEL_SIZE_DEFAULTS]
+    flag_fields = ["position_encoding", "layout", "sliding_window", "attention_chunk_size", "attention_normalizer"]
+    flag_fields += list(MODEL_SIZE_DEFAULTS)
     flag_fields += ["intermediate_size"]
     flag_fields += ["dropout", "initializer_range"]
     if args.config_name is not None and args.model_name_or_path is not None:
@@ -189,9 +190,11 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
             config.update_from_string(args.config_overrides)
         return config
     if args.layout is not None:
-        layout = hf_posenc.layout_preset(args.layout, args.num_hidden_layers, args.sliding_window)
+        windows = (args.sliding_window, args.attention_chunk_size)
+        layout = hf_posenc.layout_preset(args.layout, args.num_hidden_layers, *windows)
     else:
         layout = {"position_encoding": args.position_encoding, "sliding_window": args.sliding_window}
+        layout["attention_chunk_size"] = args.attention_chunk_size
     common = dict(
         **layout,
         attention_normalizer=args.attention_normalizer,

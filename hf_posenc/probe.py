@@ -40,6 +40,7 @@ def probe(
     num_hidden_layers: int = 2,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Train the probe and return its result.
 
@@ -54,8 +55,9 @@ def probe(
         seed: seeds the model's initialisation (the input is fixed).
         learning_rate: Adam's learning rate.
         progress_bar: show the training steps with tqdm.
-        num_hidden_layers, layer_types, sliding_window: the model's depth (2) and its sliding-window layers, as the
-            configs take them (a per-layer ``position_encoding`` list has ``num_hidden_layers`` specs).
+        num_hidden_layers, layer_types, sliding_window, attention_chunk_size: the model's depth (2) and its
+            sliding-window and chunked-attention layers (a decoder's), as the configs take them (a per-layer
+            ``position_encoding`` list has ``num_hidden_layers`` specs).
 
     It runs on one CPU thread (restored after): the model is tiny, and more threads only wait on each other, badly
     so on a busy machine (a 2-core CPU under load: 86 s with two threads, 1.2 s with one).
@@ -74,6 +76,7 @@ def probe(
     torch.set_num_threads(1)
     try:
         layers = {"num_hidden_layers": num_hidden_layers, "layer_types": layer_types, "sliding_window": sliding_window}
+        layers["attention_chunk_size"] = attention_chunk_size
         return _train_probe(
             position_encoding, attention_normalizer, family, boundary_tokens, length, steps, seed, learning_rate,
             progress_bar, layers,
@@ -130,8 +133,9 @@ def _train_probe(
 
 def _probe_config(family: str, position_encoding, attention_normalizer, max_positions: int, layers: dict[str, Any]):
     """A small model without dropout: hidden 64, 4 heads, ``layers["num_hidden_layers"]`` layers (2 by default) with
-    ``layers``' ``layer_types`` and ``sliding_window``."""
-    depth, windows = layers["num_hidden_layers"], {key: layers[key] for key in ("layer_types", "sliding_window")}
+    ``layers``' ``layer_types``, ``sliding_window`` and ``attention_chunk_size``."""
+    depth = layers["num_hidden_layers"]
+    windows = {key: layers[key] for key in ("layer_types", "sliding_window", "attention_chunk_size")}
     if family == "bert":
         return PosEncBertConfig(
             vocab_size=3,

@@ -4,7 +4,8 @@ errors (against the targets' variance, the error of predicting their mean) and a
 
     hf-posenc probe                                   # the README table: every scheme, the default variants
     hf-posenc probe --families gpt2 --schemes t5 alibi --variants softmax l2 softmax+gate softmax+boundary
-    hf-posenc probe --schemes rope none --layouts irope smollm3 rnope_swa --sliding_window 8 --num_hidden_layers 4
+    hf-posenc probe --schemes rope none --layouts irope smollm3 rnope_swa --sliding_window 8 --attention_chunk_size 8 \
+        --num_hidden_layers 4
 
 A variant is a normalizer name, optionally with ``+gate`` (the Toeplitz gate) and ``+boundary`` (boundary tokens:
 [CLS] ... [SEP] in the encoder, a BOS in the decoder). A scheme is a name, optionally with options:
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 import hf_posenc
 from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import parse_scheme, parse_variant, probe_parser
+from hf_posenc_cli.arguments import check_layout_sizes, layout_sizes, parse_scheme, parse_variant, probe_parser
 
 from .recipe_common import recipe_accelerator
 
@@ -43,11 +44,7 @@ def default_schemes() -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = probe_parser()
     args = parser.parse_args(argv)
-    sliding = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["sliding"]]
-    if sliding and args.sliding_window is None:
-        parser.error(f"--layouts {' '.join(sliding)} slide: give --sliding_window")
-    if args.sliding_window is not None and not sliding:
-        parser.error("--sliding_window is the window of a sliding layout (rnope_swa); no --layouts slides")
+    check_layout_sizes(parser, args)
     schemes = args.schemes or ([] if args.layouts else default_schemes())
     args.schemes = schemes + args.layouts  # the rows of the table: schemes, then layouts
     return args
@@ -57,9 +54,9 @@ def model_layout(args: argparse.Namespace, entry: str) -> dict:
     """The probe's position-encoding arguments for one row: a scheme on every layer, or a layout's preset."""
     if entry not in args.layouts:
         return {"position_encoding": parse_scheme(entry), "num_hidden_layers": args.num_hidden_layers}
-    window = args.sliding_window if catalogue.load_catalogue()["layout"][entry]["sliding"] else None
+    sizes = layout_sizes(entry, args.sliding_window, args.attention_chunk_size)
     return {
-        **hf_posenc.layout_preset(entry, args.num_hidden_layers, window),
+        **hf_posenc.layout_preset(entry, args.num_hidden_layers, *sizes),
         "num_hidden_layers": args.num_hidden_layers,
     }
 
@@ -70,6 +67,8 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
 
     def has_form(family: str, scheme: str, variant: str) -> bool:  # both have a form for the family
         kind = "encoder" if family == "bert" else "decoder"
+        if kind == "encoder" and scheme in args.layouts and catalogue.load_catalogue()["layout"][scheme]["chunked"]:
+            return False  # chunked attention is causal
         normalizer = parse_variant(variant)[0]["type"]
         specs = model_layout(args, scheme)["position_encoding"]
         types = {spec["type"] for spec in (specs if isinstance(specs, list) else [specs])}

@@ -196,6 +196,34 @@ def string_to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+LAYOUT_SIZES = (
+    ("sliding", "--sliding_window", "slide", "the window of a sliding layout"),
+    ("chunked", "--attention_chunk_size", "have chunked attention", "the chunk of a chunked-attention layout"),
+)
+"""The catalogue's layout flags and the size each needs: ``(flag, option, what the layouts do, what the size is)``."""
+
+
+def layout_sizes(name: str, sliding_window: int | None, attention_chunk_size: int | None) -> tuple:
+    """The ``(sliding_window, attention_chunk_size)`` of layout ``name`` (``hf_posenc.layout_preset``'s arguments):
+    each size where the catalogue says the layout uses it, else None."""
+    entry = catalogue.load_catalogue()["layout"][name]
+    return sliding_window if entry["sliding"] else None, attention_chunk_size if entry["chunked"] else None
+
+
+def check_layout_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--sliding_window`` / ``--attention_chunk_size`` given exactly when a layout of ``--layouts`` needs it (the
+    catalogue's ``sliding`` / ``chunked`` flags); a parser error otherwise."""
+    entries = catalogue.load_catalogue()["layout"]
+    for key, option, verb, meaning in LAYOUT_SIZES:
+        using = [name for name in args.layouts if entries[name][key]]
+        given = getattr(args, option[2:])
+        if using and given is None:
+            parser.error(f"--layouts {' '.join(using)} {verb}: give {option}")
+        if given is not None and not using:
+            owners = ", ".join(name for name, entry in entries.items() if entry[key])
+            parser.error(f"{option} is {meaning} ({owners}); no --layouts {verb}")
+
+
 def new_parser(recipe: str, description: str) -> argparse.ArgumentParser:
     return RecipeParser(
         prog=f"hf-posenc {recipe}",
@@ -295,6 +323,13 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         default=None,
         help="tokens a sliding-window layer sees: rnope_swa's rope layers, or, without --layout, every layer",
     )
+    model.add_argument(
+        "--attention_chunk_size",
+        type=positive_int,
+        default=None,
+        help="tokens per chunk of a chunked-attention layer (Llama 4's, decoders): irope's rope layers, or, without "
+        "--layout, every layer",
+    )
     model.add_argument("--intermediate_size", type=int, default=None, help="when None: 4 * hidden_size")
     model.add_argument("--dropout", type=float, default=None, help="every dropout probability (when None: 0)")
     model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (when None: 0.02)")
@@ -373,6 +408,7 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
   hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \
       --seeds 0 1 2
+  hf-posenc compare --schemes rope --layouts irope --attention_chunk_size 32 --num_hidden_layers 4
 """,
     )
     parser.add_argument(
@@ -401,6 +437,12 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     )
     parser.add_argument(
         "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
+    parser.add_argument(
+        "--attention_chunk_size",
+        type=positive_int,
+        default=None,
+        help="the chunk of the --layouts with chunked attention (irope), in tokens",
     )
     parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
     parser.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
@@ -605,6 +647,12 @@ Several processes split the grid.
     )
     parser.add_argument(
         "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
+    parser.add_argument(
+        "--attention_chunk_size",
+        type=positive_int,
+        default=None,
+        help="the chunk of the --layouts with chunked attention (irope), in tokens",
     )
     parser.add_argument(
         "--num_hidden_layers", type=positive_int, default=2, help="the probe model's depth (a layout repeats every 4)"

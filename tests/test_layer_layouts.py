@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import transformers
 from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
@@ -19,6 +20,7 @@ import hf_posenc
 from hf_posenc import posenc_attention
 from hf_posenc.absolute_encodings import attention_temperature
 from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import PositionCache
 
 
 TEMPERATURE = {"type": "none", "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5}
@@ -81,14 +83,29 @@ def test_layout_presets_are_the_reference_configs_layouts(family):
     drops RoPE; RNoPE-SWA written out (three sliding rope layers, then a full NoPE one)."""
     layers = 8
     llama4, smollm3 = Llama4TextConfig(num_hidden_layers=layers), SmolLM3Config(num_hidden_layers=layers)
+    decoder = {"is_decoder": True} if family == "bert" else {}  # chunked attention is causal
     for name, reference in (("irope", llama4), ("smollm3", smollm3)):
-        config = make_config(family, **hf_posenc.layout_preset(name, layers), **{LAYERS[family]: layers})
+        chunk = llama4.attention_chunk_size if name == "irope" else None
+        preset = hf_posenc.layout_preset(name, layers, attention_chunk_size=chunk)
+        config = make_config(family, **preset, **decoder, **{LAYERS[family]: layers})
         specs = config.position_encoding
         assert [spec["type"] == "rope" for spec in specs] == [bool(flag) for flag in reference.no_rope_layers]
         assert {spec["theta"] for spec in specs if spec["type"] == "rope"} == {reference.rope_parameters["rope_theta"]}
         nope = [spec["attn_temperature_tuning"] for spec in specs if spec["type"] == "none"]
         assert nope == [name == "irope"] * 2
         assert config.sliding_window is None
+        assert config.attention_chunk_size == chunk
+    # Llama 4's layer_types, which Transformers builds from its NoPE layers: chunked where RoPE is, full elsewhere.
+    irope = make_config(
+        family, **hf_posenc.layout_preset("irope", 6, attention_chunk_size=16), **decoder, **{LAYERS[family]: 6}
+    )
+    reference = Llama4TextConfig(num_hidden_layers=6, attention_chunk_size=16)
+    assert irope.layer_types == reference.layer_types and "full_attention" in irope.layer_types
+    assert irope.attention_chunk_size == reference.attention_chunk_size
+    assert (
+        make_config(family, **hf_posenc.layout_preset("smollm3", layers), **{LAYERS[family]: layers}).layer_types
+        is None
+    )
     config = make_config(family, **hf_posenc.layout_preset("rnope_swa", layers, 16), **{LAYERS[family]: layers})
     assert [spec["type"] for spec in config.position_encoding] == ["rope", "rope", "rope", "none"] * 2
     assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + [
@@ -98,16 +115,19 @@ def test_layout_presets_are_the_reference_configs_layouts(family):
 
 
 @pytest.mark.parametrize(
-    ("name", "window", "message"),
+    ("name", "window", "chunk", "message"),
     [
-        ("rnope_swa", None, "layout 'rnope_swa' slides on its rope layers: give sliding_window"),
-        ("smollm3", 16, "layout 'smollm3' has no sliding-window layers; sliding_window=16 is unused"),
-        ("chunked", None, "Unknown layout 'chunked'; valid choices: ['irope', 'rnope_swa', 'smollm3']"),
+        ("rnope_swa", None, None, "layout 'rnope_swa' slides on its rope layers: give sliding_window"),
+        ("smollm3", 16, None, "layout 'smollm3' has no sliding-window layers; sliding_window=16 is unused"),
+        ("chunked", None, None, "Unknown layout 'chunked'; valid choices: ['irope', 'rnope_swa', 'smollm3']"),
+        ("irope", None, None, "layout 'irope' has chunked attention on its rope layers: give attention_chunk_size"),
+        ("irope", 16, 8, "layout 'irope' has no sliding-window layers; sliding_window=16 is unused"),
+        ("rnope_swa", 16, 8, "layout 'rnope_swa' has no chunked-attention layers; attention_chunk_size=8 is unused"),
     ],
 )
-def test_a_layout_preset_refuses_what_it_cannot_use(name, window, message):
+def test_a_layout_preset_refuses_what_it_cannot_use(name, window, chunk, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        hf_posenc.layout_preset(name, 4, window)
+        hf_posenc.layout_preset(name, 4, window, chunk)
 
 
 def test_the_probe_takes_a_layouts_depth_and_windows():
@@ -158,17 +178,24 @@ def test_none_defaults_to_nope_and_takes_llama4s_temperature_defaults():
 
 
 def hand_gpt2_logits(
-    model, ids: torch.Tensor, positions: torch.Tensor, layers: list[dict], windows: list[int | None] | None = None
+    model,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    layers: list[dict],
+    windows: list[int | None] | None = None,
+    chunks: list[int | None] | None = None,
 ) -> torch.Tensor:
     """GPT-2 written out by hand with each layer's scheme: ``rope`` through Transformers' Llama
     ``apply_rotary_pos_emb`` with ``theta^(-2i/d)`` frequencies, ``none`` with Llama 4's temperature on q; a layer
-    with a window sees the keys ``i - window < j <= i``."""
+    with a window sees the keys ``i - window < j <= i``, a layer with chunks of C tokens the keys ``j <= i`` with
+    ``j // C == i // C``."""
     base = model.transformer
     hidden = base.wte(ids)
     n, heads = ids.shape[1], model.config.n_head
     head_dim = model.config.n_embd // heads
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    for block, spec, window in zip(base.h, layers, windows or [None] * len(layers), strict=True):
+    chunks = chunks or [None] * len(layers)
+    for block, spec, window, chunk in zip(base.h, layers, windows or [None] * len(layers), chunks, strict=True):
         x = block.ln_1(hidden)
         q, k, v = (t.view(*x.shape[:2], heads, head_dim).transpose(1, 2) for t in block.attn.c_attn(x).split(32, -1))
         if spec["type"] == "rope":
@@ -181,6 +208,8 @@ def hand_gpt2_logits(
             q = q * scale[:, None, :, None]
         scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
         visible = causal if window is None else causal & ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+        if chunk is not None:
+            visible = visible & (torch.arange(n)[:, None] // chunk == torch.arange(n)[None] // chunk)
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out = (weights @ v).transpose(1, 2).reshape(x.shape)
         hidden = hidden + block.attn.c_proj(out)
@@ -385,5 +414,193 @@ def test_a_layout_with_sliding_layers_compiles_in_one_graph(family):
     torch._dynamo.reset()
     loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss
     loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(loss.detach(), model(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)
+
+
+# Chunked-attention layers (Llama 4's): ``layer_types`` ``"chunked_attention"`` and ``attention_chunk_size``.
+
+CHUNKED = {"layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": 3}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "attention_chunk_size is None; set"),
+        ({"attention_chunk_size": 0}, r"attention_chunk_size must be an int >= 1 \(tokens per chunk\); got 0"),
+        ({"attention_chunk_size": 2.5}, r"attention_chunk_size must be an int >= 1 \(tokens per chunk\); got 2.5"),
+        ({"attention_chunk_size": True}, r"attention_chunk_size must be an int >= 1"),
+        (
+            {"layer_types": ["chunked", "full_attention"], "attention_chunk_size": 2},
+            r"Unknown layer_types \['chunked'\]",
+        ),
+    ],
+)
+def test_bad_chunked_layers_are_refused_when_the_config_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_config("gpt2", "rope", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [CHUNKED, {"attention_chunk_size": 4}])
+def test_an_encoder_refuses_chunked_layers(kwargs):
+    """Transformers has no bidirectional chunked mask: an encoder config refuses the layers (a chunk size alone makes
+    every layer chunked, as Transformers' caches infer it); a BERT decoder takes them."""
+    with pytest.raises(ValueError, match="an encoder has no chunked attention"):
+        make_config("bert", "rope", **kwargs)
+    assert make_config("bert", "rope", is_decoder=True, **kwargs).layer_types[0] == "chunked_attention"
+
+
+def test_a_chunk_size_alone_makes_every_layer_chunked_as_transformers_infers(tmp_path):
+    config = make_config("gpt2", "rope", attention_chunk_size=4)
+    assert config.layer_types == ["chunked_attention", "chunked_attention"]
+    assert make_config("gpt2", "rope", sliding_window=2, attention_chunk_size=4).layer_types == [
+        "sliding_attention",
+        "sliding_attention",
+    ]  # Transformers' caches: a sliding_window first
+    unused = make_config("gpt2", "rope", layer_types=["full_attention"] * 2, attention_chunk_size=4)
+    assert unused.layer_types == ["full_attention"] * 2
+    config.save_pretrained(tmp_path)
+    reloaded = hf_posenc.PosEncGPT2Config.from_pretrained(tmp_path)
+    assert (reloaded.layer_types, reloaded.attention_chunk_size) == (config.layer_types, 4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_chunked_layers_see_their_chunk_as_a_hand_written_gpt2(attn):
+    """Transformers' chunked mask (``chunked_overlay``): query i sees keys ``j <= i`` with ``j // C == i // C``."""
+    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
+    types = ["chunked_attention", "full_attention", "chunked_attention"]
+    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, attention_chunk_size=4)
+    ids = random_ids(2, 10)
+    positions = torch.arange(10)[None].expand(2, -1)
+    specs = model.config.position_encoding
+    with torch.no_grad():
+        logits = model(ids).logits
+        expected = hand_gpt2_logits(model, ids, positions, specs, chunks=[4, None, 4])
+        windowed = hand_gpt2_logits(model, ids, positions, specs, windows=[4, None, 4])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    assert (logits - windowed).abs().max() > 1e-2  # a chunk is not a window of the same size
+    torch.testing.assert_close(logits[:, :4], windowed[:, :4], atol=1e-5, rtol=1e-4)  # the first chunk is
+
+
+def test_left_padding_starts_the_chunks_at_the_first_real_token():
+    """``masking_utils`` counts chunks from the first real token: a left-padded row gives its real tokens' logits."""
+    model = make_model("gpt2", ["rope", "t5"], attn="sdpa", **CHUNKED)
+    ids = random_ids(1, 8, seed=5)
+    padded = torch.cat([torch.full((1, 2), 3), ids], 1)
+    attention_mask = torch.ones_like(padded)
+    attention_mask[:, :2] = 0
+    with torch.no_grad():
+        alone = model(ids).logits
+        in_batch = model(padded, attention_mask=attention_mask).logits[:, 2:]
+    torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=1e-4)
+
+
+CHUNKED_SCHEMES = [["rope", "t5"], ["rope", "fox"], "fox", ["fox", "rope"]]
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("scheme", CHUNKED_SCHEMES)
+def test_generate_past_a_chunk_boundary_with_cache_equals_without(scheme, cache_implementation):
+    """Chunks of 3 tokens, a prompt of 5 and 8 new tokens: the chunked layers' caches keep a window of 3 keys as
+    Transformers' do (their key positions and FoX's per-layer gates evicted with them), left padding included."""
+    model = make_model("gpt2", scheme, attn="sdpa", **CHUNKED)
+    prompt = random_ids(2, 5, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "plain"])
+def test_chunked_sliding_and_full_layers_keep_one_key_slot_per_window(cache):
+    """A chunked layer (C = 3), a sliding one (w = 5) and a full one, forwarded in pieces through the cache: each
+    window keeps its own key positions (slots 0, 1, 2; the scheme's and FoX's states after them), and the logits
+    equal one forward. A cache built without the config (``plain``) keeps every key in one slot."""
+    types = ["chunked_attention", "sliding_attention", "full_attention"]
+    model = make_model(
+        "gpt2",
+        ["rope", "fox", "t5"],
+        attn="eager",
+        n_layer=3,
+        layer_types=types,
+        attention_chunk_size=3,
+        sliding_window=5,
+    )
+    ids = random_ids(2, 13, seed=4)
+    built = {
+        "dynamic": lambda: transformers.DynamicCache(config=model.config),
+        "static": lambda: transformers.StaticCache(config=model.config, max_cache_len=16),
+        "plain": transformers.DynamicCache,
+    }[cache]()
+    with torch.no_grad():
+        full = model(ids).logits
+        pieces = []
+        for start, stop in ((0, 4), (4, 7), (7, 8), (8, 13)):
+            pieces.append(model(ids[:, start:stop], **with_cache(built), use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-4)
+    position_cache = PositionCache(built, 3)
+    assert position_cache.key_slots() == ([0, 0, 0] if cache == "plain" else [1, 2, 0])
+    assert position_cache.num_key_slots == (2 if cache == "plain" else 3)
+    if cache == "dynamic":
+        kept = [built.layers[3 + slot].keys.shape[-2] for slot in range(3)]
+        assert kept == [13, 2, 4]  # full; the chunk's window keeps C - 1, the sliding one w - 1 (Transformers' rule)
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("gpt2", "t5"), ("gpt2", "rope"), ("bert", "t5")])
+def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+    """The flex path (a chunked ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, padding
+    included (right padding; a BERT decoder)."""
+    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    calls = []
+
+    def uncompiled_flex(*args, **kwargs):
+        calls.append(kwargs["block_mask"])
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    decoder = {"is_decoder": True} if family == "bert" else {}
+    logits = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model(family, scheme, attn=attn, **CHUNKED, **decoder)
+        with torch.no_grad():
+            logits[attn] = model(ids, attention_mask=attention_mask).logits
+    assert len({id(block_mask) for block_mask in calls}) == 2  # a chunked and a full BlockMask
+    visible = attention_mask.bool()
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_layers_keep_checkpointing_save_load_and_compile(tmp_path):
+    ids = random_ids(2, 8)
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
+        if checkpointing:
+            assert enable_activation_checkpointing(model, use_reentrant=True)
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED)
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert (reloaded.config.layer_types, reloaded.config.attention_chunk_size) == (CHUNKED["layer_types"], 3)
+    with torch.no_grad():
+        reference = model(ids).logits
+        assert torch.equal(reloaded(ids).logits, reference)
+        torch.testing.assert_close(model.to(torch.bfloat16)(ids).logits.float(), reference, atol=0.2, rtol=0.05)
+    model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
+    torch._dynamo.reset()
+    loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss
     with torch.no_grad():
         torch.testing.assert_close(loss.detach(), model(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)

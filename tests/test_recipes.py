@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import hf_posenc
 import hf_posenc_cli
-from hf_posenc import compare, extrapolation, glue, pretraining, recipe_common, warm_start
+from hf_posenc import compare, extrapolation, glue, pretraining, probe_grid, recipe_common, warm_start
 from hf_posenc_cli.arguments import PARSERS
 
 
@@ -433,6 +433,15 @@ def test_compare_reads_a_datasets_corpus(tmp_path):
             ["--normalizers", "softmax:output_gat=headwise"],
             "argument --normalizers: unknown option(s) ['output_gat'] for attention_normalizer 'softmax'; valid",
         ),
+        (["--layouts", "irope"], "--layouts irope have chunked attention: give --attention_chunk_size"),
+        (
+            ["--layouts", "rnope_swa", "--sliding_window", "8", "--attention_chunk_size", "8"],
+            "--attention_chunk_size is the chunk of a chunked-attention layout (irope)",
+        ),
+        (
+            ["--layouts", "irope", "--attention_chunk_size", "8", "--encoders"],
+            "--layouts irope have chunked attention, which is causal (no encoder form): drop --encoders",
+        ),
     ],
 )
 def test_compare_refuses_flags_that_cannot_go_together(flags, message, capsys):
@@ -472,6 +481,36 @@ def test_pretrain_builds_a_layout_preset(tmp_path):
     assert config.position_encoding[0]["theta"] == 2000000.0 and config.sliding_window is None
     with pytest.raises(SystemExit):
         pretraining.parse_args(["--layout", "smollm3", "--position_encoding", "rope"])
+
+
+def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp_path):
+    """``pretrain --layout irope --attention_chunk_size``: Llama 4's layer_types (chunked rope layers); without
+    the size, or in an encoder, it stops; ``--attention_chunk_size`` alone makes every layer chunked; compare hands
+    the chunk to the irope run (and its probe) only."""
+    flags = ["--layout", "irope", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)]
+    config = pretraining.build_config(pretraining.parse_args([*flags, "--attention_chunk_size", "8"]), 384, 0, 1)
+    assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"] and config.attention_chunk_size == 8
+    for extra in ([], ["--attention_chunk_size", "8", "--task", "mlm"]):
+        with pytest.raises(SystemExit):
+            pretraining.parse_args([*flags, *extra])
+    alone = ["--position_encoding", "rope", "--attention_chunk_size", "4", "--output_dir", str(tmp_path)]
+    config = pretraining.build_config(pretraining.parse_args(alone), 384, 0, 1)
+    assert set(config.layer_types) == {"chunked_attention"}
+    args = compare.parse_args(["--schemes", "rope", "--layouts", "irope", "--attention_chunk_size", "8"])
+    irope = compare.recipe_argv(args, ("clm", "irope", "softmax", 0), tmp_path)
+    assert irope[irope.index("--attention_chunk_size") + 1] == "8" and "--sliding_window" not in irope
+    assert "--attention_chunk_size" not in compare.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
+
+
+def test_the_probe_grid_takes_a_chunked_layout_in_decoders_only(capsys):
+    flags = ["--layouts", "irope", "--num_hidden_layers", "4", "--variants", "softmax", "--max_train_steps", "2"]
+    with pytest.raises(SystemExit):
+        probe_grid.parse_args(flags)
+    assert "--layouts irope have chunked attention: give --attention_chunk_size" in capsys.readouterr().err
+    args = probe_grid.parse_args([*flags, "--attention_chunk_size", "4", "--length", "6"])
+    assert probe_grid.model_layout(args, "irope")["attention_chunk_size"] == 4
+    results = [entry for _, entry in probe_grid.run_grid(args)]
+    assert [entry["family"] for entry in results] == ["gpt2"]  # an encoder has no chunked attention
 
 
 def test_training_curve_keeps_every_step_of_a_short_run_and_averages_a_long_one(tmp_path):
