@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import transformers
 from huggingface_hub.dataclasses import strict
+from packaging import version
 from transformers import BertConfig, GPT2Config
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
@@ -228,7 +230,22 @@ def resolve_layer_types(
                 "layer_types has 'chunked_attention' layers but attention_chunk_size is None; set "
                 "attention_chunk_size."
             )
+    two_windows = {"sliding_attention", "chunked_attention"} <= set(
+        layer_types
+    ) and sliding_window != attention_chunk_size
+    if two_windows and version.parse(transformers.__version__) < PER_LAYER_CACHE_WINDOWS:
+        raise ValueError(
+            f"Sliding layers (sliding_window={sliding_window}) and chunked layers (attention_chunk_size="
+            f"{attention_chunk_size}) of different sizes need Transformers >= {PER_LAYER_CACHE_WINDOWS}: "
+            f"{transformers.__version__}'s caches give every windowed layer the chunk size. Give them one size, or "
+            "upgrade Transformers."
+        )
     return list(layer_types)
+
+
+PER_LAYER_CACHE_WINDOWS = version.parse("5.19.0")
+"""From this Transformers release its caches size each windowed layer by its own type (``sliding_window`` or
+``attention_chunk_size``); before it, one window for all (the chunk size where a model has both)."""
 
 
 def config_layer_types(config) -> list[str]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
+from packaging import version
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -19,6 +20,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import hf_posenc
 from hf_posenc import posenc_attention
 from hf_posenc.absolute_encodings import attention_temperature
+from hf_posenc.configuration_posenc import PER_LAYER_CACHE_WINDOWS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import PositionCache
 
@@ -522,6 +524,10 @@ def test_chunked_sliding_and_full_layers_keep_one_key_slot_per_window(cache):
     window keeps its own key positions (slots 0, 1, 2; the scheme's and FoX's states after them), and the logits
     equal one forward. A cache built without the config (``plain``) keeps every key in one slot."""
     types = ["chunked_attention", "sliding_attention", "full_attention"]
+    if version.parse(transformers.__version__) < PER_LAYER_CACHE_WINDOWS:  # one window for every cache layer
+        with pytest.raises(ValueError, match="of different sizes need Transformers >= 5.19.0"):
+            make_config("gpt2", ["rope"] * 3, n_layer=3, layer_types=types, attention_chunk_size=3, sliding_window=5)
+        return
     model = make_model(
         "gpt2",
         ["rope", "fox", "t5"],
