@@ -32,7 +32,13 @@ from accelerate.utils import broadcast_object_list
 
 import hf_posenc
 from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import check_layout_sizes, compare_parser, layout_sizes, parse_scheme
+from hf_posenc_cli.arguments import (
+    DEFAULT_COMPARE_SCHEMES,
+    check_layout_sizes,
+    compare_parser,
+    layout_sizes,
+    parse_scheme,
+)
 
 from . import pretraining
 from .extrapolation import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
@@ -45,6 +51,8 @@ TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = compare_parser()
     args = parser.parse_args(argv)
+    if args.schemes is None:
+        args.schemes = [] if args.layouts else list(DEFAULT_COMPARE_SCHEMES)
     for flag, registry in (
         ("schemes", hf_posenc.list_position_encodings()),
         ("normalizers", hf_posenc.list_attention_normalizers()),

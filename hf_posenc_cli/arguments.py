@@ -418,8 +418,9 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
         "--schemes",
         nargs="+",
         type=catalogue_name("position_encoding", also=("all",), options=True),
-        default=DEFAULT_COMPARE_SCHEMES,
-        help="position encodings (a name, or name:key=value,... as path:forget_gate=true), or all",
+        default=None,
+        help="position encodings (a name, or name:key=value,... as path:forget_gate=true), or all (when None: "
+        f"{' '.join(DEFAULT_COMPARE_SCHEMES)}, or none beside --layouts)",
     )
     parser.add_argument(
         "--normalizers",
