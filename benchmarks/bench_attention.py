@@ -25,8 +25,8 @@ peak counter), so on CPU the table shows latency only.
     python benchmarks/bench_attention.py --flex --json bench.json
     python benchmarks/bench_attention.py --families bert --seq-lens 512 --schemes none t5 alibi --memory-seq-len 2048
     python benchmarks/bench_attention.py --device cuda --batch 32 --seq-lens 512 1024 2048
-    python benchmarks/bench_attention.py --schemes rope path --layouts smollm3 rnope_swa --sliding-window 128 \
-        --normalizers softmax softmax:output_gate=elementwise differential
+    python benchmarks/bench_attention.py --schemes rope path --layouts irope smollm3 rnope_swa --sliding-window 128 \
+        --attention-chunk-size 128 --normalizers softmax softmax:output_gate=elementwise differential
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc_cli.arguments import catalogue_name, parse_scheme
+from hf_posenc_cli.arguments import catalogue_name, layout_sizes, parse_scheme
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())
@@ -86,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--layouts", nargs="+", choices=list(hf_posenc.LAYOUT_PRESETS), default=[])
     parser.add_argument("--sliding-window", type=int, default=None, help="the window of the --layouts that slide")
+    parser.add_argument("--attention-chunk-size", type=int, default=None, help="the chunk of the chunked --layouts")
     parser.add_argument("--memory-seq-len", type=int, default=None, help="also measure peak training memory")
     parser.add_argument(
         "--malloc-mmap-threshold",
@@ -118,13 +119,17 @@ def layout_values(scheme: str, args: argparse.Namespace) -> dict:
     windows."""
     if scheme not in hf_posenc.LAYOUT_PRESETS:
         return {"position_encoding": parse_scheme(scheme)}
-    window = args.sliding_window if scheme in hf_posenc.configuration_posenc.SLIDING_LAYOUTS else None
-    return hf_posenc.layout_preset(scheme, args.layers, window)
+    return hf_posenc.layout_preset(
+        scheme, args.layers, *layout_sizes(scheme, args.sliding_window, args.attention_chunk_size)
+    )
 
 
 def supports(family: str, scheme: str, args: argparse.Namespace) -> bool:
-    """Whether the scheme (or every scheme of a layout) has a form for the family."""
-    specs = layout_values(scheme, args)["position_encoding"]
+    """Whether the scheme (or every scheme of a layout) has a form for the family; chunked layers: decoders only."""
+    values = layout_values(scheme, args)
+    if family == "bert" and values.get("attention_chunk_size") is not None:
+        return False
+    specs = values["position_encoding"]
     kind = "encoder" if family == "bert" else "decoder"
     catalogue = hf_posenc.list_position_encodings()
     return all(kind in catalogue[spec["type"]]["families"] for spec in (specs if isinstance(specs, list) else [specs]))
@@ -359,6 +364,8 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
             command += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads)]
             command += ["--vocab", str(args.vocab), "--seed", str(args.seed)]
             command += ["--sliding-window", str(args.sliding_window)] if args.sliding_window is not None else []
+            chunk = args.attention_chunk_size
+            command += ["--attention-chunk-size", str(chunk)] if chunk is not None else []
             env = dict(os.environ)
             if args.malloc_mmap_threshold is not None:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
