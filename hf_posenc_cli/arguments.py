@@ -255,6 +255,27 @@ def add_hub_flags(group, what: str, repository: str = "the repository") -> None:
     group.add_argument("--hub_token", default=None, help="when None: the token of `hf auth login`")
 
 
+def add_layout_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--layouts`` (presets of ``hf_posenc.LAYOUT_PRESETS``, their ``role`` in the recipe) and the sizes they take,
+    ``--sliding_window`` and ``--attention_chunk_size`` (checked by :func:`check_layout_sizes`)."""
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=catalogue.names("layout"),
+        default=[],
+        help=f"2025-26 layouts (hf_posenc.LAYOUT_PRESETS), {role}",
+    )
+    parser.add_argument(
+        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
+    parser.add_argument(
+        "--attention_chunk_size",
+        type=positive_int,
+        default=None,
+        help="the chunk of the --layouts with chunked attention (irope), in tokens",
+    )
+
+
 def pretrain_parser() -> argparse.ArgumentParser:
     parser = new_parser(
         "pretrain",
@@ -429,22 +450,7 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
         default=["softmax"],
         help="attention normalizers (a name, or name:key=value,... as softmax:output_gate=elementwise), or all",
     )
-    parser.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=catalogue.names("layout"),
-        default=[],
-        help="2025-26 layouts (hf_posenc.LAYOUT_PRESETS), each a run beside the schemes",
-    )
-    parser.add_argument(
-        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
-    )
-    parser.add_argument(
-        "--attention_chunk_size",
-        type=positive_int,
-        default=None,
-        help="the chunk of the --layouts with chunked attention (irope), in tokens",
-    )
+    add_layout_flags(parser, "each a run beside the schemes")
     parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
     parser.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
     parser.add_argument("--dataset_config_name", default=None, help="the configuration of --dataset_name")
@@ -639,22 +645,7 @@ Several processes split the grid.
         default=DEFAULT_PROBE_VARIANTS,
         help="normalizers, each optionally +gate, +sink, +output_gate, +boundary",
     )
-    parser.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=catalogue.names("layout"),
-        default=[],
-        help="2025-26 layouts (hf_posenc.LAYOUT_PRESETS), rows beside the schemes (alone when --schemes is not given)",
-    )
-    parser.add_argument(
-        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
-    )
-    parser.add_argument(
-        "--attention_chunk_size",
-        type=positive_int,
-        default=None,
-        help="the chunk of the --layouts with chunked attention (irope), in tokens",
-    )
+    add_layout_flags(parser, "rows beside the schemes (alone when --schemes is not given)")
     parser.add_argument(
         "--num_hidden_layers", type=positive_int, default=2, help="the probe model's depth (a layout repeats every 4)"
     )
