@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .options import Option
@@ -953,34 +954,85 @@ class FoX(PositionEncoding):
         return ForgetGate(dims)
 
 
+def ut_transform(directions: torch.Tensor, strengths: torch.Tensor) -> torch.Tensor:
+    """The UT transform of a block of Householder factors (Joffrain et al. 2006; PaTH eq. (4)): ``T = (I + diag(beta)
+    stril(W W^T, -1))^(-1) diag(beta)``, lower triangular ``(..., size, size)``, so that ``H_e ... H_s = I - W^T T W``
+    for the rows ``s..e`` of ``W`` ``(..., size, head_dim)`` and ``H_t = I - beta_t w_t w_t^T``."""
+    size = directions.shape[-2]
+    gram = torch.matmul(directions, directions.transpose(-1, -2)).tril(-1)
+    solve_matrix = torch.eye(size, dtype=gram.dtype, device=gram.device) + strengths[..., :, None] * gram
+    return torch.linalg.solve_triangular(solve_matrix, torch.diag_embed(strengths), upper=False, unitriangular=True)
+
+
 def path_householder_term(
     query: torch.Tensor,
     key: torch.Tensor,
     directions: torch.Tensor,
     strengths: torch.Tensor,
-    visible: torch.Tensor,
-    solve_matrix: torch.Tensor,
+    first_query: int,
+    block_size: int,
 ) -> torch.Tensor:
-    """PaTH's correction to ``q_i . k_j`` for a chunk of queries: ``q_i^T (H_i ... H_{j+1} - I) k_j``, ``H_t = I -
-    beta_t w_t w_t^T``, ``(batch, heads, q, kv_len)`` in at least float32, unscaled.
+    """PaTH's correction to ``q_i . k_j``: ``q_i^T (H_i ... H_(j+1) - I) k_j`` for ``j <= i`` (0 for ``j > i``),
+    ``H_t = I - beta_t w_t w_t^T``, ``(batch, heads, q_len, kv_len)`` in ``directions``' dtype (at least float32),
+    unscaled.
 
-    ``directions`` ``w`` ``(batch, heads, kv_len, head_dim)`` (unit vectors), ``strengths`` ``beta`` ``(batch, heads,
-    kv_len)``, ``visible`` ``(batch|1, 1|heads, q, kv_len)`` the keys each query sees (``s <= i`` in the product),
-    ``solve_matrix`` ``L = I + diag(beta) stril(W W^T, -1)`` ``(batch, heads, kv_len, kv_len)``. With the UT transform
-    ``H_i ... H_{j+1} = I - sum_{j < t <= s <= i} w_s T_st w_t^T``, ``T = L^{-1} diag(beta)`` (lower triangular; a
-    contiguous range of tokens reads the diagonal block of one global ``T``), the term is
-    ``-((Q W^T) [s <= i]) T ((W K^T) [t > j])``: one triangular solve and two matmuls, nothing ``(q, k, head_dim)``."""
+    ``directions`` ``w`` ``(batch, heads, kv_len, head_dim)`` (unit vectors) and ``strengths`` ``beta``
+    ``(batch, heads, kv_len)`` belong to the keys; query ``i`` is the token at key index ``first_query + i``.
+    Blockwise, as the reference's kernel: the keys fall in blocks of ``block_size`` (identity factors in front), each
+    with its UT transform ``T`` (:func:`ut_transform`). Within a block the term is ``-((Q W^T) [s <= i]) T ((W K^T)
+    [t > j])``. Across blocks each query is carried to its block's start (``u_i = q_i^T H_i ... H_start``), each key
+    to its block's end (``v_j = H_end ... H_(j+1) k_j``), and the score ``u_i^T P_(I-1) ... P_(J+1) v_j`` takes one
+    block product ``P = I - W^T T W`` a step, nearest block first: ``O(n^2 d)`` flops, no ``(q, k, head_dim)``
+    tensor."""
     compute_dtype = directions.dtype
-    query, key = query.to(compute_dtype), key.to(compute_dtype)
+    batch, heads, q_len, _ = query.shape
     kv_len = key.shape[-2]
-    reach = torch.matmul(query, directions.transpose(-1, -2)) * visible  # (q_i . w_s) for s the query sees
-    # X L = reach, X = reach L^{-1}; then R = X diag(beta) = reach T.
-    solved = torch.linalg.solve_triangular(solve_matrix, reach, upper=False, left=False, unitriangular=True)
-    weighted = solved * strengths[..., None, :]
-    index = torch.arange(kv_len, device=key.device)
-    later = index[:, None] > index[None, :]  # [t > j]
-    projected_keys = torch.matmul(directions, key.transpose(-1, -2)) * later  # (w_t . k_j) for t > j
-    return -torch.matmul(weighted, projected_keys)
+    pad = (-kv_len) % block_size
+    start = first_query + pad
+    first_block, last_block = start // block_size, (start + q_len - 1) // block_size
+    lead = start - first_block * block_size
+    num_keys = (last_block + 1) * block_size  # the blocks after the last query's are never read
+
+    def in_blocks(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unflatten(-2, (-1, block_size))  # (batch, heads, blocks, block_size, head_dim)
+
+    keys = in_blocks(F.pad(key.to(compute_dtype), (0, 0, pad, 0))[..., :num_keys, :])
+    directions = in_blocks(F.pad(directions, (0, 0, pad, 0))[..., :num_keys, :])
+    strengths = F.pad(strengths, (pad, 0))[..., :num_keys].unflatten(-1, (-1, block_size))
+    tail = num_keys - start - q_len
+    queries = in_blocks(F.pad(query.to(compute_dtype), (0, 0, lead, tail)))
+    transforms = ut_transform(directions, strengths)
+    num_query_blocks, num_blocks = queries.shape[2], last_block + 1
+
+    own = slice(first_block, None)
+    reach = torch.matmul(queries, directions[:, :, own].transpose(-1, -2)).tril()  # q_i . w_s, s <= i
+    weighted = torch.matmul(reach, transforms[:, :, own])
+    projected = torch.matmul(directions[:, :, own], keys[:, :, own].transpose(-1, -2)).tril(-1)  # w_t . k_j, t > j
+    carried_queries = queries - torch.matmul(weighted, directions[:, :, own])  # u_i
+    key_reach = torch.matmul(keys, directions.transpose(-1, -2)).triu(1)  # k_j . w_t, t > j
+    carried_keys = keys - torch.matmul(torch.matmul(key_reach, transforms.transpose(-1, -2)), directions)  # v_j
+
+    # Block (query block a, key block J) at a * num_blocks + J: the pairs at one distance are a strided slice.
+    term = queries.new_zeros(batch, heads, num_query_blocks * num_blocks, block_size, block_size)
+    term[:, :, first_block :: num_blocks + 1] = -torch.matmul(weighted, projected)
+    for distance in range(1, num_blocks):
+        count = num_blocks - max(first_block, distance)  # query blocks with a key block this far before them
+        if count <= 0:
+            break
+        carried_queries = carried_queries[:, :, -count:]
+        keys_from = num_blocks - count - distance
+        reached = slice(keys_from, keys_from + count)
+        scores = torch.matmul(carried_queries, carried_keys[:, :, reached].transpose(-1, -2))
+        plain = torch.matmul(queries[:, :, -count:], keys[:, :, reached].transpose(-1, -2))
+        first_pair = (num_query_blocks - count) * (num_blocks + 1) + first_block - distance
+        term[:, :, first_pair :: num_blocks + 1] = scores - plain
+        block_directions = directions[:, :, reached]
+        through = torch.matmul(carried_queries, block_directions.transpose(-1, -2))
+        through = torch.matmul(through, transforms[:, :, reached])
+        carried_queries = carried_queries - torch.matmul(through, block_directions)  # u P_J
+    term = term.view(batch, heads, num_query_blocks, num_blocks, block_size, block_size).transpose(3, 4)
+    term = term.reshape(batch, heads, num_query_blocks * block_size, num_keys)[:, :, lead : lead + q_len, pad:]
+    return F.pad(term, (0, kv_len - term.shape[-1]))
 
 
 class HouseholderTerm(LayerPositionTerm):
@@ -995,7 +1047,7 @@ class HouseholderTerm(LayerPositionTerm):
     distinct cache slots)."""
 
     cache_states = ("path_state",)
-    query_chunk: int | None = None  # None: by CHUNK_ELEMENTS
+    block_size: int = 64  # tokens per block of path_householder_term
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -1040,33 +1092,33 @@ class HouseholderTerm(LayerPositionTerm):
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["layer"]
         directions, strengths = tables["path_directions"], tables["path_strengths"]
-        q_len, kv_len = query.shape[-2], key.shape[-2]
         visible = attention_inputs["visible"]
-        if visible is None:  # no mask: every key is a token, causal with the cached keys first
-            visible = implicit_causal(q_len, kv_len, query.device)[None, None]
+        if visible is None:  # no mask: every key is a token, the queries the last ones
+            first_query = key.shape[-2] - query.shape[-2]
         else:
             # A key no query sees (padding, a hole in the mask, an unwritten static-cache row) is not a token of
             # the sequence: its H is the identity.
             strengths = strengths * visible.any(dim=-2)
-        gram = torch.matmul(directions, directions.transpose(-1, -2)).tril(-1)
-        solve_matrix = torch.eye(kv_len, dtype=gram.dtype, device=gram.device) + strengths[..., :, None] * gram
-
-        def chunk_scores(start: int, stop: int) -> torch.Tensor:
-            chunk_visible = visible[..., start:stop, :].to(directions.dtype)
-            return path_householder_term(
-                query[..., start:stop, :], key, directions, strengths, chunk_visible, solve_matrix
-            )
-
-        term = in_query_chunks(chunk_scores, (*query.shape[:-1], kv_len), self.query_chunk) * scaling
+            first_query = first_query_index(visible)
+        arguments = (query, key, directions, strengths, first_query, self.block_size)
+        if torch.is_grad_enabled():  # keep the inputs, not the blocks' products, for the backward
+            term = checkpoint(path_householder_term, *arguments, use_reentrant=False)
+        else:
+            term = path_householder_term(*arguments)
+        term = term * scaling
         if self.forget_gate is not None:
             term = term + self.forget_gate.score_term(query, key, attention_inputs, scaling, project_query_key)
         return term
 
 
-def implicit_causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """``(q_len, kv_len)`` boolean: query ``i`` (the ``i``-th of the last ``q_len`` tokens) sees keys ``<= kv_len -
-    q_len + i``."""
-    return torch.arange(kv_len, device=device) <= torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+def first_query_index(visible: torch.Tensor) -> int:
+    """The key index of the first query, from a causal ``visible`` ``(batch|1, 1, q_len, kv_len)``: every query sees
+    itself last, and the queries are consecutive tokens (the last ones, or a static cache's next rows). Rows that see
+    no key (padding) do not count."""
+    q_len, kv_len = visible.shape[-2:]
+    last_seen = torch.where(visible, torch.arange(kv_len, device=visible.device), -1).amax(-1)
+    first = int((last_seen - torch.arange(q_len, device=visible.device)).amax())
+    return min(max(first, 0), kv_len - q_len)
 
 
 class PaTH(PositionEncoding):
@@ -1082,14 +1134,14 @@ class PaTH(PositionEncoding):
     the query. ``forget_gate=True`` is PaTH-FoX (the paper's best variant; the reference's ``use_forget_gate``): plus
     FoX's bias ``sum_(l=j+1..i) log f_l`` from the same :class:`ForgetGate` as ``fox``.
 
-    Computation, exact, no ``(q, k, head_dim)`` tensor: with ``T = (I + diag(beta) stril(W W^T, -1))^(-1) diag(beta)``
-    (the UT transform, lower triangular; ``H_i ... H_(j+1) = I - sum_(j<t<=s<=i) w_s T_st w_t^T``), the scores are
-    ``Q K^T - ((Q W^T) [s <= i]) T ((W K^T) [t > j])``: an additive ``(batch, heads, q, k)`` layer term
-    (:class:`HouseholderTerm`, :func:`path_householder_term`), one triangular solve with the queries' rows as
-    right-hand sides and two matmuls, in float32 and in checkpointed chunks of queries. Cost per head and layer:
-    ``O(q k^2)`` flops for the solve and ``O(q k (k + d))`` for the matmuls (``O(n^3)`` in training), ``O(k^2)``
-    memory, where the reference's Triton kernel (blockwise UT transforms, FlashAttention-style) is ``O(n^2 d)`` and
-    keeps no ``(n, n)`` tensor: that kernel is not built.
+    Computation, exact, blockwise as the reference's kernel, no ``(q, k, head_dim)`` tensor: with the UT transform of
+    each block of 64 tokens, ``T = (I + diag(beta) stril(W W^T, -1))^(-1) diag(beta)`` (lower triangular; ``H_i ...
+    H_(j+1) = I - sum_(j<t<=s<=i) w_s T_st w_t^T`` inside a block), the scores are ``Q K^T`` plus an additive
+    ``(batch, heads, q, k)`` layer term (:class:`HouseholderTerm`, :func:`path_householder_term`): inside a block
+    ``-((Q W^T) [s <= i]) T ((W K^T) [t > j])``, across blocks the queries carried to their block's start and the keys
+    to their block's end meet through one block product ``I - W^T T W`` a step, in float32, checkpointed. Cost per head
+    and layer: ``O(q k d)`` flops (``O(n^2 d)`` in training, the reference's order), ``O(q k)`` memory: the term,
+    where the reference's fused Triton kernel keeps no ``(n, n)`` tensor (not built here).
 
     KV cache: each token's ``w``, ``beta`` (and ``log f``) are kept with the cache (``path_state``), and every forward
     applies every key's later factors from them, so cache = no cache exactly, the raw keys stay in the KV cache (the

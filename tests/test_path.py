@@ -12,7 +12,7 @@ from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
-from hf_posenc.content_position_encodings import implicit_causal, path_householder_term
+from hf_posenc.content_position_encodings import HouseholderTerm, path_householder_term
 
 
 PATH_FOX = {"type": "path", "forget_gate": True}
@@ -49,28 +49,40 @@ def random_factors(batch=2, heads=2, n=6, d=4, seed=0):
     return query, key, directions, strengths
 
 
-def ut_term(query, key, directions, strengths):
-    n = key.shape[-2]
-    gram = (directions @ directions.transpose(-1, -2)).tril(-1)
-    solve_matrix = torch.eye(n, dtype=gram.dtype) + strengths[..., :, None] * gram
-    visible = implicit_causal(query.shape[-2], n, query.device)[None, None].to(query.dtype)
-    return path_householder_term(query, key, directions, strengths, visible, solve_matrix)
+def ut_term(query, key, directions, strengths, block_size=64, first_query=None):
+    first_query = key.shape[-2] - query.shape[-2] if first_query is None else first_query
+    return path_householder_term(query, key, directions, strengths, first_query, block_size)
 
 
-def test_the_ut_transform_term_equals_explicit_householder_products():
-    query, key, directions, strengths = random_factors()
-    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+@pytest.mark.parametrize("block_size", [64, 4, 3, 1])
+def test_the_blockwise_term_equals_explicit_householder_products(block_size):
+    """One block (64), and blocks of 4, 3 and 1 over 11 tokens: padding in front, products across several blocks."""
+    query, key, directions, strengths = random_factors(n=11)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
     expected = householder_loop(query, key, directions, strengths)
-    got = (query @ key.transpose(-1, -2) + ut_term(query, key, directions, strengths)) * causal
+    got = (query @ key.transpose(-1, -2) + ut_term(query, key, directions, strengths, block_size)) * causal
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
-def test_the_ut_transform_term_has_the_gradients_of_the_explicit_products():
+@pytest.mark.parametrize("block_size", [64, 4])
+@pytest.mark.parametrize(("first_query", "q_len"), [(7, 4), (3, 4), (10, 1), (0, 2)])
+def test_queries_inside_the_keys_take_the_factors_up_to_their_own_token(block_size, first_query, q_len):
+    """Queries at key rows ``first_query ..`` (a static cache's prefill or decoding step: later rows unwritten, or a
+    cache's last tokens): row ``i`` of the term is row ``first_query + i`` of the whole sequence's."""
+    query, key, directions, strengths = random_factors(n=11, seed=2)
+    rows = slice(first_query, first_query + q_len)
+    expected = ut_term(query, key, directions, strengths, 64)[:, :, rows]
+    got = ut_term(query[:, :, rows], key, directions, strengths, block_size, first_query)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [64, 2])
+def test_the_blockwise_term_has_the_gradients_of_the_explicit_products(block_size):
     inputs = [tensor.requires_grad_() for tensor in random_factors(batch=1, n=5, seed=1)]
     weights = torch.randn(1, 2, 5, 5, dtype=torch.float64).tril()
     loop_grads = torch.autograd.grad((householder_loop(*inputs) * weights).sum(), inputs)
     query, key = inputs[:2]
-    scores = query @ key.transpose(-1, -2) + ut_term(*inputs)
+    scores = query @ key.transpose(-1, -2) + ut_term(*inputs, block_size)
     term_grads = torch.autograd.grad((scores * weights).sum(), inputs)
     for got, expected in zip(term_grads, loop_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
@@ -212,19 +224,18 @@ def test_path_in_a_sliding_layer_generates_as_without_cache():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_path_in_query_chunks_equals_one_chunk(monkeypatch):
-    from hf_posenc.content_position_encodings import HouseholderTerm
-
-    model = make_model("gpt2", "path", attn="eager")
+def test_path_in_blocks_of_four_equals_one_block(monkeypatch):
+    """A model's logits and gradients with blocks of 4 tokens (products across blocks, checkpointed) = one block."""
+    model = make_model("gpt2", PATH_FOX, attn="eager")
     ids = random_ids(2, 9)
     whole = model(ids, labels=ids)
     whole.loss.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    monkeypatch.setattr(HouseholderTerm, "query_chunk", 4)
-    chunked = model(ids, labels=ids)
-    chunked.loss.backward()
-    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(HouseholderTerm, "block_size", 4)
+    blocked = model(ids, labels=ids)
+    blocked.loss.backward()
+    torch.testing.assert_close(blocked.logits, whole.logits, atol=1e-6, rtol=1e-5)
     for p, grad in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, grad, atol=1e-6, rtol=1e-5)
 
