@@ -322,9 +322,11 @@ def test_each_region_compiles_static_first_whatever_other_regions_saw(monkeypatc
 CUDA_PROXY = ROOT.parent / "shared" / "tools" / "cuda_proxy.py"
 # Representative interpreted cases (family, the tool's selection): a normalizer read from FlexAttention's
 # log-sum-exp with two passes and its eps (softpick; t5 with softmax comes with it), Shaw's value term (the band of
-# scores, the log-sum-exp and the encoder's tail pass).
+# scores, the log-sum-exp and the encoder's tail pass), differential attention (two flex calls over the heads' pairs).
+# The whole grid: benchmarks/cuda_interpret_grid.py.
 CUDA_PROXY_CASES = [
     ("gpt2", ["--schemes", "t5", "--normalizers", "softpick"]),
+    ("gpt2", ["--schemes", "t5", "--normalizers", "differential"]),
     ("bert", ["--schemes", "shaw", "--normalizers", "softmax"]),
 ]
 
