@@ -1012,9 +1012,9 @@ def path_householder_term(
     key_reach = torch.matmul(keys, directions.transpose(-1, -2)).triu(1)  # k_j . w_t, t > j
     carried_keys = keys - torch.matmul(torch.matmul(key_reach, transforms.transpose(-1, -2)), directions)  # v_j
 
-    # Block (query block a, key block J) at a * num_blocks + J: the pairs at one distance are a strided slice.
-    term = queries.new_zeros(batch, heads, num_query_blocks * num_blocks, block_size, block_size)
-    term[:, :, first_block :: num_blocks + 1] = -torch.matmul(weighted, projected)
+    # Block (query block a, key block J) at a * num_blocks + J: the pairs at one distance step by num_blocks + 1.
+    blocks = [-torch.matmul(weighted, projected)]
+    places = [first_block + torch.arange(num_query_blocks, device=query.device) * (num_blocks + 1)]
     for distance in range(1, num_blocks):
         count = num_blocks - max(first_block, distance)  # query blocks with a key block this far before them
         if count <= 0:
@@ -1023,13 +1023,14 @@ def path_householder_term(
         keys_from = num_blocks - count - distance
         reached = slice(keys_from, keys_from + count)
         scores = torch.matmul(carried_queries, carried_keys[:, :, reached].transpose(-1, -2))
-        plain = torch.matmul(queries[:, :, -count:], keys[:, :, reached].transpose(-1, -2))
-        first_pair = (num_query_blocks - count) * (num_blocks + 1) + first_block - distance
-        term[:, :, first_pair :: num_blocks + 1] = scores - plain
+        blocks.append(scores - torch.matmul(queries[:, :, -count:], keys[:, :, reached].transpose(-1, -2)))
+        places.append(places[0][-count:] - distance)
         block_directions = directions[:, :, reached]
         through = torch.matmul(carried_queries, block_directions.transpose(-1, -2))
         through = torch.matmul(through, transforms[:, :, reached])
         carried_queries = carried_queries - torch.matmul(through, block_directions)  # u P_J
+    term = queries.new_zeros(batch, heads, num_query_blocks * num_blocks, block_size, block_size)
+    term = term.index_copy(2, torch.cat(places), torch.cat(blocks, dim=2))
     term = term.view(batch, heads, num_query_blocks, num_blocks, block_size, block_size).transpose(3, 4)
     term = term.reshape(batch, heads, num_query_blocks * block_size, num_keys)[:, :, lead : lead + q_len, pad:]
     return F.pad(term, (0, kv_len - term.shape[-1]))
