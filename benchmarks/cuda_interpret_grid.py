@@ -48,44 +48,57 @@ CASE_LINE = re.compile(r"^(PASS|FAIL) (.*? attn=\S+ (?:float32|bfloat16))", re.M
 Model = tuple[str, Any, Any]  # (family, scheme spec, normalizer spec)
 
 
-def grid_models() -> Iterator[Model]:
-    """Every model of the grid, the 2025-26 entries first."""
+def has_family(family: str, entry: dict) -> bool:
+    return ("encoder" if family == "bert" else "decoder") in entry["families"]
+
+
+def variant_models() -> Iterator[Model]:
+    """The 2025-26 entries: differential attention, the output gate, the sinks, the layouts, PaTH and PaTH-FoX."""
     import hf_posenc
 
-    schemes = hf_posenc.list_position_encodings()
-    normalizers = hf_posenc.list_attention_normalizers()
-
-    def has(family: str, entry: dict) -> bool:
-        return ("encoder" if family == "bert" else "decoder") in entry["families"]
-
+    differential = hf_posenc.list_attention_normalizers()["differential"]
     for family in FAMILIES:
         for scheme in ("t5", "rope"):
-            if has(family, normalizers["differential"]):
+            if has_family(family, differential):
                 yield family, scheme, "differential"
             for gate in ("elementwise", "headwise"):
                 yield family, scheme, {"type": "softmax", "output_gate": gate}
             for sink in ("learned", 0.0):
                 yield family, scheme, {"type": "softmax", "sink": sink}
     yield from (("gpt2", {"layout": name}, "softmax") for name in LAYOUTS)
+    yield from (("gpt2", scheme, "softmax") for scheme in ("path", {"type": "path", "forget_gate": True}))
+
+
+def catalogue_models() -> Iterator[Model]:
+    """Every other normalizer with ``rope`` and ``t5``, every other scheme with softmax, Shaw without its value
+    term."""
+    import hf_posenc
+
+    schemes = hf_posenc.list_position_encodings()
+    normalizers = hf_posenc.list_attention_normalizers()
     for family in FAMILIES:
         for scheme in ("rope", "t5"):
             for name, entry in normalizers.items():
-                if name not in ("softmax", "differential") and has(family, entry):
+                if name not in ("softmax", "differential") and has_family(family, entry):
                     yield family, scheme, name
     for family in FAMILIES:
         for name, entry in schemes.items():
-            if has(family, entry):
+            if name != "path" and has_family(family, entry):
                 yield family, name, "softmax"
-        if family == "gpt2":
-            yield family, {"type": "path", "forget_gate": True}, "softmax"
         yield family, {"type": "shaw", "use_value": False}, "softmax"
 
 
+def grid_models() -> list[Model]:
+    """Every model of the grid, the 2025-26 entries first."""
+    return [*variant_models(), *catalogue_models()]
+
+
 def tasks(head_dims: tuple[int, ...], dtypes: tuple[str, ...]) -> list[tuple]:
-    """``(family, scheme, normalizer, request, dtype, head_dim)``, by head size, then dtype, then model."""
-    models = list(grid_models())
+    """``(family, scheme, normalizer, request, dtype, head_dim)``: the 2025-26 entries first, then the catalogue's;
+    in each, by head size, then dtype, then model."""
     return [
         (*model, request, dtype, head_dim)
+        for models in (list(variant_models()), list(catalogue_models()))
         for head_dim in head_dims
         for dtype in dtypes
         for model in models
