@@ -395,7 +395,9 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     notes = [
         f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
         f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
-        f"{wall_seconds / 60:.1f} min in all, {threads} torch thread(s) per process.",
+        f"training {sum(row['train_seconds'] for row in rows) / 60:.1f} min over the runs (a run kept with --resume "
+        f"counts its first training), {wall_seconds / 60:.1f} min this invocation, {threads} torch thread(s) per "
+        "process.",
         "eval loss: nats per token on the held-out blocks at the training length; Nx: nats per token on the last "
         f"{args.block_size} positions of sliding windows N times the training length; n/a: the model cannot run "
         "at that length (see compare.json for its message).",

@@ -402,7 +402,10 @@ def test_compare_over_seeds_reports_mean_and_spread_and_keeps_every_seed(tmp_pat
 
     monkeypatch.setattr(pretraining, "main", no_training)
     assert compare.main([*argv, "--resume"]) == json.loads(json.dumps(rows))  # as saved: lists for tuples
-    assert (tmp_path / "compare.md").read_text().split("- ")[0] == report.split("- ")[0]
+    resumed = (tmp_path / "compare.md").read_text()
+    assert resumed.split("- ")[0] == report.split("- ")[0]
+    training = f"training {sum(row['train_seconds'] for row in rows) / 60:.1f} min over the runs"
+    assert training in report and training in resumed  # the kept runs' first training, not the resumed call's
 
 
 def test_compare_reads_a_datasets_corpus(tmp_path):
