@@ -59,4 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"hf-posenc {recipe}: error: {message}", file=sys.stderr)
         return 1
+    finally:
+        leave_process_group()
     return 0
+
+
+def leave_process_group() -> None:
+    """Destroy the process group a multi-process launch joined, as accelerate's ``end_training`` does: left to the
+    interpreter's exit, gloo's threads can abort a finished process ("terminate called without an active
+    exception", exit -6)."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
