@@ -983,57 +983,58 @@ def path_householder_term(
     [t > j])``. Across blocks each query is carried to its block's start (``u_i = q_i^T H_i ... H_start``), each key
     to its block's end (``v_j = H_end ... H_(j+1) k_j``), and the score ``u_i^T P_(I-1) ... P_(J+1) v_j`` takes one
     block product ``P = I - W^T T W`` a step, nearest block first: ``O(n^2 d)`` flops, no ``(q, k, head_dim)``
-    tensor."""
-    compute_dtype = directions.dtype
-    batch, heads, q_len, _ = query.shape
-    kv_len = key.shape[-2]
-    pad = (-kv_len) % block_size
-    start = first_query + pad
-    first_block, last_block = start // block_size, (start + q_len - 1) // block_size
-    lead = start - first_block * block_size
-    num_keys = (last_block + 1) * block_size  # the blocks after the last query's are never read
+    tensor. Autocast is off inside: the solves and products run in float32 under bf16 autocast too."""
+    with torch.autocast(query.device.type, enabled=False):  # float32 products under bf16 autocast too
+        compute_dtype = directions.dtype
+        batch, heads, q_len, _ = query.shape
+        kv_len = key.shape[-2]
+        pad = (-kv_len) % block_size
+        start = first_query + pad
+        first_block, last_block = start // block_size, (start + q_len - 1) // block_size
+        lead = start - first_block * block_size
+        num_keys = (last_block + 1) * block_size  # the blocks after the last query's are never read
 
-    def in_blocks(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unflatten(-2, (-1, block_size))  # (batch, heads, blocks, block_size, head_dim)
+        def in_blocks(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.unflatten(-2, (-1, block_size))  # (batch, heads, blocks, block_size, head_dim)
 
-    keys = in_blocks(F.pad(key.to(compute_dtype), (0, 0, pad, 0))[..., :num_keys, :])
-    directions = in_blocks(F.pad(directions, (0, 0, pad, 0))[..., :num_keys, :])
-    strengths = F.pad(strengths, (pad, 0))[..., :num_keys].unflatten(-1, (-1, block_size))
-    tail = num_keys - start - q_len
-    queries = in_blocks(F.pad(query.to(compute_dtype), (0, 0, lead, tail)))
-    transforms = ut_transform(directions, strengths)
-    num_query_blocks, num_blocks = queries.shape[2], last_block + 1
+        keys = in_blocks(F.pad(key.to(compute_dtype), (0, 0, pad, 0))[..., :num_keys, :])
+        directions = in_blocks(F.pad(directions, (0, 0, pad, 0))[..., :num_keys, :])
+        strengths = F.pad(strengths, (pad, 0))[..., :num_keys].unflatten(-1, (-1, block_size))
+        tail = num_keys - start - q_len
+        queries = in_blocks(F.pad(query.to(compute_dtype), (0, 0, lead, tail)))
+        transforms = ut_transform(directions, strengths)
+        num_query_blocks, num_blocks = queries.shape[2], last_block + 1
 
-    own = slice(first_block, None)
-    reach = torch.matmul(queries, directions[:, :, own].transpose(-1, -2)).tril()  # q_i . w_s, s <= i
-    weighted = torch.matmul(reach, transforms[:, :, own])
-    projected = torch.matmul(directions[:, :, own], keys[:, :, own].transpose(-1, -2)).tril(-1)  # w_t . k_j, t > j
-    carried_queries = queries - torch.matmul(weighted, directions[:, :, own])  # u_i
-    key_reach = torch.matmul(keys, directions.transpose(-1, -2)).triu(1)  # k_j . w_t, t > j
-    carried_keys = keys - torch.matmul(torch.matmul(key_reach, transforms.transpose(-1, -2)), directions)  # v_j
+        own = slice(first_block, None)
+        reach = torch.matmul(queries, directions[:, :, own].transpose(-1, -2)).tril()  # q_i . w_s, s <= i
+        weighted = torch.matmul(reach, transforms[:, :, own])
+        projected = torch.matmul(directions[:, :, own], keys[:, :, own].transpose(-1, -2)).tril(-1)  # w_t . k_j, t > j
+        carried_queries = queries - torch.matmul(weighted, directions[:, :, own])  # u_i
+        key_reach = torch.matmul(keys, directions.transpose(-1, -2)).triu(1)  # k_j . w_t, t > j
+        carried_keys = keys - torch.matmul(torch.matmul(key_reach, transforms.transpose(-1, -2)), directions)  # v_j
 
-    # Block (query block a, key block J) at a * num_blocks + J: the pairs at one distance step by num_blocks + 1.
-    blocks = [-torch.matmul(weighted, projected)]
-    places = [first_block + torch.arange(num_query_blocks, device=query.device) * (num_blocks + 1)]
-    for distance in range(1, num_blocks):
-        count = num_blocks - max(first_block, distance)  # query blocks with a key block this far before them
-        if count <= 0:
-            break
-        carried_queries = carried_queries[:, :, -count:]
-        keys_from = num_blocks - count - distance
-        reached = slice(keys_from, keys_from + count)
-        scores = torch.matmul(carried_queries, carried_keys[:, :, reached].transpose(-1, -2))
-        blocks.append(scores - torch.matmul(queries[:, :, -count:], keys[:, :, reached].transpose(-1, -2)))
-        places.append(places[0][-count:] - distance)
-        block_directions = directions[:, :, reached]
-        through = torch.matmul(carried_queries, block_directions.transpose(-1, -2))
-        through = torch.matmul(through, transforms[:, :, reached])
-        carried_queries = carried_queries - torch.matmul(through, block_directions)  # u P_J
-    term = queries.new_zeros(batch, heads, num_query_blocks * num_blocks, block_size, block_size)
-    term = term.index_copy(2, torch.cat(places), torch.cat(blocks, dim=2))
-    term = term.view(batch, heads, num_query_blocks, num_blocks, block_size, block_size).transpose(3, 4)
-    term = term.reshape(batch, heads, num_query_blocks * block_size, num_keys)[:, :, lead : lead + q_len, pad:]
-    return F.pad(term, (0, kv_len - term.shape[-1]))
+        # Block (query block a, key block J) at a * num_blocks + J: the pairs at one distance step by num_blocks + 1.
+        blocks = [-torch.matmul(weighted, projected)]
+        places = [first_block + torch.arange(num_query_blocks, device=query.device) * (num_blocks + 1)]
+        for distance in range(1, num_blocks):
+            count = num_blocks - max(first_block, distance)  # query blocks with a key block this far before them
+            if count <= 0:
+                break
+            carried_queries = carried_queries[:, :, -count:]
+            keys_from = num_blocks - count - distance
+            reached = slice(keys_from, keys_from + count)
+            scores = torch.matmul(carried_queries, carried_keys[:, :, reached].transpose(-1, -2))
+            blocks.append(scores - torch.matmul(queries[:, :, -count:], keys[:, :, reached].transpose(-1, -2)))
+            places.append(places[0][-count:] - distance)
+            block_directions = directions[:, :, reached]
+            through = torch.matmul(carried_queries, block_directions.transpose(-1, -2))
+            through = torch.matmul(through, transforms[:, :, reached])
+            carried_queries = carried_queries - torch.matmul(through, block_directions)  # u P_J
+        term = queries.new_zeros(batch, heads, num_query_blocks * num_blocks, block_size, block_size)
+        term = term.index_copy(2, torch.cat(places), torch.cat(blocks, dim=2))
+        term = term.view(batch, heads, num_query_blocks, num_blocks, block_size, block_size).transpose(3, 4)
+        term = term.reshape(batch, heads, num_query_blocks * block_size, num_keys)[:, :, lead : lead + q_len, pad:]
+        return F.pad(term, (0, kv_len - term.shape[-1]))
 
 
 class HouseholderTerm(LayerPositionTerm):

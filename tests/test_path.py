@@ -250,3 +250,13 @@ def test_a_cropped_cache_drops_the_factors_of_the_dropped_tokens():
         cache.crop(-3)
         tail = model(ids[:, 8:], **with_cache(cache)).logits
     torch.testing.assert_close(tail, full[:, 5:], atol=1e-5, rtol=1e-4)
+
+
+def test_the_term_runs_in_float32_under_bf16_autocast():
+    """Autocast would run the blocks' products in bf16 (0.09 off at 100 tokens); the term keeps float32."""
+    query, key, directions, strengths = (tensor.float() for tensor in random_factors(n=100, d=8, seed=3))
+    expected = ut_term(query, key, directions, strengths, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ut_term(query, key, directions, strengths, 64)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
