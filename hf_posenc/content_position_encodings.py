@@ -1142,8 +1142,8 @@ class PaTH(PositionEncoding):
     ``(batch, heads, q, k)`` layer term (:class:`HouseholderTerm`, :func:`path_householder_term`): inside a block
     ``-((Q W^T) [s <= i]) T ((W K^T) [t > j])``, across blocks the queries carried to their block's start and the keys
     to their block's end meet through one block product ``I - W^T T W`` a step, in float32, checkpointed. Cost per head
-    and layer: ``O(q k d)`` flops (``O(n^2 d)`` in training, the reference's order), ``O(q k)`` memory: the term,
-    where the reference's fused Triton kernel keeps no ``(n, n)`` tensor (not built here).
+    and layer: ``O((q + 64) k d)`` flops (``O(n^2 d)`` in training, the reference's order), ``O(q k)`` memory: the
+    term, where the reference's fused Triton kernel keeps no ``(n, n)`` tensor (not built here).
 
     KV cache: each token's ``w``, ``beta`` (and ``log f``) are kept with the cache (``path_state``), and every forward
     applies every key's later factors from them, so cache = no cache exactly, the raw keys stay in the KV cache (the
