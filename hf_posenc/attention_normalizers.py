@@ -25,17 +25,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from transformers import initialization as init
 
 from .options import CatalogueEntry, Option
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
-
-
-try:  # torch >= 2.9; before it, flex_attention(..., return_lse=True)
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:
-    AuxRequest = None
 
 
 OUTPUT_GATES = ("elementwise", "headwise")
@@ -323,8 +317,6 @@ def flex_pass(
 
     kwargs = dict(score_mod=pass_score_mod, block_mask=block_mask, scale=scale)
     kwargs["pass_name"] = pass_name or ("softmax" if transform is None else transform.__name__)
-    if AuxRequest is None:
-        return attend(query, key, value, return_lse=True, **kwargs)
     output, aux = attend(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
     return output, aux.lse
 
@@ -339,8 +331,6 @@ def _visible_key_count_lse(attend, query: torch.Tensor, key: torch.Tensor, block
     # Three distinct tensors: an aliased key and value would be another compiled graph.
     zeros = [tensor.new_zeros(tensor.shape[0], heads, tensor.shape[2], 16) for tensor in (query, key, key)]
     kwargs = dict(score_mod=None, block_mask=block_mask, scale=1.0, pass_name="visible_keys")
-    if AuxRequest is None:
-        return attend(*zeros, return_lse=True, **kwargs)[1]
     return attend(*zeros, return_aux=AuxRequest(lse=True), **kwargs)[1].lse
 
 
