@@ -133,10 +133,9 @@ def with_layouts(make_model):
         import transformers
 
         import hf_posenc
-
-        torch.manual_seed(0)
         from hf_posenc.configuration_posenc import CHUNKED_LAYOUTS, SLIDING_LAYOUTS
 
+        torch.manual_seed(0)  # as the tool's make_model
         name = scheme["layout"]
         window = LAYOUT_WINDOW if name in SLIDING_LAYOUTS else None
         chunk = LAYOUT_WINDOW if name in CHUNKED_LAYOUTS else None
