@@ -133,13 +133,11 @@ def with_layouts(make_model):
         import transformers
 
         import hf_posenc
-        from hf_posenc.configuration_posenc import CHUNKED_LAYOUTS, SLIDING_LAYOUTS
+        from hf_posenc_cli.arguments import layout_sizes
 
         torch.manual_seed(0)  # as the tool's make_model
-        name = scheme["layout"]
-        window = LAYOUT_WINDOW if name in SLIDING_LAYOUTS else None
-        chunk = LAYOUT_WINDOW if name in CHUNKED_LAYOUTS else None
-        layout = hf_posenc.layout_preset(name, 2, sliding_window=window, attention_chunk_size=chunk)
+        sizes = layout_sizes(scheme["layout"], LAYOUT_WINDOW, LAYOUT_WINDOW)
+        layout = hf_posenc.layout_preset(scheme["layout"], 2, *sizes)
         config = hf_posenc.PosEncGPT2Config(
             attention_normalizer=normalizer, n_embd=64, n_layer=2, n_head=heads, vocab_size=99, n_positions=64,
             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **layout,
