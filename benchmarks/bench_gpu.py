@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import math
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
@@ -183,7 +185,7 @@ def measure(loss_of: Callable, ids: torch.Tensor, device: torch.device, warmup: 
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return statistics.median(times), peak
+    return (statistics.median(times) if times else None), peak
 
 
 class BackendRecorder:
@@ -229,10 +231,128 @@ def run_row(row: Row, build: Callable, ids, device, args) -> Row:
     return row
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One row to run: what to build (``kind`` stock, posenc or x-transformers) at which shape."""
+
+    family: str
+    batch: int
+    tokens: int
+    kind: str
+    scheme: str = ""
+    normalizer: str = "softmax"
+    requested: str = "default"
+
+    @property
+    def shape(self) -> str:
+        return f"{self.batch}x{self.tokens}"
+
+    @property
+    def model(self) -> str:
+        if self.kind == "stock":
+            return "stock"
+        if self.kind == "x-transformers":
+            return f"x-transformers {self.scheme}"
+        return self.scheme if self.normalizer == "softmax" else f"{self.scheme} + {self.normalizer}"
+
+    def row(self) -> Row:
+        # x-transformers runs its T5 bias in its own einsum attention ("eager"), everything else on flash
+        x_backend = "eager" if self.scheme == "t5" else "flash"
+        backend = {"stock": "sdpa", "x-transformers": x_backend}.get(self.kind, self.requested)
+        return Row(self.family, self.shape, self.model, backend, backend if self.kind != "posenc" else "?")
+
+    def build(self, size: Size, max_len: int) -> Callable:
+        if self.kind == "stock":
+            return partial(with_loss, stock_model, self.family, size, max_len)
+        if self.kind == "x-transformers":
+            return partial(x_transformers_step, self.family, size, max_len, self.scheme)
+        attn = None if self.requested == "default" else self.requested
+        return partial(with_loss, posenc_model, self.family, size, max_len, self.scheme, self.normalizer, attn)
+
+    def ids(self, vocab: int, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab, (self.batch, self.tokens), generator=generator).to(device)
+
+
 def cases(args) -> list[tuple[str, str]]:
     combos = [(scheme, "softmax") for scheme in args.schemes]
     combos += [("learned", normalizer) for normalizer in args.normalizers if normalizer != "softmax"]
     return combos
+
+
+def plans(args, shapes: list[tuple[int, int]], have_x: bool) -> list[Plan]:
+    """Every row, shape by shape (the first shape's rows first): stock, then each case on the library's default
+    backend and on each explicit request, then x-transformers."""
+    planned = []
+    for batch, tokens in shapes:
+        for family in args.families:
+            planned.append(Plan(family, batch, tokens, "stock"))
+            side = "decoder" if family == "gpt2" else "encoder"
+            for scheme, normalizer in cases(args):
+                families = hf_posenc.list_position_encodings()[scheme]["families"]
+                normalizer_families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
+                if side not in set(families) & set(normalizer_families):
+                    continue
+                for requested in ["default", *args.backends]:
+                    planned.append(Plan(family, batch, tokens, "posenc", scheme, normalizer, requested))
+            if have_x:
+                xs = [s for s in X_TRANSFORMERS_SCHEMES if s in args.schemes]
+                planned += [Plan(family, batch, tokens, "x-transformers", s) for s in xs]
+    return planned
+
+
+def compile_row(plan: Plan, size: Size, max_len: int, device: str) -> str:
+    """One training step of ``plan``'s model in a worker process: its kernels land in inductor's on-disk caches,
+    so the timed run in the main process compiles from them. Returns the error, if any."""
+    torch._dynamo.config.recompile_limit = 1024
+    device = torch.device(device)
+    try:
+        model, loss_of = plan.build(size, max_len)()
+        model.to(device).train()
+        measure(loss_of, plan.ids(size.vocab, device), device, warmup=1, repeats=0)
+    except Exception as error:
+        return f"{plan.model} {plan.shape} {plan.requested}: {type(error).__name__}"
+    return ""
+
+
+def precompile(planned: list[Plan], size: Size, max_len: int, device: torch.device, jobs: int, seconds: float):
+    """Run :func:`compile_row` over ``planned`` in ``jobs`` fresh processes for at most ``seconds``."""
+    deadline = time.perf_counter() + seconds
+    context = multiprocessing.get_context("spawn")
+    work = partial(compile_row, size=size, max_len=max_len, device=str(device))
+    done = 0
+    with context.Pool(jobs, maxtasksperchild=1) as pool:
+        results = pool.imap_unordered(work, planned)
+        try:
+            while done < len(planned):
+                left = None if math.isinf(deadline) else max(deadline - time.perf_counter(), 0.01)
+                error = results.next(timeout=left)
+                done += 1
+                if error:
+                    print(f"precompile: {error}", flush=True)
+        except multiprocessing.TimeoutError:
+            pool.terminate()
+    print(f"precompile: {done} of {len(planned)} rows in {time.perf_counter() - deadline + seconds:.0f} s", flush=True)
+
+
+def run_plans(planned: list[Plan], size: Size, max_len: int, device: torch.device, args, deadline: float) -> list[Row]:
+    """Time each planned row alone; an explicit request for the backend the default already ran is left out, and a
+    row not started before ``deadline`` is listed as not run."""
+    rows: list[Row] = []
+    default_backend: dict[tuple, str] = {}
+    for plan in planned:
+        key = (plan.family, plan.shape, plan.model)
+        if plan.requested != "default" and default_backend.get(key) == plan.requested:
+            continue
+        row = plan.row()
+        if time.perf_counter() > deadline:
+            row.error = "not run: --time-budget spent"
+            rows.append(row)
+            continue
+        rows.append(run_row(row, plan.build(size, max_len), plan.ids(size.vocab, device), device, args))
+        if plan.kind == "posenc" and plan.requested == "default":
+            default_backend[key] = row.runs_on
+    return rows
 
 
 def format_row(row: Row, stock_ms: float | None) -> str:
@@ -251,11 +371,28 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=SCHEMES)
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS, help="explicit requests timed")
+    parser.add_argument(
+        "--backends", nargs="*", choices=BACKENDS, default=BACKENDS, help="explicit requests timed (none: --backends)"
+    )
     parser.add_argument("--no-x-transformers", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", help="also write the markdown table here")
+    parser.add_argument(
+        "--compile-jobs",
+        type=int,
+        default=0,
+        help="first run one step of every row in this many processes, so that the timed rows compile from "
+        "inductor's on-disk caches (the rows' kernels are compiled in parallel; the timing stays one row at a time)",
+    )
+    parser.add_argument("--compile-only", action="store_true", help="with --compile-jobs: compile, time nothing")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=float("inf"),
+        help="seconds for the whole run (half at most for --compile-jobs): rows not started by then are listed as "
+        "not run",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -275,31 +412,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(header)
     if not have_x:
         print("note: x_transformers is not importable (or --no-x-transformers): its rows are skipped.")
-    rows: list[Row] = []
-    for family in args.families:
-        causal = family == "gpt2"
-        for batch, tokens in shapes:
-            shape = f"{batch}x{tokens}"
-            ids = torch.randint(0, size.vocab, (batch, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-            stock = partial(with_loss, stock_model, family, size, max_len)
-            rows.append(run_row(Row(family, shape, "stock", "sdpa", "sdpa"), stock, ids, device, args))
-            for scheme, normalizer in cases(args):
-                families = hf_posenc.list_position_encodings()[scheme]["families"]
-                normalizer_families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
-                if ("decoder" if causal else "encoder") not in set(families) & set(normalizer_families):
-                    continue
-                name = scheme if normalizer == "softmax" else f"{scheme} + {normalizer}"
-                build = partial(with_loss, posenc_model, family, size, max_len, scheme, normalizer)
-                default = run_row(Row(family, shape, name, "default", "?"), partial(build, None), ids, device, args)
-                rows.append(default)
-                for requested in (b for b in args.backends if b != default.runs_on):
-                    row = Row(family, shape, name, requested, "?")
-                    rows.append(run_row(row, partial(build, requested), ids, device, args))
-            if have_x:
-                for scheme in [s for s in X_TRANSFORMERS_SCHEMES if s in args.schemes]:
-                    row = Row(family, shape, f"x-transformers {scheme}", "flash", "flash")
-                    build = partial(x_transformers_step, family, size, max_len, scheme)
-                    rows.append(run_row(row, build, ids, device, args))
+    started = time.perf_counter()
+    planned = plans(args, shapes, have_x)
+    if args.compile_jobs:
+        seconds = args.time_budget if args.compile_only else args.time_budget / 2
+        precompile(planned, size, max_len, device, args.compile_jobs, seconds)
+    if args.compile_only:
+        return []
+    rows = run_plans(planned, size, max_len, device, args, started + args.time_budget)
     stock_ms = {(r.family, r.shape): r.ms for r in rows if r.model == "stock"}
     table = [
         header,
