@@ -42,7 +42,8 @@ export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 read -r -a SHORT <<<"${SHORT_ARGS:---shapes 8x2048 --backends}"
 read -r -a LONG <<<"${LONG_ARGS:---shapes 1x8192 --backends --normalizers softmax l2 exp relu2 swish_l2 \
 --schemes none alibi t5 kerple fire tupe shaw xlnet deberta cope}"
-timeout "${TEST_SECONDS:-$COMPILE_SECONDS}" python3 -m pytest -q -p no:cacheprovider -n 4 -k cuda -rs \
+# SIGINT at the limit: pytest still prints its summary, with each failure's line (--tb=line)
+timeout -k 10 -s INT "${TEST_SECONDS:-$COMPILE_SECONDS}" python3 -m pytest -q -p no:cacheprovider -n 4 -k cuda -rfEs --tb=line \
     tests/test_attention_backends.py tests/test_content_position_encodings.py tests/test_fox_and_pope.py \
     tests/test_training_and_compile.py tests/test_cuda_readiness.py >"$OUT/cuda_tests.log" 2>&1 &
 python3 benchmarks/bench_gpu.py "${SHORT[@]}" --compile-only --compile-jobs "${SHORT_JOBS:-6}" --time-budget "$COMPILE_SECONDS" \
