@@ -34,3 +34,21 @@ def test_bench_gpu_tiny_on_cpu_times_stock_and_each_scheme_on_the_backend_that_r
     table = output.read_text()
     assert "| gpt2 | 2x16 | t5 | default -> sdpa |" in table and "| t5 | flex_attention -> sdpa |" in table
     assert "torch " in table.splitlines()[0]
+
+
+def test_bench_gpu_compiles_rows_in_worker_processes_and_lists_rows_past_the_time_budget(monkeypatch, capsys):
+    """``--compile-jobs``: each row runs a step in a spawned process first, and the rows are still timed; with
+    ``--time-budget 0`` no row starts, and each is listed as not run."""
+    bench = load_benchmark(monkeypatch)
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the spawned workers import bench_gpu by name
+    argv = ["--device", "cpu", "--tiny", "--families", "gpt2", "--schemes", "alibi", "--normalizers", "softmax"]
+    argv += ["--backends", "--warmup", "0", "--repeats", "1", "--no-x-transformers"]
+    rows = bench.main([*argv, "--compile-jobs", "1", "--time-budget", "600"])
+    assert [(row.model, row.runs_on) for row in rows] == [("stock", "sdpa"), ("alibi", "sdpa")]
+    assert all(row.ms > 0 and not row.error for row in rows)
+    assert "precompile: 2 of 2 rows" in capsys.readouterr().out
+    late = bench.main([*argv, "--time-budget", "0"])
+    assert [(row.model, row.ms, row.error) for row in late] == [
+        ("stock", None, "not run: --time-budget spent"),
+        ("alibi", None, "not run: --time-budget spent"),
+    ]
