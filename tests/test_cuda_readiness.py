@@ -93,39 +93,38 @@ def capture_cuda_flex_calls(
     return list(calls.values())
 
 
-def structure(value: Any) -> Any:
-    """What FlexAttention's traced graph depends on in a call argument: a tensor's shape, dtype and grad flag; a
-    function's code and, recursively, what it closes over; a number, string or dataclass (``AuxRequest``) itself;
-    another object's type (the model's modules, the same in every capture of one combination)."""
+def structure(value: Any, grad_flags: bool = True) -> Any:
+    """What FlexAttention's traced graph depends on in a call argument: a tensor's shape and dtype (and whether it
+    requires gradients, with ``grad_flags``: a forward lowered under ``no_grad`` does not depend on it); a function's
+    code and, recursively, what it closes over; a number, string or dataclass (``AuxRequest``) itself; another
+    object's type (the model's modules, the same in every capture of one combination)."""
+
+    def of(item: Any) -> Any:
+        return structure(item, grad_flags)
+
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad)
+        return ("tensor", tuple(value.shape), value.dtype, grad_flags and value.requires_grad)
     if isinstance(value, functools.partial):
-        return ("partial", structure(value.func), structure(value.args), structure(value.keywords))
+        return ("partial", of(value.func), of(value.args), of(value.keywords))
     if callable(value) and hasattr(value, "__code__"):
-        cells = tuple(structure(cell.cell_contents) for cell in value.__closure__ or ())
+        cells = tuple(of(cell.cell_contents) for cell in value.__closure__ or ())
         return ("function", value.__code__.co_code, repr(value.__code__.co_consts), cells)
     if isinstance(value, (bool, int, float, str, type(None))) or dataclasses.is_dataclass(value):
         return repr(value)
     if isinstance(value, BlockMask):
-        return (
-            "block_mask",
-            value.seq_lengths,
-            value.BLOCK_SIZE,
-            structure(value.mask_mod),
-            value.kv_num_blocks.shape,
-        )
+        return ("block_mask", value.seq_lengths, value.BLOCK_SIZE, of(value.mask_mod), value.kv_num_blocks.shape)
     if isinstance(value, dict):
-        return tuple(sorted((name, structure(item)) for name, item in value.items()))
+        return tuple(sorted((name, of(item)) for name, item in value.items()))
     if isinstance(value, (tuple, list)):
-        return tuple(structure(item) for item in value)
+        return tuple(of(item) for item in value)
     return type(value).__name__
 
 
-def distinct_calls(calls: list[tuple]) -> list[tuple]:
+def distinct_calls(calls: list[tuple], grad_flags: bool = True) -> list[tuple]:
     """The calls of ``calls`` that differ in structure (:func:`structure` of every argument): the captures of one
     combination repeat the same call (the default routed to flex and flex requested, a layer's passes at two
-    positions), and identical calls trace to identical graphs."""
-    return list({structure(call): call for call in calls}.values())
+    positions, training and inference where only gradients differ), and identical calls trace to identical graphs."""
+    return list({structure(call, grad_flags): call for call in calls}.values())
 
 
 def gradients_onto_few_addresses(joint_graph: torch.fx.Graph) -> list[str]:
@@ -241,7 +240,7 @@ def test_every_score_mod_and_mask_mod_lowers_in_inductor(family, scheme, normali
         )
     ]
     assert calls, "a flex_attention request reaches FlexAttention on CUDA"
-    calls = distinct_calls([(q.detach(), k.detach(), v.detach(), kw) for q, k, v, kw in calls])
+    calls = distinct_calls([(q.detach(), k.detach(), v.detach(), kw) for q, k, v, kw in calls], grad_flags=False)
     assert_inductor_lowers(calls, monkeypatch)
 
 
