@@ -306,10 +306,16 @@ def plans(args, shapes: list[tuple[int, int]], have_x: bool) -> list[Plan]:
     return planned
 
 
+def allow_many_recompiles() -> None:
+    """One process compiles FlexAttention once per scheme, shape and mode: more than dynamo's default limit of 8."""
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
 def compile_row(plan: Plan, size: Size, max_len: int, device: str) -> str:
     """One training step of ``plan``'s model in a worker process: its kernels land in inductor's on-disk caches,
     so the timed run in the main process compiles from them. Returns the error, if any."""
-    torch._dynamo.config.recompile_limit = 1024
+    allow_many_recompiles()
     device = torch.device(device)
     try:
         model, loss_of = plan.build(size, max_len)()
@@ -405,9 +411,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     size = TINY if args.tiny else Size()
     shapes = [parse_shape(s) for s in (args.shapes or (["2x16"] if args.tiny else ["8x2048", "1x8192"]))]
     max_len = max(tokens for _, tokens in shapes)
-    # One process compiles FlexAttention once per scheme, shape and mode: more than dynamo's default limit of 8.
-    torch._dynamo.config.recompile_limit = 1024
-    torch._dynamo.config.accumulated_recompile_limit = 4096
+    allow_many_recompiles()
     have_x = importlib.util.find_spec("x_transformers") is not None and not args.no_x_transformers
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
