@@ -18,6 +18,12 @@ two result lines to ``RESULTS``; a rerun skips the tasks already there, so the g
     python benchmarks/cuda_interpret_grid.py grid.log --jobs 2            # everything not yet in grid.log
     python benchmarks/cuda_interpret_grid.py grid.log --list              # what is left
     python benchmarks/cuda_interpret_grid.py grid.log --summary           # passed / failed per dtype and head size
+
+On a machine with a GPU, ``--gpu`` runs the same tasks on it instead: each model compiled for CUDA as the library
+routes it, the real kernels launched, the loss and every gradient, or the logits, compared with the same eager float32
+CPU reference and the same tolerances (float32: ``1e-4 * max|ref| + 1e-6``; bf16: ``5e-2 * max|ref| + 1e-3``)::
+
+    python benchmarks/cuda_interpret_grid.py gpu-grid.log --gpu --jobs 12
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,9 @@ HEAD_DIMS = (32, 16)
 LENGTH = 32
 LAYOUTS = ("irope", "rnope_swa", "smollm3")
 LAYOUT_WINDOW = 8
+WIDTH = 64
+BATCH = 2
+TOLERANCE = {"float32": (1e-4, 1e-6), "bfloat16": (5e-2, 1e-3)}  # PASS: max |got - ref| <= rtol * max |ref| + atol
 
 CASE_LINE = re.compile(r"^(PASS|FAIL) (.*? attn=\S+ (?:float32|bfloat16))", re.MULTILINE)
 Model = tuple[str, Any, Any]  # (family, scheme spec, normalizer spec)
@@ -93,12 +102,13 @@ def grid_models() -> list[Model]:
     return [*variant_models(), *catalogue_models()]
 
 
-def tasks(head_dims: tuple[int, ...], dtypes: tuple[str, ...]) -> list[tuple]:
-    """``(family, scheme, normalizer, request, dtype, head_dim)``: the 2025-26 entries first, then the catalogue's;
-    in each, by head size, then dtype, then model."""
+def tasks(head_dims: tuple[int, ...], dtypes: tuple[str, ...], catalogue_first: bool = False) -> list[tuple]:
+    """``(family, scheme, normalizer, request, dtype, head_dim)``: the 2025-26 entries first, then the catalogue's
+    (or the catalogue first); in each, by head size, then dtype, then model."""
+    parts = [list(variant_models()), list(catalogue_models())]
     return [
         (*model, request, dtype, head_dim)
-        for models in (list(variant_models()), list(catalogue_models()))
+        for models in (parts[::-1] if catalogue_first else parts)
         for head_dim in head_dims
         for dtype in dtypes
         for model in models
@@ -148,9 +158,34 @@ def with_layouts(make_model):
     return make
 
 
+def tiny_model(family: str, scheme, normalizer, heads: int, attn: str):
+    """The tool's tiny models, as its ``make_model`` builds them: one layer of width 64, no dropout, seed 0."""
+    import torch
+    import transformers
+
+    import hf_posenc
+
+    torch.manual_seed(0)
+    if family == "bert":
+        config = hf_posenc.PosEncBertConfig(
+            position_encoding=scheme, attention_normalizer=normalizer, hidden_size=WIDTH, num_hidden_layers=1,
+            num_attention_heads=heads, intermediate_size=64, vocab_size=99, max_position_embeddings=64,
+            attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0,
+        )  # fmt: skip
+        auto = transformers.AutoModelForMaskedLM
+    else:
+        config = hf_posenc.PosEncGPT2Config(
+            position_encoding=scheme, attention_normalizer=normalizer, n_embd=WIDTH, n_layer=1, n_head=heads,
+            vocab_size=99, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        )  # fmt: skip
+        auto = transformers.AutoModelForCausalLM
+    kwargs = {} if attn == "default" else {"attn_implementation": attn}
+    return auto.from_config(config, **kwargs)
+
+
 def start_worker(proxy_path: str) -> None:
     proxy = load_proxy(Path(proxy_path))
-    proxy.make_model = with_layouts(proxy.make_model)
+    proxy.make_model = with_layouts(tiny_model)
     proxy.init_worker(True)
 
 
@@ -159,6 +194,132 @@ def run_task(task: tuple) -> list[tuple]:
     return sys.modules["cuda_proxy"].run_combo_interpret(
         (family, scheme, normalizer, (request,), (dtype,), head_dim, LENGTH)
     )
+
+
+class OutOfTolerance(Exception):
+    """A case whose loss, gradients or logits are outside the tolerance of the eager reference."""
+
+
+FLEX_CALLS = []  # --gpu: one entry per FlexAttention call of the current case
+
+
+def start_gpu_worker() -> None:
+    """Count the FlexAttention calls the library makes, as the tool does."""
+    from hf_posenc import posenc_attention
+
+    attend = posenc_attention.flex_attend
+
+    def counted_flex_attend(*args, **kwargs):
+        FLEX_CALLS.append(kwargs.get("region"))
+        return attend(*args, **kwargs)
+
+    posenc_attention.flex_attend = counted_flex_attend
+
+
+def grid_inputs(family: str):
+    """The tool's inputs: 2 x 32 tokens, seed 1; for BERT the last 3 tokens are padding (no label, not compared)."""
+    import torch
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, 99, (BATCH, LENGTH))
+    inputs = {"input_ids": ids}
+    labels = ids.clone()
+    keep = torch.ones(BATCH, LENGTH, dtype=torch.bool)
+    if family == "bert":
+        inputs["attention_mask"] = (torch.arange(LENGTH) < LENGTH - 3).long().expand(BATCH, LENGTH).contiguous()
+        keep = inputs["attention_mask"].bool()
+        labels[~keep] = -100
+    return inputs, labels, keep
+
+
+def error_and_allowance(got, want, dtype: str) -> tuple[float, float, float]:
+    """``(max |got - want|, rtol * max |want| + atol, max |want|)``; a missing or NaN result has error NaN."""
+    rtol, atol = TOLERANCE[dtype]
+    want = want.detach().double().cpu()
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if got is None:
+        return float("nan"), rtol * scale + atol, scale
+    error = (got.detach().double().cpu() - want).abs().max().item() if want.numel() else 0.0
+    return error, rtol * scale + atol, scale
+
+
+def run_case_on_device(task: tuple, train: bool, device: str = "cuda") -> str:
+    """One case on ``device``: its result line's message; raises ``OutOfTolerance`` (the message) when a result is
+    out of tolerance."""
+    import contextlib
+
+    import torch
+
+    family, scheme, normalizer, request, dtype, head_dim = task
+    make = with_layouts(tiny_model)
+    inputs, labels, keep = grid_inputs(family)
+    reference = make(family, scheme, normalizer, WIDTH // head_dim, "eager").train(train)
+    model = make(family, scheme, normalizer, WIDTH // head_dim, request)
+    model.load_state_dict(reference.state_dict())
+    model = model.to(device).train(train)
+    device_inputs = {key: value.to(device) for key, value in inputs.items()}
+    autocast = torch.autocast(device, torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+    if train:
+        want = {"loss": reference(**inputs, labels=labels).loss}
+        want["loss"].backward()
+        want |= {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+        with autocast:
+            loss = model(**device_inputs, labels=labels.to(device)).loss
+        loss.backward()
+        got = {"loss": loss} | {name: p.grad for name, p in model.named_parameters()}
+    else:
+        with torch.no_grad():
+            want = {"logits": reference(**inputs).logits[keep]}
+            with autocast:
+                got = {"logits": model(**device_inputs).logits[keep.to(device)]}
+    checks = [(name, *error_and_allowance(got.get(name), value, dtype)) for name, value in want.items()]
+    bad = [
+        f"{name} err {error:.2e} > {allowed:.1e} (max |ref| {scale:.2g})"
+        for name, error, allowed, scale in checks
+        if not error <= allowed  # (a NaN error fails)
+    ]
+    bad += [
+        f"grad where eager has none: {name}" for name, grad in got.items() if name not in want and grad is not None
+    ]
+    name, error, _, scale = checks[0]
+    message = f"{name} err {error:.1e} (max |ref| {scale:.2g})"
+    if len(checks) > 1:
+        worst = max(checks[1:], key=lambda check: check[1] / check[2] if check[1] == check[1] else float("inf"))
+        message += (
+            f", worst grad {worst[0]} err {worst[1]:.1e} (allowed {worst[2]:.1e}, max |ref| {worst[3]:.2g}), "
+            f"{len(checks) - 1} grads"
+        )
+    where = torch.cuda.get_device_name() if device == "cuda" else device
+    message += f"; {len(FLEX_CALLS)} flex call(s) on {where}"
+    if bad:
+        raise OutOfTolerance("; ".join(bad[:4]) + " | " + message)
+    return message
+
+
+def run_task_on_gpu(task: tuple) -> list[tuple]:
+    """The task's two cases on the GPU, as ``run_task``'s ``(name, status, stage, message, seconds)``."""
+    import torch
+
+    from hf_posenc import posenc_attention
+
+    results = []
+    for name, train in zip(case_names(task), (True, False), strict=True):
+        torch._dynamo.reset()
+        posenc_attention._compiled_flex_attention.cache_clear()
+        FLEX_CALLS.clear()
+        start = time.time()
+        try:
+            results.append((name, "PASS", "", run_case_on_device(task, train), time.time() - start))
+        except OutOfTolerance as error:
+            results.append((name, "FAIL", "numbers", str(error), time.time() - start))
+        except Exception as error:  # noqa: BLE001 -- every failure is recorded, with its type, and the grid goes on
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            results.append((name, "FAIL", "run", f"{type(error).__name__}: {first}", time.time() - start))
+    return results
+
+
+def result_line(name: str, status: str, stage: str, message: str, seconds: float) -> str:
+    return f"{status} {name}" + (f" @ {stage}" if stage else "") + f": {message} ({seconds:.1f} s)\n"
 
 
 def recorded_cases(results: Path) -> list[tuple[str, str]]:
@@ -190,13 +351,25 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--list", action="store_true", help="print the tasks not yet in the results file")
     parser.add_argument("--summary", action="store_true", help="count the results file's cases")
+    parser.add_argument("--gpu", action="store_true", help="run the tasks on this machine's GPU, not interpreted")
+    parser.add_argument("--catalogue-first", action="store_true", help="run the catalogue's tasks before 2025-26's")
+    parser.add_argument(
+        "--time-budget", type=float, default=None, help="seconds; the tasks not started by then are left for a rerun"
+    )
     args = parser.parse_args()
     if args.summary:
         return 1 if summarize(args.results) else 0
-    if not args.proxy.is_file():
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--gpu: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    elif not args.proxy.is_file():
         parser.error(f"--proxy {args.proxy}: no such file (the project's cuda_proxy.py, kept beside the checkout)")
     done = {name for _, name in recorded_cases(args.results)}
-    todo = [task for task in tasks(tuple(args.head_dims), tuple(args.dtypes)) if not set(case_names(task)) <= done]
+    grid = tasks(tuple(args.head_dims), tuple(args.dtypes), args.catalogue_first)
+    todo = [task for task in grid if not set(case_names(task)) <= done]
     if args.list:
         print("\n".join(map(str, todo)) + f"\n{len(todo)} tasks left")
         return 0
@@ -204,15 +377,23 @@ def main() -> int:
     context = get_context("spawn")
     with (
         args.results.open("a") as out,
-        ProcessPoolExecutor(args.jobs, context, start_worker, (str(args.proxy),)) as pool,
+        ProcessPoolExecutor(
+            args.jobs, context, *((start_gpu_worker, ()) if args.gpu else (start_worker, (str(args.proxy),)))
+        ) as pool,
     ):
-        futures = {pool.submit(run_task, task): task for task in todo}
-        for future in as_completed(futures):
-            for name, status, stage, message, seconds in future.result():
-                out.write(f"{status} {name}" + (f" @ {stage}" if stage else "") + f": {message} ({seconds:.1f} s)\n")
-                out.flush()
-                print(f"{status} {name}", flush=True)
-    print(f"{len(todo)} tasks in {time.time() - start:.0f} s")
+        pending = {pool.submit(run_task_on_gpu if args.gpu else run_task, task) for task in todo}
+        while pending:
+            timeout = None if args.time_budget is None else max(0.0, start + args.time_budget - time.time())
+            finished, pending = wait(pending, timeout, FIRST_COMPLETED)
+            for future in finished:
+                for name, status, stage, message, seconds in future.result():
+                    out.write(result_line(name, status, stage, message, seconds))
+                    out.flush()
+                    print(f"{status} {name}", flush=True)
+            if args.time_budget is not None and time.time() > start + args.time_budget:  # running tasks finish
+                pending = {future for future in pending if not future.cancel()}
+    left = sum(not set(case_names(task)) <= {name for _, name in recorded_cases(args.results)} for task in todo)
+    print(f"{len(todo) - left} tasks in {time.time() - start:.0f} s" + (f"; {left} left for a rerun" if left else ""))
     return 1 if summarize(args.results) else 0
 
 

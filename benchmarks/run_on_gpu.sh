@@ -10,42 +10,14 @@ COMPILE_SECONDS=${COMPILE_SECONDS:-150}
 TIME_SECONDS=${TIME_SECONDS:-260}
 LONG_SECONDS=${LONG_SECONDS:-80}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-# A lent machine's own torch may predate torch.compile(isolate_recompiles=...) (torch >= 2.13, the project's floor;
-# the machines lent so far carry torch 2.11): there, and only there, the keyword is dropped (each region then shares
-# dynamo's recompile limit, which bench_gpu.py raises to 1024).
-mkdir -p /tmp/compat
-cat >/tmp/compat/sitecustomize.py <<'PY'
-import inspect
-
-import torch
-
-if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
-    _compile = torch.compile
-
-    def compile_without_isolate_recompiles(*args, isolate_recompiles=False, **kwargs):
-        return _compile(*args, **kwargs)
-
-    torch.compile = compile_without_isolate_recompiles
-PY
-export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-    echo "commit ${COMMIT:-unknown}"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-'triton', triton.__version__, 'transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/versions.txt"
+. benchmarks/gpu_setup.sh
 
 read -r -a SHORT <<<"${SHORT_ARGS:---shapes 8x2048 --backends}"
 read -r -a LONG <<<"${LONG_ARGS:---shapes 1x8192 --backends --normalizers softmax l2 exp relu2 swish_l2 \
 --schemes none alibi t5 kerple fire tupe shaw xlnet deberta cope}"
-# SIGINT at the limit: pytest still prints its summary, with each failure's line (--tb=line)
-timeout -k 10 -s INT "${TEST_SECONDS:-$COMPILE_SECONDS}" python3 -m pytest -q -p no:cacheprovider -n 4 -k cuda -rfEs --tb=line \
-    tests/test_attention_backends.py tests/test_content_position_encodings.py tests/test_fox_and_pope.py \
-    tests/test_training_and_compile.py tests/test_cuda_readiness.py >"$OUT/cuda_tests.log" 2>&1 &
+# SIGINT at the limit: pytest still prints its summary, with each failure's short traceback
+timeout -k 10 -s INT "${TEST_SECONDS:-$COMPILE_SECONDS}" python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda -rfEs \
+    --tb=short tests >"$OUT/cuda_tests.log" 2>&1 &
 python3 benchmarks/bench_gpu.py "${SHORT[@]}" --compile-only --compile-jobs "${SHORT_JOBS:-6}" --time-budget "$COMPILE_SECONDS" \
     >"$OUT/compile_short.log" 2>&1 &
 python3 benchmarks/bench_gpu.py "${LONG[@]}" --compile-only --compile-jobs "${LONG_JOBS:-3}" --time-budget "$COMPILE_SECONDS" \

@@ -1,5 +1,6 @@
-"""The interpreted CUDA grid's driver on CPU, without the tool: every model of its grid is a valid config that runs,
-and a results file's cases (dict specs in their names) are read back for a resumed run."""
+"""The CUDA grid's driver on CPU, without the tool or a GPU: every model of its grid is a valid config that runs, a
+results file's cases (dict specs in their names) are read back for a resumed run, and ``--gpu``'s case check (run
+here on the CPU) passes within tolerance and records what falls outside it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import hf_posenc
@@ -32,20 +34,7 @@ def test_every_model_of_the_grid_builds_and_runs(monkeypatch):
         hf_posenc.list_attention_normalizers()
     )
 
-    def tool_model(family, scheme, normalizer, heads, attn):  # the tool's tiny models, as its make_model builds them
-        if family == "bert":
-            config = hf_posenc.PosEncBertConfig(
-                position_encoding=scheme, attention_normalizer=normalizer, hidden_size=64, num_hidden_layers=1,
-                num_attention_heads=heads, intermediate_size=64, vocab_size=99, max_position_embeddings=64,
-            )  # fmt: skip
-            return hf_posenc.PosEncBertForMaskedLM(config)
-        config = hf_posenc.PosEncGPT2Config(
-            position_encoding=scheme, attention_normalizer=normalizer, n_embd=64, n_layer=1, n_head=heads,
-            vocab_size=99, n_positions=64,
-        )  # fmt: skip
-        return hf_posenc.PosEncGPT2LMHeadModel(config)
-
-    make = grid.with_layouts(tool_model)
+    make = grid.with_layouts(grid.tiny_model)
     ids = torch.randint(3, 99, (1, grid.LENGTH))
     for family, scheme, normalizer in models:
         model = make(family, scheme, normalizer, 2, "eager")
@@ -74,3 +63,15 @@ def test_a_resumed_grid_skips_the_recorded_tasks(monkeypatch, tmp_path, capsys):
     listed = capsys.readouterr().out.splitlines()
     assert str(gated) not in listed and str(tasks[0]) in listed
     assert listed[-1] == f"{len(tasks) - 1} tasks left"
+
+
+def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypatch):
+    grid = load_grid(monkeypatch)
+    task = ("bert", "t5", "softmax", "default", "float32", 32)
+    train, infer = grid.case_names(task)
+    assert train.startswith("bert t5+softmax hd32 L32 train") and infer.endswith("infer attn=default float32")
+    message = grid.run_case_on_device(task, train=True, device="cpu")
+    assert message.startswith("loss err ") and ", worst grad " in message and message.endswith("flex call(s) on cpu")
+    monkeypatch.setitem(grid.TOLERANCE, "float32", (-1.0, 0.0))  # nothing is within a negative allowance
+    with pytest.raises(grid.OutOfTolerance, match=r"^logits err .* > "):
+        grid.run_case_on_device(task, train=False, device="cpu")

@@ -1,0 +1,31 @@
+# Sourced by the lent-GPU scripts, from the project root, with OUT set: wheels the machine lacks (x-transformers and
+# its needs) from .whl/ when present, the torch compatibility shim, PYTHONPATH, and the versions in $OUT/versions.txt.
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+# A lent machine's own torch may predate torch.compile(isolate_recompiles=...) (torch >= 2.13, the project's floor;
+# the machines lent so far carry torch 2.11): there, and only there, the keyword is dropped (each region then shares
+# dynamo's recompile limit, which bench_gpu.py raises to 1024).
+mkdir -p /tmp/compat
+cat >/tmp/compat/sitecustomize.py <<'PY'
+import inspect
+
+import torch
+
+if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+    _compile = torch.compile
+
+    def compile_without_isolate_recompiles(*args, isolate_recompiles=False, **kwargs):
+        return _compile(*args, **kwargs)
+
+    torch.compile = compile_without_isolate_recompiles
+PY
+export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+    echo "commit ${COMMIT:-unknown}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/versions.txt"
