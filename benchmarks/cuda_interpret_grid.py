@@ -243,44 +243,43 @@ def error_and_allowance(got, want, dtype: str) -> tuple[float, float, float]:
     return error, rtol * scale + atol, scale
 
 
-def run_case_on_device(task: tuple, train: bool, device: str = "cuda") -> str:
-    """One case on ``device``: its result line's message; raises ``OutOfTolerance`` (the message) when a result is
-    out of tolerance."""
+def device_results(model, inputs: dict, labels, keep, train: bool, device: str, dtype: str) -> dict:
+    """The loss and every gradient (training) or the logits of the kept tokens, of ``model`` on ``device``, under
+    bf16 autocast for ``dtype="bfloat16"``."""
     import contextlib
 
+    import torch
+
+    model = model.to(device).train(train)
+    inputs = {key: value.to(device) for key, value in inputs.items()}
+    autocast = torch.autocast(device, torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+    if not train:
+        with torch.no_grad(), autocast:
+            return {"logits": model(**inputs).logits[keep.to(device)]}
+    with autocast:
+        loss = model(**inputs, labels=labels.to(device)).loss
+    loss.backward()
+    return {"loss": loss} | {name: p.grad for name, p in model.named_parameters()}
+
+
+def run_case_on_device(task: tuple, train: bool, device: str = "cuda") -> str:
+    """One case on ``device``: its result line's message; raises ``OutOfTolerance`` (the message) when a result is
+    out of tolerance. A bf16 case out of tolerance also gets the error of the eager path under the same autocast on
+    the same device, which tells the kernel's error from bf16's own."""
     import torch
 
     family, scheme, normalizer, request, dtype, head_dim = task
     make = with_layouts(tiny_model)
     inputs, labels, keep = grid_inputs(family)
-    reference = make(family, scheme, normalizer, WIDTH // head_dim, "eager").train(train)
+    reference = make(family, scheme, normalizer, WIDTH // head_dim, "eager")
     model = make(family, scheme, normalizer, WIDTH // head_dim, request)
     model.load_state_dict(reference.state_dict())
-    model = model.to(device).train(train)
-    device_inputs = {key: value.to(device) for key, value in inputs.items()}
-    autocast = torch.autocast(device, torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
-    if train:
-        want = {"loss": reference(**inputs, labels=labels).loss}
-        want["loss"].backward()
-        want |= {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-        with autocast:
-            loss = model(**device_inputs, labels=labels.to(device)).loss
-        loss.backward()
-        got = {"loss": loss} | {name: p.grad for name, p in model.named_parameters()}
-    else:
-        with torch.no_grad():
-            want = {"logits": reference(**inputs).logits[keep]}
-            with autocast:
-                got = {"logits": model(**device_inputs).logits[keep.to(device)]}
+    got = device_results(model, inputs, labels, keep, train, device, dtype)
+    want = device_results(reference, inputs, labels, keep, train, "cpu", "float32")
+    want = {name: value for name, value in want.items() if value is not None}
     checks = [(name, *error_and_allowance(got.get(name), value, dtype)) for name, value in want.items()]
-    bad = [
-        f"{name} err {error:.2e} > {allowed:.1e} (max |ref| {scale:.2g})"
-        for name, error, allowed, scale in checks
-        if not error <= allowed  # (a NaN error fails)
-    ]
-    bad += [
-        f"grad where eager has none: {name}" for name, grad in got.items() if name not in want and grad is not None
-    ]
+    bad = [check for check in checks if not check[1] <= check[2]]  # (a NaN error fails)
+    extra = [name for name, grad in got.items() if name not in want and grad is not None]
     name, error, _, scale = checks[0]
     message = f"{name} err {error:.1e} (max |ref| {scale:.2g})"
     if len(checks) > 1:
@@ -291,9 +290,21 @@ def run_case_on_device(task: tuple, train: bool, device: str = "cuda") -> str:
         )
     where = torch.cuda.get_device_name() if device == "cuda" else device
     message += f"; {len(FLEX_CALLS)} flex call(s) on {where}"
-    if bad:
-        raise OutOfTolerance("; ".join(bad[:4]) + " | " + message)
-    return message
+    if not (bad or extra):
+        return message
+    failures = [
+        f"{name} err {error:.2e} > {allowed:.1e} (max |ref| {scale:.2g})" for name, error, allowed, scale in bad[:4]
+    ]
+    failures += [f"grad where eager has none: {name}" for name in extra[:4]]
+    if bad and dtype == "bfloat16":
+        eager = make(family, scheme, normalizer, WIDTH // head_dim, "eager")
+        eager.load_state_dict(reference.state_dict())
+        eager_got = device_results(eager, inputs, labels, keep, train, device, dtype)
+        errors = [
+            f"{name} err {error_and_allowance(eager_got.get(name), want[name], dtype)[0]:.2e}" for name, *_ in bad[:4]
+        ]
+        failures.append(f"eager under the same autocast on {where}: " + ", ".join(errors))
+    raise OutOfTolerance("; ".join(failures) + " | " + message)
 
 
 def run_task_on_gpu(task: tuple) -> list[tuple]:

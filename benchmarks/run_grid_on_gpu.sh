@@ -11,7 +11,7 @@ if [ -n "${GRID_LOG:-}" ]; then cp "$GRID_LOG" "$OUT/gpu_grid.log"; fi
 export TORCHINDUCTOR_COMPILE_THREADS=1
 if [ "${TEST_SECONDS:-240}" -gt 0 ]; then
     timeout -k 10 -s INT "${TEST_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda -rfEs \
-        --tb=short tests >"$OUT/cuda_tests.log" 2>&1 &
+        --tb=short "${CUDA_TEST_FILES[@]}" >"$OUT/cuda_tests.log" 2>&1 &
 fi
 python3 benchmarks/cuda_interpret_grid.py "$OUT/gpu_grid.log" --gpu --catalogue-first --jobs "${GRID_JOBS:-12}" \
     --time-budget "${GRID_SECONDS:-400}" >"$OUT/gpu_grid_driver.log" 2>&1

@@ -17,7 +17,7 @@ read -r -a LONG <<<"${LONG_ARGS:---shapes 1x8192 --backends --normalizers softma
 --schemes none alibi t5 kerple fire tupe shaw xlnet deberta cope}"
 # SIGINT at the limit: pytest still prints its summary, with each failure's short traceback
 timeout -k 10 -s INT "${TEST_SECONDS:-$COMPILE_SECONDS}" python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda -rfEs \
-    --tb=short tests >"$OUT/cuda_tests.log" 2>&1 &
+    --tb=short "${CUDA_TEST_FILES[@]}" >"$OUT/cuda_tests.log" 2>&1 &
 python3 benchmarks/bench_gpu.py "${SHORT[@]}" --compile-only --compile-jobs "${SHORT_JOBS:-6}" --time-budget "$COMPILE_SECONDS" \
     >"$OUT/compile_short.log" 2>&1 &
 python3 benchmarks/bench_gpu.py "${LONG[@]}" --compile-only --compile-jobs "${LONG_JOBS:-3}" --time-budget "$COMPILE_SECONDS" \

@@ -1,6 +1,6 @@
 """The CUDA grid's driver on CPU, without the tool or a GPU: every model of its grid is a valid config that runs, a
 results file's cases (dict specs in their names) are read back for a resumed run, and ``--gpu``'s case check (run
-here on the CPU) passes within tolerance and records what falls outside it."""
+here on the CPU) passes within tolerance and records what falls outside it, in bf16 with eager's own bf16 error."""
 
 from __future__ import annotations
 
@@ -75,3 +75,6 @@ def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypat
     monkeypatch.setitem(grid.TOLERANCE, "float32", (-1.0, 0.0))  # nothing is within a negative allowance
     with pytest.raises(grid.OutOfTolerance, match=r"^logits err .* > "):
         grid.run_case_on_device(task, train=False, device="cpu")
+    monkeypatch.setitem(grid.TOLERANCE, "bfloat16", (-1.0, 0.0))  # bf16: the eager path's own bf16 error is given
+    with pytest.raises(grid.OutOfTolerance, match=r"; eager under the same autocast on cpu: logits err \S+ \| "):
+        grid.run_case_on_device((*task[:4], "bfloat16", 32), train=False, device="cpu")
