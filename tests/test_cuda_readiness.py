@@ -56,8 +56,18 @@ def gives_score_mod(scheme: str) -> bool:
     return entry.score_mod is not PositionEncoding.score_mod or entry.has_layer_term
 
 
-# The schemes without a score_mod hand FlexAttention only the mask_mod, the same for all of them: `learned` stands in.
-LOWERING_CASES = [case for case in CASES if gives_score_mod(case[1]) or case[2] != "softmax" or case[1] == "learned"]
+def lowered_in_this_family(case: tuple) -> bool:
+    """Lowering: every scheme with a score_mod in each family (the schemes without one hand FlexAttention only the
+    mask_mod, the same for all of them: `learned` stands in); each other normalizer, whose passes wrap the score_mod
+    alike in both families, with `t5` in the decoder, where it has a decoder form (both `t5` forms lower under softmax
+    above; the training graphs below keep both families)."""
+    family, scheme, normalizer = case
+    if normalizer == "softmax":
+        return gives_score_mod(scheme) or scheme == "learned"
+    return family == "gpt2" or ("gpt2", scheme, normalizer) not in CASES
+
+
+LOWERING_CASES = [case for case in CASES if lowered_in_this_family(case)]
 
 
 def capture_cuda_flex_calls(
