@@ -32,4 +32,4 @@ export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # The files of the tests that need a CUDA device (named on_cuda): none imports the recipes' needs (datasets,
 # evaluate), which a lent machine may lack
 CUDA_TEST_FILES=(tests/test_attention_backends.py tests/test_content_position_encodings.py tests/test_fox_and_pope.py
-    tests/test_training_and_compile.py)
+    tests/test_training_and_compile.py tests/test_cuda_interpret_grid.py)

@@ -78,3 +78,21 @@ def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypat
     monkeypatch.setitem(grid.TOLERANCE, "bfloat16", (-1.0, 0.0))  # bf16: the eager path's own bf16 error is given
     with pytest.raises(grid.OutOfTolerance, match=r"; eager under the same autocast on cpu: logits err \S+ \| "):
         grid.run_case_on_device((*task[:4], "bfloat16", 32), train=False, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the grid's cases on a CUDA device; none here")
+@pytest.mark.parametrize(
+    "task",
+    [
+        ("gpt2", "t5", "softpick", "default", "bfloat16", 32),  # a log-sum-exp normalizer, two flex passes
+        ("bert", "shaw", "softmax", "flex_attention", "float32", 16),  # Shaw's value term from flex's log-sum-exp
+        ("gpt2", "rope", "differential", "default", "float32", 32),
+        ("gpt2", {"layout": "smollm3"}, "softmax", "flex_attention", "bfloat16", 16),  # chunked and NoPE layers
+    ],
+    ids=["gpt2-t5-softpick-bf16", "bert-shaw-flex-hd16", "gpt2-rope-differential", "gpt2-smollm3-flex-bf16-hd16"],
+)
+def test_grid_cases_on_cuda_equal_eager(monkeypatch, task):
+    """A few of the grid's cases as ``--gpu`` runs them: compiled for CUDA, training and inference, against eager."""
+    grid = load_grid(monkeypatch)
+    for train in (True, False):
+        assert " on " in grid.run_case_on_device(task, train=train, device="cuda")
