@@ -18,27 +18,37 @@ from conftest import VOCAB, make_config, make_model, random_ids
 
 LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
     """
-    import sys
+    import sys, traceback
     sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
     import torch, transformers
-    folder, auto_names = sys.argv[1], sys.argv[2].split(",")
     try:
         import hf_posenc  # noqa: F401
         raise SystemExit("hf_posenc should not be importable here")
     except ImportError:
         pass
-    ids = torch.load(folder + "/ids.pt")
-    for name in auto_names:
-        model = getattr(transformers, name).from_pretrained(folder, trust_remote_code=True).eval()
-        assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
-        with torch.no_grad():
-            output = model(ids)
-        torch.save(output.logits if hasattr(output, "logits") else output.last_hidden_state, f"{folder}/{name}.pt")
-        if name == "AutoModelForCausalLM":  # the loaded code's KV cache under this Transformers
-            greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-            cached = model.generate(ids, use_cache=True, **greedy)
-            assert torch.equal(cached, model.generate(ids, use_cache=False, **greedy)), "cached generate differs"
-        print(name, type(model).__name__)
+    failed = []
+    for folder, auto_names in zip(sys.argv[1::2], sys.argv[2::2]):  # folder, "AutoA,AutoB", folder, ...
+        try:
+            ids = torch.load(folder + "/ids.pt")
+            for name in auto_names.split(","):
+                model = getattr(transformers, name).from_pretrained(folder, trust_remote_code=True).eval()
+                assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+                with torch.no_grad():
+                    output = model(ids)
+                logits = output.logits if hasattr(output, "logits") else output.last_hidden_state
+                torch.save(logits, f"{folder}/{name}.pt")
+                if name == "AutoModelForCausalLM":  # the loaded code's KV cache under this Transformers
+                    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                    cached = model.generate(ids, use_cache=True, **greedy)
+                    uncached = model.generate(ids, use_cache=False, **greedy)
+                    assert torch.equal(cached, uncached), "cached generate differs"
+                print(name, type(model).__name__)
+        except Exception:
+            traceback.print_exc()
+            with open(folder + "/error.txt", "w") as error:
+                error.write(traceback.format_exc())
+            failed.append(folder)
+    sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
     """
 )
 
@@ -62,51 +72,63 @@ SAVE_WITH_HF_POSENC = textwrap.dedent(
 OTHER_PYTHON = os.environ.get("HF_POSENC_OTHER_PYTHON")
 
 
-@pytest.mark.parametrize(
-    ("family", "scheme", "normalizer", "auto_names"),
-    [
-        ("bert", "t5", "l2", "AutoModelForMaskedLM,AutoModel"),
-        ("gpt2", "rope", "softmax", "AutoModelForCausalLM,AutoModel"),
-        ("gpt2", "alibi", "l2", "AutoModelForCausalLM"),
-        ("gpt2", "rope", {"type": "swish_l2", "toeplitz_gate": True}, "AutoModelForCausalLM"),
-        ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
-        ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
-        ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
-        ("gpt2", {"type": "path", "forget_gate": True}, "softmax", "AutoModelForCausalLM"),  # PaTH-FoX
-        ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
-        ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
-        ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
-        ("bert", "alibi", {"type": "softmax", "sink": "learned"}, "AutoModelForMaskedLM"),
-        ("bert", ["rope", "t5"], "softmax", "AutoModelForMaskedLM"),  # a scheme per layer
-        ("gpt2", ["alibi", "fox"], "softmax", "AutoModelForCausalLM"),
-    ],
-)
-def test_saved_model_loads_as_remote_code_without_hf_posenc(family, scheme, normalizer, auto_names, tmp_path):
-    model = make_model(family, scheme, normalizer, attn="sdpa")
-    model.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+REMOTE_CASES = [
+    ("bert", "t5", "l2", "AutoModelForMaskedLM,AutoModel"),
+    ("gpt2", "rope", "softmax", "AutoModelForCausalLM,AutoModel"),
+    ("gpt2", "alibi", "l2", "AutoModelForCausalLM"),
+    ("gpt2", "rope", {"type": "swish_l2", "toeplitz_gate": True}, "AutoModelForCausalLM"),
+    ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
+    ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
+    ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
+    ("gpt2", {"type": "path", "forget_gate": True}, "softmax", "AutoModelForCausalLM"),  # PaTH-FoX
+    ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
+    ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
+    ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
+    ("bert", "alibi", {"type": "softmax", "sink": "learned"}, "AutoModelForMaskedLM"),
+    ("bert", ["rope", "t5"], "softmax", "AutoModelForMaskedLM"),  # a scheme per layer
+    ("gpt2", ["alibi", "fox"], "softmax", "AutoModelForCausalLM"),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded_without_hf_posenc(tmp_path_factory) -> tuple[list, subprocess.CompletedProcess]:
+    """Every case of ``REMOTE_CASES`` saved in its folder, then loaded in one interpreter where hf_posenc cannot
+    import (one start-up for all): ``[(folder, model)]`` in the order of the cases, and the loader's result. A folder
+    whose loading failed holds the traceback in ``error.txt``."""
+    saved, arguments = [], []
+    for index, (family, scheme, normalizer, auto_names) in enumerate(REMOTE_CASES):
+        folder = tmp_path_factory.mktemp(f"remote_{index}")
+        model = make_model(family, scheme, normalizer, attn="sdpa")
+        model.save_pretrained(folder)
+        torch.save(random_ids(2, 9), folder / "ids.pt")
+        saved.append((folder, model))
+        arguments += [str(folder), auto_names]
+    command = [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, *arguments]
+    return saved, subprocess.run(command, capture_output=True, text=True, cwd=saved[0][0], timeout=600)
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "auto_names"), REMOTE_CASES)
+def test_saved_model_loads_as_remote_code_without_hf_posenc(
+    family, scheme, normalizer, auto_names, loaded_without_hf_posenc
+):
+    saved, result = loaded_without_hf_posenc
+    folder, model = saved[REMOTE_CASES.index((family, scheme, normalizer, auto_names))]
+    config = json.loads((folder / "config.json").read_text())
     modeling_file = f"modeling_posenc_{family}"
     assert config["auto_map"]["AutoConfig"] == "configuration_posenc.Pos" + (
         "EncBertConfig" if family == "bert" else "EncGPT2Config"
     )
     assert config["auto_map"]["AutoModel"].startswith(modeling_file + ".")
-    assert (tmp_path / f"{modeling_file}.py").is_file() and (tmp_path / "position_encodings.py").is_file()
-    ids = random_ids(2, 9)
-    torch.save(ids, tmp_path / "ids.pt")
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path), auto_names],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert (folder / f"{modeling_file}.py").is_file() and (folder / "position_encodings.py").is_file()
+    assert not (folder / "error.txt").is_file(), (folder / "error.txt").read_text()[-3000:]
+    assert result.returncode == 0 or "failed: " in result.stderr, result.stderr[-3000:]  # not one folder's failure
+    ids = torch.load(folder / "ids.pt")
     with torch.no_grad():
         expected_lm = model(ids).logits
         expected_base = model.base_model(ids).last_hidden_state
     for name in auto_names.split(","):
         expected = expected_base if name == "AutoModel" else expected_lm
-        torch.testing.assert_close(torch.load(tmp_path / f"{name}.pt"), expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.load(folder / f"{name}.pt"), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_saved_folder_lists_every_auto_class_of_the_family(tmp_path):
