@@ -90,11 +90,12 @@ REMOTE_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def loaded_without_hf_posenc(tmp_path_factory) -> tuple[list, subprocess.CompletedProcess]:
     """Every case of ``REMOTE_CASES`` saved in its folder, then loaded in one interpreter where hf_posenc cannot
     import (one start-up for all): ``[(folder, model)]`` in the order of the cases, and the loader's result. A folder
-    whose loading failed holds the traceback in ``error.txt``."""
+    whose loading failed holds the traceback in ``error.txt``. Session-scoped: under xdist a worker meets this
+    module's tests between other modules', and a module-scoped fixture would be rebuilt at each return."""
     saved, arguments = [], []
     for index, (family, scheme, normalizer, auto_names) in enumerate(REMOTE_CASES):
         folder = tmp_path_factory.mktemp(f"remote_{index}")
