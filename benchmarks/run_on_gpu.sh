@@ -9,7 +9,6 @@ OUT=${OUT:-gpu-out}
 COMPILE_SECONDS=${COMPILE_SECONDS:-150}
 TIME_SECONDS=${TIME_SECONDS:-260}
 LONG_SECONDS=${LONG_SECONDS:-80}
-mkdir -p "$OUT"
 . benchmarks/gpu_setup.sh
 
 read -r -a SHORT <<<"${SHORT_ARGS:---shapes 8x2048 --backends}"
