@@ -29,7 +29,6 @@ export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/versions.txt"
-# The files of the tests that need a CUDA device (named on_cuda): none imports the recipes' needs (datasets,
-# evaluate), which a lent machine may lack
-CUDA_TEST_FILES=(tests/test_attention_backends.py tests/test_content_position_encodings.py tests/test_fox_and_pope.py
-    tests/test_training_and_compile.py tests/test_cuda_interpret_grid.py)
+# The files that hold the tests needing a CUDA device (named on_cuda), found rather than listed: pytest is given only
+# those, so modules importing the recipes' needs (datasets, evaluate), which a lent machine may lack, are not collected
+mapfile -t CUDA_TEST_FILES < <(grep -l "def test_.*on_cuda" tests/test_*.py)
