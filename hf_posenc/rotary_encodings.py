@@ -225,13 +225,15 @@ class RoPE(PositionEncoding):
       time). A length shared by the forward (the largest position + 1) would make cache = no cache fail: the cached
       keys and, through them, every later layer's states of earlier tokens were computed with a shorter length.
       Below ``L0`` it is plain RoPE; beyond, scores are no longer a function of ``i - j`` alone;
-    * ``yarn`` (Peng et al. 2023): per-dimension ramp between the original and interpolated frequencies, and q, k
-      multiplied by the attention factor ``0.1 ln(factor) + 1`` (or DeepSeek's ``mscale`` ratio);
+    * ``yarn`` (Peng et al. 2023): per-dimension ramp between the original and interpolated frequencies, and the
+      rotated features of q, k multiplied by the attention factor ``0.1 ln(factor) + 1`` (or DeepSeek's ``mscale``
+      ratio; the factor rides on cos and sin, as in Transformers, so with ``rotary_fraction`` < 1 the features that
+      carry no position keep their scale);
     * ``llama3`` (Llama 3.1): wavelength-banded interpolation;
     * ``longrope`` (Phi-3, Ding et al. 2024): frequencies divided by ``short_factor`` per frequency, by
-      ``long_factor`` past the original length, q and k times ``sqrt(1 + ln(factor) / ln(L0))``. Transformers picks
-      the long factors for a whole forward once it is longer than ``L0``; here, as for ``dynamic``, each token by its
-      own position (cache = no cache), so beyond ``L0`` it is not shift-invariant.
+      ``long_factor`` past the original length, the rotated features of q and k times ``sqrt(1 + ln(factor) /
+      ln(L0))``. Transformers picks the long factors for a whole forward once it is longer than ``L0``; here, as for
+      ``dynamic``, each token by its own position (cache = no cache), so beyond ``L0`` it is not shift-invariant.
     """
 
     name = "rope"
@@ -354,16 +356,15 @@ class RoPE(PositionEncoding):
         angles = (query_positions[..., None].float() * inv_freq)[:, None]
         return {"cos": angles.cos(), "sin": angles.sin()}
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        rotated = apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
-        return rotated if scale == 1.0 else rotated * scale
-
     def transform_qkv(self, query, key, value, tables):
         cos, sin = tables["cos"], tables["sin"]
-        query = self.rotate(query, cos, sin, self.attention_factor)
-        key = self.rotate(key, cos, sin, self.attention_factor)
         if self.spec["apply_to_value"]:
-            value = self.rotate(value, cos, sin)
+            value = apply_rotary(value, cos.to(value.dtype), sin.to(value.dtype))
+        # The attention factor rides on cos and sin, as in Transformers' rotary embeddings: it scales the rotated
+        # features only, and with rotary_fraction < 1 the others keep their scale (GPT-NeoX, Phi-3).
+        cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        query = apply_rotary(query, cos.to(query.dtype), sin.to(query.dtype))
+        key = apply_rotary(key, cos.to(key.dtype), sin.to(key.dtype))
         return query, key, value
 
 

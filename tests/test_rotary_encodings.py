@@ -527,3 +527,70 @@ def test_transformers_scalings_load_with_from_pretrained(kind, tmp_path):
     ids = random_ids(2, 40)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, built(ids).logits)
+
+
+PARTIAL_ROTARY_CASES = [
+    (
+        "gpt_neox",
+        {"type": "yarn", "factor": 4.0, "original_max_positions": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        torch.arange(12),
+    ),
+    (
+        "phi3",
+        {"type": "longrope", "factor": 2.0, "original_max_positions": 16, "short_factor": SHORT[:4]},
+        {"rope_type": "longrope", "short_factor": SHORT[:4]},
+        torch.arange(16),
+    ),
+    (
+        "phi3",
+        {"type": "longrope", "factor": 2.0, "original_max_positions": 16, "short_factor": SHORT[:4]},
+        {"rope_type": "longrope", "short_factor": SHORT[:4]},
+        torch.arange(16, 30),  # past the original length: the long factors
+    ),
+]
+
+
+@pytest.mark.parametrize(("model_type", "scaling", "theirs", "positions"), PARTIAL_ROTARY_CASES)
+def test_a_partial_rotary_with_an_attention_factor_scales_only_the_rotated_features_like_transformers(
+    model_type, scaling, theirs, positions
+):
+    """GPT-NeoX (yarn) and Phi-3 (longrope) with ``partial_rotary_factor`` 0.5: Transformers' rotary embedding puts
+    the attention factor on cos and sin, and its ``apply_rotary_pos_emb`` rotates the first half of each head and
+    passes the other half through unscaled."""
+    scaling = {**scaling, "long_factor": LONG[:4]} if scaling["type"] == "longrope" else scaling
+    encoding = rope(scaling, rotary_fraction=0.5)
+    module = getattr(transformers.models, model_type)
+    rope_parameters = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, **theirs}
+    if model_type == "phi3":  # Phi-3's factor is max_position_embeddings / original_max_position_embeddings
+        rope_parameters["long_factor"] = LONG[:4]
+        config = transformers.Phi3Config(
+            hidden_size=4 * HEAD_DIM,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=32,
+            original_max_position_embeddings=16,
+            rope_parameters=rope_parameters,
+        )
+        rotary, apply = module.modeling_phi3.Phi3RotaryEmbedding(config), module.modeling_phi3.apply_rotary_pos_emb
+    else:
+        config = transformers.GPTNeoXConfig(
+            hidden_size=4 * HEAD_DIM,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            rope_parameters=rope_parameters,
+        )
+        rotary = module.modeling_gpt_neox.GPTNeoXRotaryEmbedding(config)
+        apply = module.modeling_gpt_neox.apply_rotary_pos_emb
+    assert rotary.attention_scaling != pytest.approx(1.0)
+    assert encoding.attention_factor == pytest.approx(rotary.attention_scaling)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, len(positions), HEAD_DIM) for _ in range(3))
+    cos, sin = rotary(q, positions[None])
+    expected_q, expected_k = apply(q, k, cos, sin)
+    tables = encoding.prepare(positions[None], positions[None], "eager")
+    ours_q, ours_k, ours_v = encoding.transform_qkv(q, k, v, tables)
+    torch.testing.assert_close(ours_q, expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, expected_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours_q[..., HEAD_DIM // 2 :], q[..., HEAD_DIM // 2 :])  # the features that carry no position
+    assert torch.equal(ours_v, v)
