@@ -12,7 +12,7 @@ from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
-from hf_posenc.content_position_encodings import HouseholderTerm, path_householder_term
+from hf_posenc.data_dependent_encodings import HouseholderTerm, path_householder_term
 
 
 PATH_FOX = {"type": "path", "forget_gate": True}

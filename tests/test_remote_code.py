@@ -214,8 +214,10 @@ def test_push_to_hub_uploads_the_modeling_code(monkeypatch):
     assert uploaded["auto_map"]["AutoModelForCausalLM"] == "modeling_posenc_gpt2.PosEncGPT2LMHeadModel"
 
 
-def run_python(python: str, script: str, *args: str, cwd: Path) -> str:
-    result = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+def run_python(python: str, script: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [python, "-c", script, *args], capture_output=True, text=True, cwd=cwd, timeout=300, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -255,3 +257,43 @@ def test_folder_saved_under_one_transformers_loads_as_remote_code_under_the_othe
     torch.testing.assert_close(
         torch.load(tmp_path / f"{auto_name}.pt"), torch.load(tmp_path / "expected.pt"), atol=1e-5, rtol=1e-4
     )
+
+
+# The last commit whose saved folders carry FoX and PaTH in content_position_encodings.py (before
+# data_dependent_encodings.py): a folder saved by that release carries those modules, and still loads.
+PREVIOUS_LAYOUT_COMMIT = "bbce60fe7464cb7ae52346f3878aff9ea9679453"
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def test_folder_saved_by_the_previous_layout_loads_as_remote_code_and_into_this_release(tmp_path):
+    """A folder saved by the release before FoX and PaTH had their own module (its ``hf_posenc`` taken from git)
+    loads with ``trust_remote_code=True`` where hf_posenc cannot import, and into this release's classes, with the
+    saving model's logits."""
+    has_commit = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{PREVIOUS_LAYOUT_COMMIT}^{{commit}}"], capture_output=True
+    )
+    if has_commit.returncode != 0:
+        pytest.skip(f"needs the git history holding {PREVIOUS_LAYOUT_COMMIT} (a full clone of the repository)")
+    previous = tmp_path / "previous_release"
+    previous.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "archive", PREVIOUS_LAYOUT_COMMIT, "hf_posenc"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(previous)], input=archive.stdout, check=True)
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    torch.save(random_ids(2, 9), folder / "ids.pt")
+    sizes = dict(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    kwargs = {**sizes, "position_encoding": ["fox", {"type": "path", "forget_gate": True}]}
+    env = {**os.environ, "PYTHONPATH": str(previous)}  # ahead of the installed hf_posenc
+    run_python(sys.executable, SAVE_WITH_HF_POSENC, str(folder), "gpt2", json.dumps(kwargs), cwd=folder, env=env)
+    assert (folder / "content_position_encodings.py").is_file()
+    assert not (folder / "data_dependent_encodings.py").exists()  # saved by the previous release's code
+    expected = torch.load(folder / "expected.pt")
+
+    run_python(sys.executable, LOAD_WITHOUT_HF_POSENC, str(folder), "AutoModelForCausalLM", cwd=folder)
+    torch.testing.assert_close(torch.load(folder / "AutoModelForCausalLM.pt"), expected, atol=1e-5, rtol=1e-4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert not model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.load(folder / "ids.pt")).logits, expected, atol=1e-5, rtol=1e-4)
