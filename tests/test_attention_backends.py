@@ -458,3 +458,18 @@ def test_grouped_query_attention_reads_shared_heads_on_sdpa_and_equals_repeated_
     expected = torch.softmax(query @ repeated[0].transpose(-1, -2) * 8**-0.5, dim=-1) @ repeated[1]
     torch.testing.assert_close(output, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
     assert sdpa_keys == ([2] if backend == "sdpa" else [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
+@pytest.mark.parametrize("scheme", ["fox", "pope"])
+def test_fox_and_pope_compiled_on_cuda_equal_eager_values_and_grads(scheme):
+    """Compiled FlexAttention on CUDA (heads of 32, a padded row): loss and every parameter's gradient against eager
+    (FoX: the gates' gradients through the score_mod's two captured tables; PoPE: q, k of width 64, v of 32)."""
+    ids = random_ids(2, 24).cuda()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 20:] = 0
+    models = {
+        attn: make_model("gpt2", scheme, attn=attn, n_embd=64, n_head=2).cuda().train()
+        for attn in ("eager", "flex_attention")
+    }
+    assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-4, rtol=1e-3)

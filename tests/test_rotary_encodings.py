@@ -1,4 +1,6 @@
-"""RoPE scaling against transformers.modeling_rope_utils, RoPE on values, and xPos against its formula by hand."""
+"""Rotary schemes (``rotary_encodings.py``): RoPE against explicit rotation matrices and Transformers' Llama rotary,
+its scalings against ``transformers.modeling_rope_utils``, RoPE on values, xPos against its formula by hand, and PoPE
+against a hand loop of its paper's polar sum."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 import transformers
 from conftest import make_config, make_model, random_ids
+from torch.nn import functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -594,3 +598,105 @@ def test_a_partial_rotary_with_an_attention_factor_scales_only_the_rotated_featu
     torch.testing.assert_close(ours_k, expected_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(ours_q[..., HEAD_DIM // 2 :], q[..., HEAD_DIM // 2 :])  # the features that carry no position
     assert torch.equal(ours_v, v)
+
+
+def rotation_matrix(position: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """R_m built entry by entry: feature i pairs with i + d/2 and turns by m * theta^(-2i/d)."""
+    matrix = torch.zeros(dim, dim, dtype=torch.float64)
+    half = dim // 2
+    for i in range(half):
+        angle = position * theta ** (-2 * i / dim)
+        matrix[i, i], matrix[i, i + half] = math.cos(angle), -math.sin(angle)
+        matrix[i + half, i], matrix[i + half, i + half] = math.sin(angle), math.cos(angle)
+    return matrix
+
+
+def rotate(x: torch.Tensor, position: int, theta: float = 10000.0) -> torch.Tensor:
+    dim = x.shape[-1]
+    angles = position * rotary_inverse_frequencies(dim, theta)
+    return apply_rotary(x[None, None, None], angles.cos()[None, None, None], angles.sin()[None, None, None])[0, 0, 0]
+
+
+@pytest.mark.parametrize(("m", "n"), [(0, 0), (3, 7), (11, 2), (100, 37)])
+def test_rotation_matches_the_explicit_matrix(m, n):
+    x = torch.randn(8, dtype=torch.float64)
+    torch.testing.assert_close(rotate(x, m), rotation_matrix(m, 8) @ x)
+
+
+@pytest.mark.parametrize(("m", "n"), [(0, 5), (3, 7), (11, 2), (100, 37)])
+def test_rotated_dot_product_depends_only_on_the_offset(m, n):
+    """<R_m q, R_n k> = <q, R_(n-m) k> (kexue.fm/archives/8130, RoPE)."""
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    torch.testing.assert_close(rotate(q, m) @ rotate(k, n), q @ rotate(k, n - m))
+
+
+def test_rotation_matches_transformers_llama():
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    angles = torch.arange(6)[:, None].float() * rotary_inverse_frequencies(8, 10000.0).float()
+    cos, sin = angles.cos(), angles.sin()
+    llama_q, llama_k = apply_rotary_pos_emb(q, k, torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None])
+    torch.testing.assert_close(apply_rotary(q, cos[None, None], sin[None, None]), llama_q)
+    torch.testing.assert_close(apply_rotary(k, cos[None, None], sin[None, None]), llama_k)
+
+
+def test_rotary_fraction_rotates_only_the_leading_features():
+    model = make_model("gpt2", {"type": "rope", "rotary_fraction": 0.5})
+    encoding = model.transformer.position_encoding
+    assert encoding.rotary_dim == 4  # head_dim 8
+    x = torch.randn(1, 1, 3, 8)
+    angles = torch.arange(3)[None, None, :, None].float() * rotary_inverse_frequencies(4, 10000.0).float()
+    rotated = apply_rotary(x, angles.cos(), angles.sin())
+    assert torch.equal(rotated[..., 4:], x[..., 4:])
+    torch.testing.assert_close(rotated[0, 0, 2, :4], (rotation_matrix(2, 4).float() @ x[0, 0, 2, :4]))
+
+
+def test_theta_changes_the_model():
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        a = make_model("bert", {"type": "rope", "theta": 10000.0})(ids).logits
+        b = make_model("bert", {"type": "rope", "theta": 100.0})(ids).logits
+    assert (a - b).abs().max() > 1e-4
+
+
+def pope_scheme(phase_bias: bool = True, heads: int = 2, head_dim: int = 6):
+    dims = AttentionDims(heads * head_dim, heads, head_dim, max_positions=64, causal=False)
+    return POSITION_ENCODINGS["pope"]({"type": "pope", "theta": 100.0, "phase_bias": phase_bias}, dims)
+
+
+@pytest.mark.parametrize("phase_bias", [True, False])
+def test_pope_scores_equal_the_polar_sum(phase_bias):
+    """Gopalakrishnan et al. 2025: ``q~ . k~ = sum_c softplus(q_tc) softplus(k_sc) cos((t - s) theta_c - delta_c)``,
+    ``theta_c = theta^(-c/d)``, ``delta`` clamped to ``[-2 pi, 0]``; v unchanged, q and k of width 2 d."""
+    torch.manual_seed(0)
+    scheme = pope_scheme(phase_bias)
+    if phase_bias:
+        with torch.no_grad():
+            scheme.phase_bias.uniform_(-8.0, 1.0)  # some entries outside [-2 pi, 0]: read clamped
+    query, key, value = (torch.randn(1, 2, 4, 6, dtype=torch.float64) for _ in range(3))
+    positions = torch.tensor([[3, 7, 8, 20]])
+    tables = scheme.prepare(positions, positions, "eager")
+    new_query, new_key, new_value = scheme.transform_qkv(query, key, value, tables)
+    assert new_query.shape == new_key.shape == (1, 2, 4, 12) and new_value is value
+    scores = new_query @ new_key.transpose(-1, -2)
+    for h in range(2):
+        for t in range(4):
+            for s in range(4):
+                expected = 0.0
+                for c in range(6):
+                    delta = min(max(scheme.phase_bias[h, c].item(), -2 * math.pi), 0.0) if phase_bias else 0.0
+                    angle = (positions[0, t] - positions[0, s]).item() * 100.0 ** (-c / 6) - delta
+                    magnitude = F.softplus(query[0, h, t, c]) * F.softplus(key[0, h, s, c])
+                    expected += magnitude.item() * math.cos(angle)
+                assert scores[0, h, t, s].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_pope_phase_bias_starts_at_zero_and_learns():
+    """x-transformers' ``learned_bias``: zeros, one per head and frequency; the clamp to ``[-2 pi, 0]`` passes the
+    gradient at its bound 0, so it learns from its start."""
+    torch.manual_seed(0)
+    model = hf_posenc.PosEncGPT2LMHeadModel(make_config("gpt2", "pope")).train()
+    bias = model.transformer.position_encoding.phase_bias
+    assert torch.equal(bias, torch.zeros(4, 8))
+    ids = random_ids(2, 8)
+    model(ids, labels=ids).loss.backward()
+    assert bias.grad is not None and bias.grad.abs().min() > 0

@@ -1,6 +1,7 @@
-"""PaTH (Householder position encoding, Yang et al. 2025) against explicit products of its matrices; the shared
-properties (padding, caches, backends, save/load, checkpointing, bf16, shift) run ``path`` through the registry, and
-PaTH-FoX here."""
+"""Schemes computed from the layer's input tokens (``data_dependent_encodings.py``): FoX's forget-gate bias against a
+hand loop of its paper's formula, PaTH (Householder position encoding, Yang et al. 2025) against explicit products of
+its matrices, and PaTH-FoX; the shared properties (padding, caches, backends, save/load, checkpointing, bf16, shift)
+run ``fox`` and ``path`` through the registry."""
 
 from __future__ import annotations
 
@@ -12,7 +13,79 @@ from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
+from hf_posenc import posenc_attention
 from hf_posenc.data_dependent_encodings import HouseholderTerm, path_householder_term
+
+
+def test_fox_attention_weights_equal_the_forget_gate_loop():
+    """Lin et al. 2025, eqs. (5)-(7): ``f_l = sigmoid(w_h . x_l + b_h)`` from the layer's input, ``a_ij`` the softmax
+    over ``j <= i`` of ``q_i . k_j / sqrt(d) + sum_{l=j+1..i} log f_l``, in float64 loops."""
+    model = make_model("gpt2", "fox", n_layer=1, attn="eager").double()
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions[0][0]
+        block = model.transformer.h[0]
+        x = block.ln_1(model.transformer.wte(ids))[0]
+        query, key, _ = block.attn.c_attn(x).split(32, dim=-1)
+        gate = block.attn.position_term.forget_gate.requires_grad_(False)
+    heads, head_dim, n = 4, 8, 6
+    expected = torch.zeros(heads, n, n, dtype=torch.float64)
+    for h in range(heads):
+        forget = [torch.sigmoid(gate.weight[h] @ x[t] + gate.bias[h]) for t in range(n)]
+        for i in range(n):
+            scores = []
+            for j in range(i + 1):
+                dot = query[i, h * head_dim : (h + 1) * head_dim] @ key[j, h * head_dim : (h + 1) * head_dim]
+                decay = sum(math.log(forget[t]) for t in range(j + 1, i + 1))
+                scores.append(dot / math.sqrt(head_dim) + decay)
+            expected[h, i, : i + 1] = torch.softmax(torch.stack(scores), dim=0)
+    torch.testing.assert_close(weights, expected, atol=1e-10, rtol=0)
+
+
+def test_fox_gates_start_as_the_reference_initialises_them():
+    """The reference's ``fgate_proj``: ``nn.Linear(hidden, heads)``, weight ``N(0, initializer_range)``, bias 0."""
+    torch.manual_seed(0)
+    config = make_config("gpt2", "fox", n_embd=256, n_head=8, initializer_range=0.02)
+    model = hf_posenc.PosEncGPT2Model(config)
+    gate = model.h[1].attn.position_term.forget_gate
+    assert gate.weight.shape == (8, 256)
+    assert torch.equal(gate.bias, torch.zeros(8))
+    assert abs(gate.weight.std().item() - 0.02) < 0.002
+
+
+def test_fox_keeps_each_layers_gates_with_the_cache():
+    """The cached keys' log gates are kept per layer (extra cache layers after the positions): a second chunk's bias
+    reads them, so chunked forwards equal one forward only if each layer's own gates come back."""
+    model = make_model("gpt2", "fox", attn="eager")
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        first = model(ids[:, :5], use_cache=True)
+        cache = cache_of(first)
+        logits = model(ids[:, 5:], **with_cache(cache)).logits
+        full = model(ids).logits
+    # attention layers, key positions (full layers; the sliding layers' slot unused), one log-gate slot per layer
+    assert len(cache.layers) == 2 + 2 + 2
+    stored = [cache.layers[4 + layer].keys[0, 0] for layer in range(2)]  # (kv_len, heads)
+    assert stored[0].shape == (9, 4) and not torch.allclose(stored[0], stored[1])
+    assert (stored[0] < 0).all()
+    torch.testing.assert_close(logits, full[:, 5:], atol=1e-5, rtol=1e-4)
+
+
+def test_fox_in_an_encoder_config_says_why_it_is_refused():
+    with pytest.raises(ValueError, match="'fox' has no encoder form: its bias sums the forget gates"):
+        make_config("bert", "fox")
+    assert make_config("bert", "fox", is_decoder=True).position_encoding == {"type": "fox"}
+
+
+def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):
+    """Compiled CPU FlexAttention (torch 2.13) cannot recompile FoX's score_mod at a second length; CUDA runs it."""
+    config = make_config("gpt2", "fox")
+    spec, softmax = config.position_encoding, config.attention_normalizer
+    with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
+        cpu = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+        cuda = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
+    assert (cpu, cuda) == ("sdpa", "flex_attention")
+    assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
 
 
 PATH_FOX = {"type": "path", "forget_gate": True}
