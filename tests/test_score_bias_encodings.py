@@ -1,5 +1,9 @@
-"""KERPLE, FIRE and the t5 table scale against the papers' formulas by hand; which backend runs every
-position-only scheme, and the fast path (dense bias on SDPA, score_mod on flex) against the eager reference."""
+"""Position-only score biases (``score_bias_encodings.py``): T5's buckets and ALiBi's slopes against published values
+and Transformers' T5 and BLOOM, KERPLE, FIRE and the t5 table scale against the papers' formulas by hand; which
+backend runs each scheme, and the fast paths (dense bias on SDPA, score_mod on flex) against the eager reference; the
+per-distance paths against the per-pair formula (values and gradients): the Toeplitz-expanded dense bias (eager,
+SDPA), the FlexAttention ``score_mod`` reading the padded per-distance table, FIRE's MLP evaluated densely, and what
+a model builds (one bias shared by the batch)."""
 
 from __future__ import annotations
 
@@ -10,13 +14,128 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from conftest import make_config, make_model, random_ids
+from conftest import make_config, make_model, perturb_position_parameters, random_ids
+from torch.nn.attention.flex_attention import flex_attention
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+from transformers.models.t5.modeling_t5 import T5Attention
 
+import hf_posenc.modeling_posenc_common as common
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import choose_backend
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
-from hf_posenc.score_bias_encodings import relu_mlp_pieces, t5_bias_from_steps, t5_steps_from_bias
+from hf_posenc.score_bias_encodings import (
+    alibi_slopes,
+    relu_mlp_of_scalars,
+    relu_mlp_pieces,
+    t5_bias_from_steps,
+    t5_relative_bucket,
+    t5_steps_from_bias,
+)
+
+
+# kexue.fm/archives/8130, "T5式": f(i - j) for i - j = 0..30 (32 bidirectional buckets, max_distance 128), as the
+# Chinese original prints it: 16..22 -> 10, 23..30 -> 11. (The English rendering in seeds/ shifts the 10/11 boundary
+# by one; the original agrees with T5's formula, 8 + floor(2 log2(n / 8)), and with transformers' T5.)
+SU_T5_TABLE = [0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8, 9, 9, 9, 9] + [10] * 7 + [11] * 8
+
+
+def test_t5_buckets_match_the_table_in_kexue_8130():
+    distance = torch.arange(31)
+    buckets = t5_relative_bucket(distance, bidirectional=True, num_buckets=32, max_distance=128)
+    assert buckets.tolist() == SU_T5_TABLE
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (16, 64), (64, 256)])
+def test_t5_buckets_match_transformers_t5(bidirectional, num_buckets, max_distance):
+    distance = torch.arange(-300, 301)  # i - j
+    options = dict(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    ours = t5_relative_bucket(distance, **options)
+    # T5 takes memory_position - query_position = j - i.
+    theirs = T5Attention._relative_position_bucket(-distance, **options)
+    assert torch.equal(ours, theirs)
+
+
+def test_t5_causal_buckets_by_hand():
+    distance = torch.tensor([-5, 0, 15, 16, 20, 32, 127, 500])
+    buckets = t5_relative_bucket(distance, bidirectional=False, num_buckets=32, max_distance=128)
+    # future keys -> 0; 0..15 exact; then 16 + floor(16 * log(n/16) / log(8)), capped at 31.
+    expected = [0, 0, 15, 16, 16 + math.floor(16 * math.log(20 / 16) / math.log(8)), 21, 31, 31]
+    assert buckets.tolist() == expected
+
+
+def test_alibi_slopes_for_a_power_of_two_are_2_pow_minus_8h_over_H():
+    assert alibi_slopes(8).tolist() == [2.0 ** (-h) for h in range(1, 9)]
+    assert alibi_slopes(4).tolist() == [2.0 ** (-2 * h) for h in range(1, 5)]
+
+
+def test_alibi_slopes_for_six_heads_by_hand():
+    # Press et al.: the 4-head slopes, then every other slope of the 8-head sequence.
+    assert alibi_slopes(6).tolist() == [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 4, 6, 12, 16])
+def test_alibi_slopes_match_transformers_bloom(num_heads):
+    mask = torch.ones(1, 2)
+    bloom = build_alibi_tensor(mask, num_heads, torch.float32)  # slope_h * position, position 1 in column 1
+    torch.testing.assert_close(alibi_slopes(num_heads).float(), bloom[:, 0, 1])
+
+
+def reference_biased_attention_logits(model, ids, bias_fn):
+    """Layer-0 attention weights by the formula: softmax_j(q_i.k_j / sqrt(d) + bias(h, i, j)), built from the
+    model's own projections but none of its attention code."""
+    layer = model.bert.encoder.layer[0].attention.self
+    with torch.no_grad():
+        hidden = model.bert.embeddings(model.bert.position_encoding, torch.arange(ids.shape[1])[None], ids)
+        heads, head_dim = layer.num_heads, layer.head_dim
+        q = layer.query(hidden).view(1, -1, heads, head_dim).transpose(1, 2)[0]
+        k = layer.key(hidden).view(1, -1, heads, head_dim).transpose(1, 2)[0]
+    n = ids.shape[1]
+    weights = torch.zeros(heads, n, n)
+    for h in range(heads):
+        for i in range(n):
+            row = torch.tensor([float(q[h, i] @ k[h, j]) / math.sqrt(head_dim) + bias_fn(h, i, j) for j in range(n)])
+            weights[h, i] = torch.softmax(row, dim=0)
+    return weights
+
+
+def test_t5_attention_weights_match_a_hand_written_reference():
+    model = make_model("bert", "t5")
+    ids = random_ids(1, 6)
+    encoding = model.bert.position_encoding
+    steps = encoding.relative_attention_steps.weight.detach() * math.sqrt(encoding.dims.head_dim)  # table_scale
+
+    def bias(h, i, j):
+        # The stored table holds steps outward from distance 0: sum them up to the bucket, in its direction.
+        if i >= j:
+            return sum(float(steps[b, h]) for b in range(SU_T5_TABLE[i - j] + 1))
+        return float(steps[0, h]) + sum(float(steps[b, h]) for b in range(16, 16 + SU_T5_TABLE[j - i] + 1))
+
+    expected = reference_biased_attention_logits(model, ids, bias)
+    with torch.no_grad():
+        actual = model(ids, output_attentions=True).attentions[0][0]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_alibi_attention_weights_match_a_hand_written_reference():
+    model = make_model("bert", "alibi")
+    ids = random_ids(1, 6)
+    slopes = [2.0 ** (-2 * h) for h in range(1, 5)]  # 4 heads
+
+    expected = reference_biased_attention_logits(model, ids, lambda h, i, j: -slopes[h] * abs(i - j))
+    with torch.no_grad():
+        actual = model(ids, output_attentions=True).attentions[0][0]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_t5_decoder_bias_ignores_future_buckets():
+    """In the decoder the table has no 'key to the right' half: all 32 buckets are for i - j >= 0."""
+    model = make_model("gpt2", "t5")
+    assert model.transformer.position_encoding.dims.causal
+    distance = torch.tensor([0, 16, 100])
+    buckets = t5_relative_bucket(distance, bidirectional=False, num_buckets=32, max_distance=128)
+    assert buckets.tolist() == [0, 16, 16 + math.floor(16 * math.log(100 / 16) / math.log(8))]
 
 
 CPU = torch.device("cpu")
@@ -390,3 +509,187 @@ def test_fast_paths_equal_eager_and_are_what_runs(name, monkeypatch):
     positions = torch.arange(5)[None]
     tables = encoding.prepare(positions, positions, "flex_attention")
     assert "score_bias" not in tables and encoding.score_mod(tables, positions, positions) is not None
+
+
+SHIFT_INVARIANT = ["t5", "alibi", "kerple"]
+HEADS = 3
+
+
+def perturbed_scheme(name, causal, **options):
+    entry = POSITION_ENCODINGS[name]
+    spec = {"type": name, **{k: o.default for k, o in entry.options.items()}, **options}
+    dims = AttentionDims(hidden_size=HEADS * 4, num_heads=HEADS, head_dim=4, max_positions=64, causal=causal)
+    encoding = entry(spec, dims).double()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in encoding.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter)).abs_()  # kerple's r1, r2 stay inside the clamp
+    return encoding
+
+
+def by_pair(encoding, query_row, key_row, head):
+    """The scheme's formula for each (query, key) pair, one pair at a time: the reference of the table paths."""
+    table = encoding.bias_table(torch.device("cpu"))
+    return torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.stack(
+                        [
+                            encoding.position_bias(torch.tensor(i), torch.tensor(j), torch.tensor(h), table)
+                            for j in key_row.tolist()
+                        ]
+                    )
+                    for i in query_row.tolist()
+                ]
+            )
+            for h in range(head)
+        ]
+    )
+
+
+# (query positions, key positions): no cache, a query block after cached keys, positions shifted (left padding).
+LAYOUTS = {
+    "plain": (torch.arange(6), torch.arange(6)),
+    "cache": (torch.arange(5, 8), torch.arange(8)),
+    "shifted": (torch.arange(4, 11), torch.arange(4, 11)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_per_distance_bias_equals_the_formula_per_pair_in_values_and_gradients(name, causal, layout):
+    encoding = perturbed_scheme(name, causal)
+    query_positions, key_positions = (p[None] for p in LAYOUTS[layout])
+    bias = encoding.prepare(query_positions, key_positions, "sdpa", consecutive=True)["score_bias"]
+    expected = by_pair(encoding, query_positions[0], key_positions[0], HEADS)[None]
+    assert bias.shape == expected.shape
+    torch.testing.assert_close(bias, expected)
+    upstream = torch.randn(expected.shape, dtype=expected.dtype)
+    parameters = [p for p in encoding.parameters()]
+    if parameters:
+        grads = torch.autograd.grad((bias * upstream).sum(), parameters)
+        expected_grads = torch.autograd.grad((expected * upstream).sum(), parameters)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT + ["fire"])
+def test_general_positions_equal_the_formula_per_pair(name):
+    """Positions that are not consecutive, different per row: the per-pair path, ``(batch, heads, q, k)``."""
+    encoding = perturbed_scheme(name, causal=False, **({"threshold": 6.0} if name == "fire" else {}))
+    positions = torch.tensor([[0, 2, 3, 9, 10], [4, 1, 0, 7, 12]])
+    bias = encoding.prepare(positions, positions, "sdpa")["score_bias"]
+    assert bias.shape == (2, HEADS, 5, 5)
+    for row in range(2):
+        torch.testing.assert_close(bias[row], by_pair(encoding, positions[row], positions[row], HEADS))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threshold", [4.0, 512.0])
+def test_fire_dense_mlp_equals_its_pieces_per_pair_in_values_and_gradients(causal, threshold):
+    """FIRE's dense bias (the MLP, dense backward) = its piecewise lookup per pair, below and past the threshold."""
+    encoding = perturbed_scheme("fire", causal, threshold=threshold, mlp_width=8)
+    query_positions, key_positions = torch.arange(3, 9)[None], torch.arange(9)[None]
+    bias = encoding.mlp_bias(query_positions, key_positions, encoding.bias_table(torch.device("cpu")))  # off CPU
+    heads = torch.arange(HEADS)[None, :, None, None]
+    table = encoding.bias_table(torch.device("cpu"))
+    expected = encoding.position_bias(query_positions[:, None, :, None], key_positions[:, None, None, :], heads, table)
+    torch.testing.assert_close(bias, expected)
+    upstream = torch.randn(expected.shape, dtype=expected.dtype)
+    parameters = list(encoding.parameters())
+    grads = torch.autograd.grad((bias * upstream).sum(), parameters)
+    for got, want in zip(grads, torch.autograd.grad((expected * upstream).sum(), parameters), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_relu_mlp_of_scalars_in_chunks_equals_the_mlp_in_values_and_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((6,), (6,), (3, 6), (3,))]
+    weight_in, bias_in, weight_out, bias_out = weights
+    reference = torch.einsum("hu,...u->h...", weight_out, torch.relu(x[..., None] * weight_in + bias_in))
+    reference = reference + bias_out[:, None, None, None]
+    chunked = relu_mlp_of_scalars(x, *weights, chunk=8)  # 70 elements: 9 chunks, the last one short
+    torch.testing.assert_close(chunked, reference)
+    upstream = torch.randn(reference.shape, dtype=torch.float64)
+    inputs = [x, *weights]
+    for got, want in zip(
+        torch.autograd.grad((chunked * upstream).sum(), inputs),
+        torch.autograd.grad((reference * upstream).sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["plain", "cache"])
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_flex_score_mod_reading_the_padded_table_equals_eager(name, layout):
+    """Uncompiled FlexAttention on CPU with the score_mod reading the per-distance table as ``prepare(...,
+    consecutive=True)`` builds it off CPU (padded to a multiple of 8 columns): the scores equal eager softmax with the
+    per-pair bias. On CPU ``prepare`` gives flex the fixed-size table (inductor's CPU template cannot recompile a
+    length-sized one)."""
+    encoding = perturbed_scheme(name, causal=False)
+    query_positions, key_positions = (p[None] for p in LAYOUTS[layout])
+    on_cpu = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)
+    assert set(on_cpu) == {"bias_table"}
+    table = encoding.bias_table(query_positions.device)
+    per_distance = encoding.per_distance_bias(query_positions, key_positions, table)
+    tables = {"per_distance_bias": torch.nn.functional.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
+    score_mod = encoding.score_mod(tables, query_positions, key_positions)
+    torch.manual_seed(0)
+    q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+    query, key, value = (torch.randn(2, HEADS, n, 8, dtype=torch.float64) for n in (q_len, kv_len, kv_len))
+    output = flex_attention(query, key, value, score_mod=score_mod)
+    bias = by_pair(encoding, query_positions[0], key_positions[0], HEADS)
+    weights = torch.softmax(query @ key.transpose(-1, -2) / 8**0.5 + bias, dim=-1)
+    torch.testing.assert_close(output, weights @ value)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_a_model_with_default_positions_builds_one_bias_for_the_batch(name, family, monkeypatch):
+    """Default positions: one ``(1, heads, q, k)`` bias from the per-distance table, and, with nothing padded, a
+    ``(1, heads, q, k)`` mask too (not ``(batch, ...)``); the outputs equal those with the same positions given
+    (the per-pair path), padded or not."""
+    seen = []
+    build_dense_mask = common.build_dense_mask
+
+    def recording(mask, score_bias, dtype, keep_boolean):
+        inputs = build_dense_mask(mask, score_bias, dtype, keep_boolean)
+        seen.append((tuple(score_bias.shape), tuple(inputs["mask"].shape)))
+        return inputs
+
+    monkeypatch.setattr(common, "build_dense_mask", recording)
+    model = make_model(family, name, attn="sdpa")
+    perturb_position_parameters(model)
+    ids = random_ids(3, 9)
+    heads = model.config.num_attention_heads
+    with torch.no_grad():
+        default = model(ids).logits
+        assert seen == [((1, heads, 9, 9), (1, heads, 9, 9))]
+        given = model(ids, position_ids=torch.arange(9).expand(3, 9)).logits
+        assert seen[-1][0] == (3, heads, 9, 9)
+        torch.testing.assert_close(default, given, atol=1e-5, rtol=1e-5)
+        padded = torch.ones_like(ids)
+        padded[0, :3] = 0
+        for positions in (None, torch.arange(9).expand(3, 9)):
+            model(ids, attention_mask=padded, position_ids=positions)
+        assert seen[-2][0] == (1, heads, 9, 9)
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_gradients_through_a_model_equal_with_and_without_the_table_path(name):
+    """A training step's parameter gradients: default positions (per-distance table, Toeplitz) = the same positions
+    given (per-pair formula)."""
+    model = make_model("gpt2", name, attn="sdpa")
+    perturb_position_parameters(model)
+    ids = random_ids(2, 10)
+    grads = []
+    for positions in (None, torch.arange(10).expand(2, 10)):
+        model.zero_grad()
+        model(ids, position_ids=positions, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
