@@ -1,5 +1,9 @@
-"""Attention normalizers and the Toeplitz gate (kexue.fm/archives/9105) against float64 references of their formulas,
-inside both model families, with padding, causal masks and rows that see no key; their numerics; their init."""
+"""Attention normalizers (``attention_normalizers.py``) and the Toeplitz gate (kexue.fm/archives/9105) against float64
+references of their formulas, inside both model families, with padding, causal masks and rows that see no key; their
+numerics; their init. Stick-breaking attention (Tan et al. 2025) against a hand loop, its row laws, the decoder-only
+rule and its chunked ``sdpa`` path against eager (values, gradients, what it keeps for the backward); gated attention
+(option ``output_gate``) against a hand loop on the layer's input, and the ``differential`` normalizer against
+Transformers' ``DiffLlamaAttention`` on the same weights; their options, init and backends."""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import torch
 import transformers
 from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers.models.diffllama.configuration_diffllama import DiffLlamaConfig
+from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, lambda_init_fn
 
 import hf_posenc
-from hf_posenc import posenc_attention
+from hf_posenc import posenc_attention, relative_tables
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
@@ -768,3 +774,514 @@ def test_exp_on_flex_applies_the_row_factor_in_float32_without_a_host_sync(monke
     expected = torch.exp(scores) @ value.double()
     assert scores.max() > math.log(torch.finfo(torch.float16).max) and torch.isfinite(output).all()
     torch.testing.assert_close(output.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def stick_breaking(heads=2, max_positions=16, **options):
+    dims = AttentionDims(hidden_size=8 * heads, num_heads=heads, head_dim=8, max_positions=max_positions, causal=True)
+    spec = resolve_attention_normalizer({"type": "stick_breaking", **options}, causal=True)
+    return ATTENTION_NORMALIZERS["stick_breaking"](spec, dims)
+
+
+def loop_weights(scores, visible, query_positions, key_positions, attend_current=False):
+    """The product formula by loops in float64: walking from the query outward over the keys it may see (visible, at
+    an earlier position, or the same one with ``attend_current``), each key takes sigmoid(b) of what is left."""
+    batch, heads, q_len, kv_len = scores.shape
+    weights = torch.zeros(scores.shape, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(q_len):
+                left = 1.0
+                for j in reversed(range(kv_len)):
+                    before = (
+                        key_positions[b, j] <= query_positions[b, i]
+                        if attend_current
+                        else (key_positions[b, j] < query_positions[b, i])
+                    )
+                    if not (visible[b, 0, i, j] and before):
+                        continue
+                    share = 1.0 / (1.0 + math.exp(-scores[b, h, i, j].item()))
+                    weights[b, h, i, j] = share * left
+                    left *= 1.0 - share
+    return weights
+
+
+def masked(scores, visible):
+    return scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+
+
+def gapped_causal_visible(batch, q_len, kv_len):
+    """Causal (queries at the last ``q_len`` of ``kv_len`` keys), with left padding in row 0 and a key hidden in the
+    middle of row 1 (a masked key between the query and the keys before it)."""
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    visible = causal[None, None].repeat(batch, 1, 1, 1)
+    visible[0, ..., :2] = False
+    visible[1, ..., 3] = False
+    return visible
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_weights_match_the_product_formula_by_loops(attend_current):
+    torch.manual_seed(0)
+    batch, q_len, kv_len = 2, 5, 7
+    scores = 2 * torch.randn(batch, 2, q_len, kv_len, dtype=torch.float64)
+    visible = gapped_causal_visible(batch, q_len, kv_len)
+    query_positions = torch.arange(kv_len - q_len, kv_len)[None].repeat(batch, 1) + torch.tensor([[0], [5]])
+    key_positions = torch.arange(kv_len)[None].repeat(batch, 1) + torch.tensor([[0], [5]])
+    inputs = {"visible": visible, "query_positions": query_positions, "key_positions": key_positions}
+    weights = stick_breaking(attend_current=attend_current)(masked(scores, visible), inputs)
+    expected = loop_weights(scores, visible, query_positions, key_positions, attend_current)
+    torch.testing.assert_close(weights, expected, atol=1e-12, rtol=1e-10)
+    assert (weights.masked_select(~visible) == 0).all()  # masked keys weigh exactly 0
+
+
+def test_a_masked_key_between_is_absent_from_the_product():
+    """Hiding a key removes it from the stick: the keys beyond it weigh what they weigh without it."""
+    torch.manual_seed(1)
+    scores = torch.randn(1, 1, 1, 6, dtype=torch.float64)
+    positions = {"query_positions": torch.tensor([[6]]), "key_positions": torch.arange(6)[None]}
+    hidden = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    hidden[..., 3] = False
+    with_gap = stick_breaking()(masked(scores, hidden), {"visible": hidden, **positions})
+    without = stick_breaking()(
+        scores[..., [0, 1, 2, 4, 5]],
+        {"visible": None, "query_positions": torch.tensor([[6]]), "key_positions": torch.tensor([[0, 1, 2, 4, 5]])},
+    )
+    assert with_gap[..., 3].item() == 0.0
+    torch.testing.assert_close(with_gap[..., [0, 1, 2, 4, 5]], without, atol=0, rtol=0)
+
+
+def test_rows_sum_to_one_minus_the_stick_left_and_a_row_without_an_earlier_key_is_zero():
+    torch.manual_seed(2)
+    n = 6
+    scores = 3 * torch.randn(2, 2, n, n, dtype=torch.float64)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(2, 1, n, n)
+    positions = {"query_positions": torch.arange(n)[None], "key_positions": torch.arange(n)[None]}
+    weights = stick_breaking()(masked(scores, visible), {"visible": visible, **positions})
+    left = (1 - torch.sigmoid(scores)).tril(-1).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(-1), 1.0)
+    torch.testing.assert_close(weights.sum(-1), 1 - left.prod(-1))
+    assert (weights.sum(-1) <= 1).all() and (weights >= 0).all()
+    assert (weights[..., 0, :] == 0).all()  # the first query sees only itself: nothing before it
+
+
+def test_a_model_gives_zero_attention_output_to_a_row_with_no_visible_key():
+    """A 4-D mask that hides every key from one query: its attention output is 0, with no NaN, eager and chunked."""
+    ids = random_ids(1, 6)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    mask[..., 4, :] = False
+    outputs = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model("gpt2", "none", "stick_breaking", attn=attn)
+        captured = []
+        hook = model.transformer.h[0].attn.c_proj.register_forward_hook(
+            lambda module, args, output, captured=captured: captured.append(args[0])
+        )
+        with torch.no_grad():
+            outputs[attn] = model(ids, attention_mask=mask).logits
+        hook.remove()
+        assert torch.isfinite(outputs[attn]).all()
+        assert (captured[0][0, 4] == 0).all() and (captured[0][0, 0] == 0).all()  # no key; only itself
+    torch.testing.assert_close(outputs["sdpa"], outputs["eager"], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["eager", "sdpa"])
+def test_stick_breaking_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(path):
+    """8 queries at the end of 4096 keys, a T5 bias, bf16 q/k/v, the eager or the chunked path (3 queries a chunk);
+    the reference multiplies the stick's shares in float64 (no logarithms)."""
+    torch.manual_seed(0)
+    n, heads = 4096, 2
+    query_positions, key_positions = torch.arange(n - 8, n)[None], torch.arange(n)[None]
+    q, k, v = (torch.randn(1, heads, length, 16).bfloat16() for length in (8, n, n))
+    dims = AttentionDims(hidden_size=32, num_heads=heads, head_dim=16, max_positions=n, causal=True)
+    layer = stick_breaking(heads=heads, max_positions=n)
+    t5 = POSITION_ENCODINGS["t5"]({"type": "t5", "num_buckets": 32, "max_distance": 128, "table_scale": 1.0}, dims)
+    torch.nn.init.normal_(t5.relative_attention_steps.weight)
+    visible = query_positions[:, None, :, None] >= key_positions[:, None, None, :]
+    bias = t5.prepare(query_positions, key_positions, path)["score_bias"]
+    inputs = {"backend": path, "query_positions": query_positions, "key_positions": key_positions, "position": {}}
+    inputs.update(build_dense_mask(visible, bias, torch.bfloat16 if path == "sdpa" else torch.float32, path == "sdpa"))
+    encoding = POSITION_ENCODINGS["none"]({"type": "none"}, dims)
+    with torch.no_grad():
+        out, _ = positional_attention(
+            q, k, v, inputs, encoding, layer, None, scaling=0.25, dropout=0.0, training=False, causal=True
+        )
+    scores = q.double() @ k.double().transpose(-1, -2) * 0.25 + bias.double()
+    shares = torch.sigmoid(scores).masked_fill(~(key_positions < query_positions[..., None])[:, None], 0.0)
+    # what is left after the keys j+1 .. i-1: the product of (1 - share) over the keys after j, by a reversed cumprod
+    left = (1 - shares).flip(-1).cumprod(-1).flip(-1)
+    left = torch.cat((left[..., 1:], torch.ones_like(left[..., :1])), dim=-1)
+    expected = (shares * left) @ v.double()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    scale = expected.abs().amax()
+    torch.testing.assert_close(out.transpose(1, 2).double() / scale, expected / scale, atol=2e-2, rtol=0)
+
+
+def test_the_toeplitz_gate_composes():
+    torch.manual_seed(3)
+    n = 6
+    layer = stick_breaking(toeplitz_gate=True, toeplitz_max_distance=3)
+    torch.nn.init.normal_(layer.toeplitz_gate, 1.0, 0.5)
+    scores = torch.randn(1, 2, n, n, dtype=torch.float64)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    positions = {"query_positions": torch.arange(n)[None], "key_positions": torch.arange(n)[None]}
+    weights = layer.double()(masked(scores, visible), {"visible": visible, **positions})
+    distance = (torch.arange(n)[:, None] - torch.arange(n)).clamp(0, 3)
+    gate = layer.toeplitz_gate.detach()[:, distance][None]
+    expected = loop_weights(scores, visible, positions["query_positions"], positions["key_positions"]) * gate
+    torch.testing.assert_close(weights, expected)
+    assert ATTENTION_NORMALIZERS["stick_breaking"].supported_backends(layer.spec) == ("eager",)
+    model = make_model("gpt2", "none", {"type": "stick_breaking", "toeplitz_gate": True}, attn="sdpa")
+    assert torch.isfinite(model(random_ids(2, 7)).logits).all()
+
+
+def test_an_encoder_config_raises_naming_why():
+    with pytest.raises(ValueError, match="'stick_breaking' has no encoder form \\(causal by construction"):
+        hf_posenc.PosEncBertConfig(attention_normalizer="stick_breaking")
+    config = hf_posenc.PosEncBertConfig(
+        attention_normalizer="stick_breaking", is_decoder=True, hidden_size=32, num_attention_heads=4,
+        num_hidden_layers=1, intermediate_size=48, vocab_size=61,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert torch.isfinite(model(random_ids(2, 5)).logits).all()
+
+
+def test_no_position_encoding_is_needed_to_tell_positions_apart():
+    """``none`` + stick_breaking is a complete model: identical tokens get different outputs at each position (with
+    softmax every row of identical tokens is the same mean, so the outputs are all equal)."""
+    ids = torch.full((1, 8), 5)
+    with torch.no_grad():
+        softmax = make_model("gpt2", "none", "softmax").transformer(ids).last_hidden_state[0]
+        sticks = make_model("gpt2", "none", "stick_breaking").transformer(ids).last_hidden_state[0]
+    torch.testing.assert_close(softmax, softmax[:1].expand_as(softmax), atol=1e-5, rtol=1e-5)
+    assert (sticks[1:] - sticks[:1]).abs().amax(-1).min() > 1e-3
+
+
+CHUNKED_SCHEMES = ["t5", "rope", {"type": "shaw", "use_value": True}, "cope"]
+
+
+@pytest.mark.parametrize("scheme", CHUNKED_SCHEMES)
+def test_chunked_path_equals_eager_in_values_and_gradients(scheme, monkeypatch):
+    """The sdpa backend runs stick_breaking a chunk of 3 queries at a time (checkpointed), with left padding: the
+    loss and every gradient equal eager's, for a position bias, a rotary scheme, Shaw's value term (its row index
+    sliced per chunk) and a content term (CoPE, its ``(q, k)`` term sliced per chunk)."""
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 3 * 2 * 4 * 11)  # batch 2, 4 heads, 11 keys: 3 queries
+    ids = random_ids(2, 11)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :3] = 0
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    results = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model("gpt2", scheme, "stick_breaking", attn=attn).train()
+        loss = model(ids, attention_mask=attention_mask, position_ids=position_ids, labels=ids).loss
+        loss.backward()
+        results[attn] = loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=1e-6, rtol=1e-6)
+    assert results["sdpa"][1].keys() == results["eager"][1].keys()
+    for name, grad in results["eager"][1].items():
+        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def largest_tensor_saved_for_backward(path: str, q_len: int) -> int:
+    """Elements of the largest tensor one attention call saves for its backward (``saved_tensors_hooks`` sees what
+    autograd saves outside the checkpointed chunks, whose own intermediates are dropped and recomputed)."""
+    dims = AttentionDims(hidden_size=32, num_heads=2, head_dim=16, max_positions=q_len, causal=True)
+    q, k, v = (torch.randn(1, 2, q_len, 16, requires_grad=True) for _ in range(3))
+    positions = torch.arange(q_len)[None]
+    inputs = {"backend": path, "query_positions": positions, "key_positions": positions, "position": {}}
+    visible = None if path == "sdpa" else torch.ones(q_len, q_len, dtype=torch.bool).tril()[None, None]
+    inputs.update(build_dense_mask(visible, None, torch.float32, keep_boolean=path == "sdpa"))
+    encoding = POSITION_ENCODINGS["none"]({"type": "none"}, dims)
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out, _ = positional_attention(
+            q, k, v, inputs, encoding, stick_breaking(max_positions=q_len), None,
+            scaling=0.25, dropout=0.0, training=True, causal=True,
+        )  # fmt: skip
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    return max(sizes, default=0)
+
+
+def test_chunked_path_keeps_no_query_by_key_tensor_for_the_backward(monkeypatch):
+    q_len = 256
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 2 * 16 * q_len)  # 16 queries a chunk
+    assert largest_tensor_saved_for_backward("eager", q_len) >= 2 * q_len * q_len  # the (heads, q, k) weights
+    assert largest_tensor_saved_for_backward("sdpa", q_len) <= 2 * q_len * 16  # q, k, v and chunk outputs only
+
+
+def test_chunked_path_with_attention_dropout_recomputes_the_same_mask():
+    """Training with attention dropout: one chunk draws the same dropout mask as eager (same RNG state, same shape),
+    and the checkpoint's recompute in the backward restores that state, so the loss and every gradient equal eager's
+    (a recompute with another mask would give gradients of another forward)."""
+    ids = random_ids(2, 9)
+    results = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model("gpt2", "t5", "stick_breaking", attn=attn, attn_pdrop=0.3).train()
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        torch.manual_seed(6)  # the backward must not depend on the RNG state after the forward
+        loss.backward()
+        results[attn] = loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=1e-6, rtol=1e-6)
+    for name, grad in results["eager"][1].items():
+        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_request_but_eager_runs_the_chunked_path(device):
+    """No kernel computes stick-breaking: the default and a flex request run its chunked ``sdpa`` path on CPU and on
+    CUDA (routing only: no GPU needed), trained with a learned bias or not; ``output_attentions`` needs eager."""
+    normalizer = resolve_attention_normalizer("stick_breaking", causal=True)
+    for scheme in ("none", "t5"):
+        spec = hf_posenc.PosEncGPT2Config(position_encoding=scheme).position_encoding
+        for requested in (None, "sdpa", "flex_attention"):
+            for needs_grad in (False, True):
+                backend = choose_backend(
+                    requested, spec, normalizer, torch.device(device), position_bias_needs_grad=needs_grad
+                )
+                assert backend == "sdpa", (scheme, requested, needs_grad)
+        assert choose_backend("eager", spec, normalizer, torch.device(device)) == "eager"
+        assert choose_backend(None, spec, normalizer, torch.device(device), need_weights=True) == "eager"
+
+
+HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
+
+
+def attention_of(model, family: str, layer: int) -> torch.nn.Module:
+    """The module around ``positional_attention`` of a layer: GPT-2's attention (output projection included) or
+    BERT's self-attention (the context, before ``output.dense``)."""
+    if family == "gpt2":
+        return model.transformer.h[layer].attn
+    return model.bert.encoder.layer[layer].attention.self
+
+
+def projections(attention, family: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``(weight (out, in), bias)`` of q, k, v and the output projection (BERT's self-attention has none: identity)."""
+    if family == "gpt2":
+        weight, bias = attention.c_attn.weight.T, attention.c_attn.bias
+        parts = {name: (weight[i * HIDDEN : (i + 1) * HIDDEN], bias[i * HIDDEN : (i + 1) * HIDDEN])
+                 for i, name in enumerate("qkv")}  # fmt: skip
+        return {**parts, "o": (attention.c_proj.weight.T, attention.c_proj.bias)}
+    parts = {name: (getattr(attention, long).weight, getattr(attention, long).bias)
+             for name, long in zip("qkv", ("query", "key", "value"), strict=True)}  # fmt: skip
+    return {**parts, "o": (torch.eye(HIDDEN), torch.zeros(HIDDEN))}
+
+
+def run_capturing(model, family: str, layer: int, ids, attention_mask, **kwargs):
+    """The layer's attention input and output (and weights, with ``output_attentions``) in a forward of the model."""
+    captured = {}
+
+    def hook(module, args, kwargs_, output):
+        captured.update(x=args[0], y=output[0], weights=output[1])
+
+    handle = attention_of(model, family, layer).register_forward_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=attention_mask, **kwargs)
+    finally:
+        handle.remove()
+    return captured
+
+
+def visible_keys(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``(batch, q, k)``: key j visible from query i."""
+    n = attention_mask.shape[1]
+    visible = attention_mask.bool()[:, None, :].expand(-1, n, n)
+    return visible & torch.ones(n, n, dtype=torch.bool).tril() if causal else visible
+
+
+def padded_batch():
+    ids = random_ids(2, 7, seed=3)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 5:] = 0
+    return ids, attention_mask
+
+
+# --- gated attention --------------------------------------------------------------------------------------------
+
+
+def hand_gated_attention(x, weights, gate_weight, visible, headwise: bool) -> torch.Tensor:
+    """Softmax attention with ``Y * sigmoid(X W_g)`` per head by loops over rows, heads and keys, in float64:
+    ``x`` ``(batch, n, hidden)``, ``visible`` ``(batch, n, n)``; the output projection's result."""
+    x = x.double()
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = ((w.double(), b.double()) for w, b in weights.values())
+    q, k, v = (x @ w.T + b for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+    gates = torch.sigmoid(x @ gate_weight.double().T)
+    batch, n, _ = x.shape
+    y = torch.zeros(batch, n, HIDDEN, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(n):
+            for h in range(HEADS):
+                head = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+                keys = [j for j in range(n) if visible[b, i, j]]
+                scores = torch.stack([q[b, i, head] @ k[b, j, head] / math.sqrt(HEAD_DIM) for j in keys])
+                weights_ = torch.softmax(scores, dim=0)
+                out = sum(a * v[b, j, head] for a, j in zip(weights_, keys, strict=True))
+                y[b, i, head] = out * (gates[b, i, h] if headwise else gates[b, i, head])
+    return y @ wo.T + bo
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_output_gate_equals_a_hand_loop_of_gated_attention(family, gate, attn):
+    model = make_model(family, "learned", {"type": "softmax", "output_gate": gate}, attn=attn)
+    ids, attention_mask = padded_batch()
+    captured = run_capturing(model, family, 1, ids, attention_mask)
+    attention = attention_of(model, family, 1)
+    gate_weight = attention.normalizer.output_gate.weight
+    assert gate_weight.shape == (HEADS * HEAD_DIM if gate == "elementwise" else HEADS, HIDDEN)
+    expected = hand_gated_attention(
+        captured["x"], projections(attention, family), gate_weight, visible_keys(attention_mask, family == "gpt2"),
+        headwise=gate == "headwise",
+    )  # fmt: skip
+    torch.testing.assert_close(captured["y"].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_output_gate_starts_as_qwen3_next_q_proj_and_has_no_bias():
+    """Qwen3-Next holds the gate in ``q_proj`` (no bias, ``N(0, initializer_range)``): the separate projection starts
+    the same."""
+    config = make_config("gpt2", "learned", {"type": "softmax", "output_gate": "elementwise"}, n_embd=128)
+    model = hf_posenc.PosEncGPT2Model(config)
+    gate = model.h[0].attn.normalizer.output_gate
+    assert gate.bias is None
+    assert gate.weight.mean().abs() < 0.02
+    assert abs(gate.weight.std().item() - config.initializer_range) < 0.02
+
+
+def test_output_gate_refuses_an_unknown_kind_naming_the_choices():
+    with pytest.raises(ValueError, match=r"output_gate'='channelwise'.*\"elementwise\" or \"headwise\""):
+        hf_posenc.PosEncGPT2Config(attention_normalizer={"type": "l2", "output_gate": "channelwise"})
+
+
+# --- differential attention -------------------------------------------------------------------------------------
+
+
+def diffllama_attention(layer_idx: int, num_key_value_heads: int = HEADS) -> DiffLlamaAttention:
+    config = DiffLlamaConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=HEAD_DIM,
+        attention_bias=True,
+        attention_dropout=0.0,
+        rms_norm_eps=1e-5,
+    )
+    config._attn_implementation = "eager"
+    return DiffLlamaAttention(config, layer_idx=layer_idx).eval()
+
+
+def copy_lambdas(reference: DiffLlamaAttention, normalizer) -> None:
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        getattr(reference, name).data.copy_(getattr(normalizer, name))
+
+
+def diffllama_output(reference: DiffLlamaAttention, x: torch.Tensor, visible: torch.Tensor | None):
+    """DiffLlama's attention output and its (first call's) softmax weights, with identity rotary embeddings."""
+    batch, n, _ = x.shape
+    cos, sin = torch.ones(batch, n, HEAD_DIM), torch.zeros(batch, n, HEAD_DIM)
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
+    with torch.no_grad():
+        return reference(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
+
+
+def diffllama_lambda(reference: DiffLlamaAttention) -> torch.Tensor:
+    first = torch.exp((reference.lambda_q1 * reference.lambda_k1).sum())
+    second = torch.exp((reference.lambda_q2 * reference.lambda_k2).sum())
+    return first - second + lambda_init_fn(reference.layer_idx)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_differential_equals_diffllama_attention_on_the_same_weights(family, attn):
+    model = make_model(family, "learned", "differential", attn=attn)
+    ids, attention_mask = padded_batch()
+    captured = run_capturing(model, family, 1, ids, attention_mask, output_attentions=attn == "eager")
+    attention = attention_of(model, family, 1)
+    reference = diffllama_attention(layer_idx=1)
+    with torch.no_grad():
+        for name, (weight, bias) in projections(attention, family).items():
+            getattr(reference, f"{name}_proj").weight.copy_(weight)
+            getattr(reference, f"{name}_proj").bias.copy_(bias)
+    copy_lambdas(reference, attention.normalizer)
+    visible = visible_keys(attention_mask, family == "gpt2")
+    expected, softmax_weights = diffllama_output(reference, captured["x"], visible)
+    torch.testing.assert_close(captured["y"], expected, atol=1e-5, rtol=1e-5)
+    if attn == "eager":  # output_attentions: A1 - lambda A2 per pair of heads
+        first, second = softmax_weights.chunk(2, dim=1)
+        differential = first - diffllama_lambda(reference) * second
+        torch.testing.assert_close(captured["weights"], differential, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_differential_with_grouped_query_heads_equals_diffllama(backend):
+    """Two key/value heads for four query heads: the value halves split as diffllama splits them."""
+    torch.manual_seed(0)
+    reference = diffllama_attention(layer_idx=2, num_key_value_heads=2)
+    with torch.no_grad():
+        reference.o_proj.weight.copy_(torch.eye(HIDDEN))
+        reference.o_proj.bias.zero_()
+    dims = AttentionDims(hidden_size=HIDDEN, num_heads=HEADS, head_dim=HEAD_DIM, max_positions=16, causal=False)
+    spec = resolve_attention_normalizer("differential")
+    normalizer = ATTENTION_NORMALIZERS["differential"](spec, dims, layer_idx=2)
+    copy_lambdas(reference, normalizer)
+    x = torch.randn(2, 6, HIDDEN)
+    q, k, v = (
+        getattr(reference, f"{name}_proj")(x).view(2, 6, -1, HEAD_DIM).transpose(1, 2).detach() for name in "qkv"
+    )
+    encoding = POSITION_ENCODINGS["none"](hf_posenc.PosEncBertConfig(position_encoding="none").position_encoding, dims)
+    positions = torch.arange(6)[None]
+    inputs = {"backend": backend, "query_positions": positions, "key_positions": positions, "position": {}}
+    inputs.update(build_dense_mask(None, None, torch.float32, keep_boolean=backend == "sdpa"))
+    with torch.no_grad():
+        output, _ = positional_attention(
+            q, k, v, inputs, encoding, normalizer, None, scaling=HEAD_DIM**-0.5, dropout=0.0, training=False,
+            causal=False,
+        )  # fmt: skip
+    expected, _ = diffllama_output(reference, x, None)
+    torch.testing.assert_close(output.reshape(2, 6, HIDDEN), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_differential_lambda_init_and_parameters_start_as_diffllama():
+    model = make_model("gpt2", "learned", "differential", n_layer=3, n_embd=64)
+    for layer_idx, block in enumerate(model.transformer.h):
+        normalizer = block.attn.normalizer
+        assert normalizer.lambda_init == lambda_init_fn(layer_idx)
+    values = torch.cat([p.detach() for n, p in model.named_parameters() if ".lambda_" in n])
+    assert values.numel() == 3 * 4 * 16
+    assert abs(values.std().item() - 0.1) < 0.03  # diffllama's lambda_std_dev
+
+
+def test_differential_needs_an_even_number_of_heads():
+    with pytest.raises(ValueError, match="num_attention_heads must be even, got 3"):
+        make_model("gpt2", "learned", "differential", n_embd=24, n_head=3)
+
+
+def test_differential_trains_with_attention_dropout_on_eager_where_both_halves_share_the_mask():
+    spec = resolve_attention_normalizer("differential")
+    position = hf_posenc.PosEncGPT2Config().position_encoding
+    assert choose_backend("sdpa", position, spec, CPU) == "sdpa"
+    assert choose_backend("sdpa", position, spec, CPU, attention_dropout=True) == "eager"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_differential_with_shaws_value_term_gives_eager_numbers_on_every_backend(family, attn, uncompiled_flex):
+    """The value term added to each value half; flex with uncompiled FlexAttention standing in for the kernel (it
+    returns the log-sum-exp on CPU), as ``test_flex_path_of_every_combination_equals_eager``."""
+    calls = uncompiled_flex
+    ids, attention_mask = padded_batch()
+    logits = {}
+    for backend in ("eager", attn):
+        model = make_model(family, "shaw", "differential", attn=backend)
+        with torch.no_grad():
+            logits[backend] = model(ids, attention_mask=attention_mask).logits
+    assert bool(calls) == (attn == "flex_attention")
+    visible = attention_mask.bool()
+    torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
