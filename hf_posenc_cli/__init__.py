@@ -1,8 +1,9 @@
-"""The ``hf-posenc`` command: ``hf-posenc <recipe> [flags]``, one recipe of :mod:`hf_posenc` per subcommand.
+"""The ``hf-posenc`` command: ``hf-posenc <recipe> [flags]``, one recipe (:mod:`hf_posenc_cli.recipes`) per
+subcommand.
 
-A package of its own beside ``hf_posenc``: importing ``hf_posenc`` registers its models with Transformers (torch and
-transformers loaded), and ``--help`` must answer before that. The flags are parsed here first
-(:mod:`hf_posenc_cli.arguments`, standard library only); only then is the recipe's module imported and run.
+A package of its own beside ``hf_posenc``, which never imports it: importing ``hf_posenc`` registers its models with
+Transformers (torch and transformers loaded), and ``--help`` must answer before that. The flags are parsed here first
+(:mod:`hf_posenc_cli.parsers`, standard library only); only then is the recipe's module imported and run.
 Under accelerate: ``accelerate launch -m hf_posenc_cli pretrain ...``.
 
 Exit status: 0 when the recipe succeeds; 2 for a bad flag (argparse: ``hf-posenc <recipe>: error: <message>``);
@@ -15,33 +16,25 @@ and keeps its traceback (exit 1). ``HF_POSENC_TRACEBACK=1`` shows the traceback 
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-from .arguments import DESCRIPTIONS, PARSERS
+from .parsers import PARSERS
+from .recipes import RECIPES
 
 
-RECIPE_MODULES = {
-    "pretrain": "hf_posenc.pretraining",
-    "compare": "hf_posenc.compare",
-    "extrapolate": "hf_posenc.extrapolation",
-    "glue": "hf_posenc.glue",
-    "probe": "hf_posenc.probe_grid",
-    "retrofit": "hf_posenc.warm_start",
-}
 USER_ERRORS = (ValueError, OSError)
 """What a recipe raises for bad input (see the module's docstring): reported in one line, without a traceback."""
 
 
 def usage() -> str:
-    lines = [f"  {name:<12} {what}" for name, what in DESCRIPTIONS.items()]
-    return "usage: hf-posenc {" + ",".join(DESCRIPTIONS) + "} [flags]\n\n" + "\n".join(lines) + "\n"
+    lines = [f"  {name:<12} {recipe.description}" for name, recipe in RECIPES.items()]
+    return "usage: hf-posenc {" + ",".join(RECIPES) + "} [flags]\n\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one recipe; returns the exit status (0: done). The recipe's results are in its ``--output_dir``; a
-    library caller wanting them as objects calls the recipe module's ``main`` (``hf_posenc.pretraining.main``)."""
+    caller wanting them as objects calls the recipe module's ``main`` (``hf_posenc_cli.recipes.pretrain.main``)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\n`hf-posenc <recipe> --help` lists a recipe's flags and their defaults.")
@@ -52,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(2)
     PARSERS[recipe]().parse_args(rest)  # --help and unknown flags answered before torch is imported
     try:
-        importlib.import_module(RECIPE_MODULES[recipe]).main(rest)
+        RECIPES[recipe].load().main(rest)
     except USER_ERRORS as error:
         if os.environ.get("HF_POSENC_TRACEBACK") == "1":
             raise

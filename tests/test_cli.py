@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, console_script, run_command
 
 from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import PARSERS
+from hf_posenc_cli.parsers import PARSERS
 
 
 TINY_PRETRAIN = [
@@ -171,7 +171,7 @@ def test_help_states_each_default_once(recipe, monkeypatch):
 
 def test_a_per_layer_position_encoding_is_a_json_list():
     """``--position_encoding`` takes one spec per layer as a JSON list, each checked against the catalogue."""
-    from hf_posenc_cli.arguments import pretrain_parser
+    from hf_posenc_cli.parsers.pretrain import pretrain_parser
 
     layers = '["rope", {"type": "none", "attn_temperature_tuning": true}]'
     args = pretrain_parser().parse_args(["--position_encoding", layers])

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import hf_posenc
-from hf_posenc import pretraining, recipe_common
+from hf_posenc_cli.recipes import common as recipe_common
+from hf_posenc_cli.recipes import pretrain as pretrain_recipe
 
 
 WORLD_SIZE = 2
@@ -210,9 +211,13 @@ def pretrain_under_fsdp2(state_dict_type: str, folder: Path) -> None:
         FSDP_RESHARD_AFTER_FORWARD="true",
     )
     common = [*RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "4"]
-    pretraining.main([*common, "--checkpointing_steps", str(RECIPE_CHECKPOINT), "--output_dir", str(folder / "whole")])
+    pretrain_recipe.main(
+        [*common, "--checkpointing_steps", str(RECIPE_CHECKPOINT), "--output_dir", str(folder / "whole")]
+    )
     checkpoint = folder / "whole" / f"step_{RECIPE_CHECKPOINT}"
-    pretraining.main([*common, "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(folder / "resumed")])
+    pretrain_recipe.main(
+        [*common, "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(folder / "resumed")]
+    )
 
 
 def run_worker(rank: int, port: int, root: Path) -> None:
@@ -229,7 +234,7 @@ def run_worker(rank: int, port: int, root: Path) -> None:
         results["sgd"][name] = train_sharded_with_sgd(case, rank, root / "saved" / name)
     for name, case in RESUME_CASES.items():
         results["resume"][name] = resume_from_sharded_checkpoint(case, rank, root / "dcp" / name)
-    pretraining.recipe_accelerator = fsdp2_recipe_accelerator
+    pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
     for state_dict_type in RECIPE_RUNS:
         pretrain_under_fsdp2(state_dict_type, root / "recipe" / state_dict_type)
     try:  # both ranks fail, if at all, in the first forward, before any collective
@@ -335,7 +340,7 @@ def test_pretrain_recipe_saves_and_resumes_under_accelerate_fsdp2(sharded, state
     weights = [load_file(run / "model.safetensors") for run in (whole, resumed)]
     assert_same_weights(weights[1], weights[0], atol=0, rtol=0)
     flags = RECIPE_RUNS[state_dict_type][0]
-    one = pretraining.main(  # one process on the global batch (2 x 4 blocks), no accelerate FSDP
+    one = pretrain_recipe.main(  # one process on the global batch (2 x 4 blocks), no accelerate FSDP
         [*RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "8", "--output_dir", str(folder / "one")]
     )
     ones = [json.loads(line)["loss"] for line in (folder / "one" / "train_log.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
-"""The GLUE recipe (``hf-posenc glue``, hf_posenc/glue.py) and its metric module (hf_posenc/metrics/glue), on tiny
-models and fixtures."""
+"""The GLUE recipe (``hf-posenc glue``, hf_posenc_cli/recipes/glue.py) and its metric module
+(hf_posenc_cli/recipes/metrics/glue), on tiny models and fixtures."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 import hf_posenc
-from hf_posenc import glue
+from hf_posenc_cli.recipes import glue
 
 
 ROOT = Path(__file__).resolve().parents[1]

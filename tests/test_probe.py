@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 import hf_posenc
-from hf_posenc import probe_grid as probe_recipe
-from hf_posenc_cli.arguments import DEFAULT_PROBE_VARIANTS
+from hf_posenc_cli.parsers.probe import DEFAULT_PROBE_VARIANTS
+from hf_posenc_cli.recipes import probe as probe_recipe
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])

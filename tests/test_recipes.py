@@ -24,8 +24,12 @@ from safetensors.torch import load_file
 
 import hf_posenc
 import hf_posenc_cli
-from hf_posenc import compare, extrapolation, glue, pretraining, probe_grid, recipe_common, warm_start
-from hf_posenc_cli.arguments import PARSERS
+from hf_posenc_cli.parsers import PARSERS
+from hf_posenc_cli.recipes import common as recipe_common
+from hf_posenc_cli.recipes import compare, extrapolate, glue
+from hf_posenc_cli.recipes import pretrain as pretrain_recipe
+from hf_posenc_cli.recipes import probe as probe_recipe
+from hf_posenc_cli.recipes import retrofit as retrofit_recipe
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +42,7 @@ TINY = [
 
 
 def pretrain(output_dir: Path, *flags: str, steps: int = 30) -> dict:
-    return pretraining.main([*TINY, "--max_train_steps", str(steps), "--output_dir", str(output_dir), *flags])
+    return pretrain_recipe.main([*TINY, "--max_train_steps", str(steps), "--output_dir", str(output_dir), *flags])
 
 
 def logged(output_dir: Path) -> list[dict]:
@@ -176,11 +180,11 @@ def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags,
 def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
     """torchrun --nproc_per_node 2 on CPU (gloo): each process takes half of every global batch."""
     flags = [*TINY, "--max_train_steps", "8", "--position_encoding", "t5", "--eval_steps", "8"]
-    one = pretraining.main([*flags, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8"])
+    one = pretrain_recipe.main([*flags, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8"])
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [*launch, str(ROOT / "recipes" / "pretrain.py"), *flags, "--per_device_train_batch_size", "4"]
+        [*launch, "-m", "hf_posenc_cli", "pretrain", *flags, "--per_device_train_batch_size", "4"]
         + ["--output_dir", str(tmp_path / "two")],
         capture_output=True,
         text=True,
@@ -208,9 +212,9 @@ def test_reference_init_follows_each_scheme_reference():
     sinusoidal, t5, learned = model("sinusoidal"), model("t5"), model("learned")
     for unchanged in (learned, t5):  # GPT-2's own init; T5's init is the scheme's own (T5Bias)
         before = unchanged.state_dict()
-        assert pretraining.reference_init(unchanged) == []
+        assert pretrain_recipe.reference_init(unchanged) == []
         assert all(torch.equal(tensor, before[name]) for name, tensor in unchanged.state_dict().items())
-    pretraining.reference_init(sinusoidal)
+    pretrain_recipe.reference_init(sinusoidal)
     assert sinusoidal.get_input_embeddings().weight.std().item() == pytest.approx(64**-0.5, rel=0.03)
     assert sinusoidal.get_output_embeddings().weight is sinusoidal.get_input_embeddings().weight  # still tied
 
@@ -218,7 +222,7 @@ def test_reference_init_follows_each_scheme_reference():
 def test_sliding_window_loss_is_the_model_loss_on_the_last_positions(alibi_decoder):
     model = transformers.AutoModelForCausalLM.from_pretrained(alibi_decoder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(alibi_decoder)
-    ids = extrapolation.evaluation_ids(tokenizer, None, 5, 128)
+    ids = extrapolate.evaluation_ids(tokenizer, None, 5, 128)
     assert ids.shape == (128,)
     with torch.no_grad():
         blocks = ids.view(8, 16)
@@ -227,13 +231,13 @@ def test_sliding_window_loss_is_the_model_loss_on_the_last_positions(alibi_decod
         labels = windows.clone()
         labels[:, :16] = -100  # score the predictions of positions 16..31 only
         at_2x = model(input_ids=windows, labels=labels).loss.item()
-    assert extrapolation.sliding_window_loss(model, ids, 16, 16, batch_size=3) == pytest.approx(at_1x, abs=1e-5)
-    assert extrapolation.sliding_window_loss(model, ids, 32, 16, batch_size=3) == pytest.approx(at_2x, abs=1e-5)
+    assert extrapolate.sliding_window_loss(model, ids, 16, 16, batch_size=3) == pytest.approx(at_1x, abs=1e-5)
+    assert extrapolate.sliding_window_loss(model, ids, 32, 16, batch_size=3) == pytest.approx(at_2x, abs=1e-5)
 
 
 def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder, tmp_path, saved_figures):
     pretrain(tmp_path / "learned", "--position_encoding", "learned", steps=3)
-    rows = extrapolation.main(
+    rows = extrapolate.main(
         ["--model_name_or_path", str(alibi_decoder), str(tmp_path / "learned"), "--max_eval_tokens", "1024"]
         + ["--output_dir", str(tmp_path / "report")]
     )
@@ -261,7 +265,7 @@ def test_extrapolation_groups_the_seeds_of_one_experiment_and_draws_the_encoders
     pretrain(tmp_path / "mlm", "--task", "mlm", "--position_encoding", "rope", steps=3)
     models = [str(tmp_path / name) for name in ("a0", "a1", "b", "mlm")]
     argv = ["--model_name_or_path", *models, "--factors", "1", "2", "--max_eval_tokens", "512", "--seeds", "3", "4"]
-    rows = extrapolation.main([*argv, "--output_dir", str(tmp_path / "report")])
+    rows = extrapolate.main([*argv, "--output_dir", str(tmp_path / "report")])
     assert [list(row["draws"]) for row in rows] == [["0"], ["0"], ["0"], ["3", "4"]]
     encoder_draws = [draw["1x"] for draw in rows[3]["draws"].values()]
     assert encoder_draws[0] != encoder_draws[1] and rows[3]["1x"] == pytest.approx(sum(encoder_draws) / 2)
@@ -281,7 +285,7 @@ def test_extrapolation_checks_every_model_before_scoring_any(alibi_decoder, tmp_
     def never_scored(*args, **kwargs):
         raise AssertionError("a model was scored before every input was checked")
 
-    monkeypatch.setattr(extrapolation, "extrapolation_row", never_scored)
+    monkeypatch.setattr(extrapolate, "extrapolation_row", never_scored)
     (tmp_path / "no-weights").mkdir()
     transformers.AutoConfig.from_pretrained(alibi_decoder).save_pretrained(tmp_path / "no-weights")
     for bad, message in (
@@ -289,14 +293,14 @@ def test_extrapolation_checks_every_model_before_scoring_any(alibi_decoder, tmp_
         (tmp_path / "no-weights", f"--model_name_or_path {tmp_path / 'no-weights'}: the folder has no weights"),
     ):
         with pytest.raises(SystemExit) as stopped:
-            extrapolation.main(
+            extrapolate.main(
                 ["--model_name_or_path", str(alibi_decoder), str(bad), "--output_dir", str(tmp_path / "report")]
             )
         assert stopped.value.code == 2
         error = capsys.readouterr().err
         assert error.startswith(f"hf-posenc extrapolate: error: {message}") and error.count("\n") == 1, error
     with pytest.raises(SystemExit):
-        extrapolation.main(["--model_name_or_path", str(alibi_decoder), "--tokenizer_name", str(tmp_path / "x")])
+        extrapolate.main(["--model_name_or_path", str(alibi_decoder), "--tokenizer_name", str(tmp_path / "x")])
     assert f"--tokenizer_name {tmp_path / 'x'}: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "report").exists()
 
@@ -308,11 +312,13 @@ def test_saved_byte_tokenizer_encodes_a_prompt_without_end_of_sequence(alibi_dec
     tokenizer = transformers.AutoTokenizer.from_pretrained(alibi_decoder, trust_remote_code=True)
     assert tokenizer("Emma")["input_ids"] == [byte + 3 for byte in b"Emma"] == [72, 112, 112, 100]
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id) == (0, 1, None)
-    text = pretraining.embedded_corpus_file().read_text()[:20_000] + " héllo ’ 🎉 a </s> b <pad><extra_id_0> x"
+    text = pretrain_recipe.embedded_corpus_file().read_text()[:20_000] + " héllo ’ 🎉 a </s> b <pad><extra_id_0> x"
     byt5 = transformers.ByT5Tokenizer()
     assert tokenizer(text)["input_ids"] == byt5(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(tokenizer(text[:20_000])["input_ids"]) == text[:20_000]
-    assert pretraining.load_tokenizer(None, "mlm").mask_token_id == byt5.convert_tokens_to_ids("<extra_id_0>") == 259
+    assert (
+        pretrain_recipe.load_tokenizer(None, "mlm").mask_token_id == byt5.convert_tokens_to_ids("<extra_id_0>") == 259
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(alibi_decoder)
     prompt = tokenizer("Emma Woodhouse", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -400,7 +406,7 @@ def test_compare_over_seeds_reports_mean_and_spread_and_keeps_every_seed(tmp_pat
     def no_training(argv):
         raise AssertionError(f"--resume trained again: {argv}")
 
-    monkeypatch.setattr(pretraining, "main", no_training)
+    monkeypatch.setattr(pretrain_recipe, "main", no_training)
     assert compare.main([*argv, "--resume"]) == json.loads(json.dumps(rows))  # as saved: lists for tuples
     resumed = (tmp_path / "compare.md").read_text()
     assert resumed.split("- ")[0] == report.split("- ")[0]
@@ -418,7 +424,7 @@ def test_compare_reads_a_datasets_corpus(tmp_path):
     argv = [*TINY_COMPARE, "--schemes", "alibi", "--num_hidden_layers", "1", "--dataset_name", str(corpus)]
     (row,) = compare.main([*argv, "--output_dir", str(tmp_path / "out")])
     assert row["recipe"][row["recipe"].index("--dataset_name") + 1] == str(corpus)
-    held_out = compare.evaluation_text_ids(compare.parse_args(argv))(pretraining.byte_tokenizer())
+    held_out = compare.evaluation_text_ids(compare.parse_args(argv))(pretrain_recipe.byte_tokenizer())
     assert bytes(held_out[:9].tolist()) == bytes(byte + 3 for byte in b"line 0 of")
     assert math.isfinite(row["eval_loss"]) and isinstance(row["extrapolation"]["2x"], float)
 
@@ -478,12 +484,14 @@ def test_compare_takes_a_scheme_or_normalizer_with_options(tmp_path):
 def test_pretrain_builds_a_layout_preset(tmp_path):
     """``pretrain --layout smollm3``: the preset's per-layer list at the model's depth; with --position_encoding too
     it stops, naming both."""
-    args = pretraining.parse_args(["--layout", "smollm3", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)])
-    config = pretraining.build_config(args, 384, 0, 1)
+    args = pretrain_recipe.parse_args(
+        ["--layout", "smollm3", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)]
+    )
+    config = pretrain_recipe.build_config(args, 384, 0, 1)
     assert [spec["type"] for spec in config.position_encoding] == ["rope", "rope", "rope", "none"]
     assert config.position_encoding[0]["theta"] == 2000000.0 and config.sliding_window is None
     with pytest.raises(SystemExit):
-        pretraining.parse_args(["--layout", "smollm3", "--position_encoding", "rope"])
+        pretrain_recipe.parse_args(["--layout", "smollm3", "--position_encoding", "rope"])
 
 
 def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp_path):
@@ -491,13 +499,15 @@ def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp
     the size, or in an encoder, it stops; ``--attention_chunk_size`` alone makes every layer chunked; compare hands
     the chunk to the irope run (and its probe) only."""
     flags = ["--layout", "irope", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)]
-    config = pretraining.build_config(pretraining.parse_args([*flags, "--attention_chunk_size", "8"]), 384, 0, 1)
+    config = pretrain_recipe.build_config(
+        pretrain_recipe.parse_args([*flags, "--attention_chunk_size", "8"]), 384, 0, 1
+    )
     assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"] and config.attention_chunk_size == 8
     for extra in ([], ["--attention_chunk_size", "8", "--task", "mlm"]):
         with pytest.raises(SystemExit):
-            pretraining.parse_args([*flags, *extra])
+            pretrain_recipe.parse_args([*flags, *extra])
     alone = ["--position_encoding", "rope", "--attention_chunk_size", "4", "--output_dir", str(tmp_path)]
-    config = pretraining.build_config(pretraining.parse_args(alone), 384, 0, 1)
+    config = pretrain_recipe.build_config(pretrain_recipe.parse_args(alone), 384, 0, 1)
     assert set(config.layer_types) == {"chunked_attention"}
     args = compare.parse_args(["--schemes", "rope", "--layouts", "irope", "--attention_chunk_size", "8"])
     irope = compare.recipe_argv(args, ("clm", "irope", "softmax", 0), tmp_path)
@@ -508,11 +518,11 @@ def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp
 def test_the_probe_grid_takes_a_chunked_layout_in_decoders_only(capsys):
     flags = ["--layouts", "irope", "--num_hidden_layers", "4", "--variants", "softmax", "--max_train_steps", "2"]
     with pytest.raises(SystemExit):
-        probe_grid.parse_args(flags)
+        probe_recipe.parse_args(flags)
     assert "--layouts irope have chunked attention: give --attention_chunk_size" in capsys.readouterr().err
-    args = probe_grid.parse_args([*flags, "--attention_chunk_size", "4", "--length", "6"])
-    assert probe_grid.model_layout(args, "irope")["attention_chunk_size"] == 4
-    results = [entry for _, entry in probe_grid.run_grid(args)]
+    args = probe_recipe.parse_args([*flags, "--attention_chunk_size", "4", "--length", "6"])
+    assert probe_recipe.model_layout(args, "irope")["attention_chunk_size"] == 4
+    results = [entry for _, entry in probe_recipe.run_grid(args)]
     assert [entry["family"] for entry in results] == ["gpt2"]  # an encoder has no chunked attention
 
 
@@ -609,7 +619,7 @@ def test_hf_posenc_help_lists_every_recipe(capsys):
 
 def test_pretrain_continues_a_checkpoint_given_by_model_name_or_path(alibi_decoder, tmp_path):
     training = TINY[TINY.index("--block_size") :]  # the model's size comes from the checkpoint
-    results = pretraining.main(
+    results = pretrain_recipe.main(
         [
             *training,
             "--model_name_or_path",
@@ -708,23 +718,35 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
 @pytest.mark.parametrize(
     ("main", "argv", "message"),
     [
-        (pretraining.main, ["--position_encoding", "rotary"], "unknown position_encoding 'rotary'; valid choices"),
-        (pretraining.main, ["--position_encoding", '{"type": "t5", "num_buckets": 3}'], "'num_buckets'=3"),
-        (pretraining.main, ["--attention_normalizer", "sparsemax"], "sparsemax"),
-        (pretraining.main, ["--train_file", "no/such.txt"], "--train_file no/such.txt does not exist"),
-        (pretraining.main, ["--config_name", "gpt2", "--hidden_size", "64"], "drop --hidden_size"),
-        (pretraining.main, ["--block_size", "0"], "--block_size must be >= 1, got 0"),
-        (pretraining.main, ["--resume_from_checkpoint", "tests"], "expected a step_<N> folder"),
-        (pretraining.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
+        (pretrain_recipe.main, ["--position_encoding", "rotary"], "unknown position_encoding 'rotary'; valid choices"),
+        (pretrain_recipe.main, ["--position_encoding", '{"type": "t5", "num_buckets": 3}'], "'num_buckets'=3"),
+        (pretrain_recipe.main, ["--attention_normalizer", "sparsemax"], "sparsemax"),
+        (pretrain_recipe.main, ["--train_file", "no/such.txt"], "--train_file no/such.txt does not exist"),
+        (pretrain_recipe.main, ["--config_name", "gpt2", "--hidden_size", "64"], "drop --hidden_size"),
+        (pretrain_recipe.main, ["--block_size", "0"], "--block_size must be >= 1, got 0"),
+        (pretrain_recipe.main, ["--resume_from_checkpoint", "tests"], "expected a step_<N> folder"),
+        (pretrain_recipe.main, ["--task", "seq2seq"], "invalid choice: 'seq2seq'"),
         (compare.main, ["--schemes", "rope", "rotary"], "--schemes: unknown position_encoding 'rotary'; valid: "),
         (compare.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
-        (extrapolation.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
-        (pretraining.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),
-        (pretraining.main, ["--model_name_or_path", "./no/such"], "--model_name_or_path ./no/such: no such folder"),
-        (pretraining.main, ["--config_name", "/no/such"], "--config_name /no/such: no such folder"),
-        (pretraining.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
-        (pretraining.main, ["--model_name_or_path", "tests"], "--model_name_or_path tests: the folder has no weights"),
-        (warm_start.main, ["--model_name_or_path", "./no/such"], "--model_name_or_path ./no/such: no such folder"),
+        (extrapolate.main, ["--model_name_or_path", "x", "--factors", "0", "2"], "--factors must be >= 1"),
+        (pretrain_recipe.main, ["--model_name_or_path", "x", "--hidden_size", "64"], "drop --hidden_size"),
+        (
+            pretrain_recipe.main,
+            ["--model_name_or_path", "./no/such"],
+            "--model_name_or_path ./no/such: no such folder",
+        ),
+        (pretrain_recipe.main, ["--config_name", "/no/such"], "--config_name /no/such: no such folder"),
+        (pretrain_recipe.main, ["--tokenizer_name", "./no/such"], "--tokenizer_name ./no/such: no such folder"),
+        (
+            pretrain_recipe.main,
+            ["--model_name_or_path", "tests"],
+            "--model_name_or_path tests: the folder has no weights",
+        ),
+        (
+            retrofit_recipe.main,
+            ["--model_name_or_path", "./no/such"],
+            "--model_name_or_path ./no/such: no such folder",
+        ),
         (
             glue.main,
             ["--model_name_or_path", "./no/such", "--task_name", "sst2", "--output_dir", "o"],
@@ -765,7 +787,7 @@ def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path, monkeypa
     monkeypatch.setattr(recipe_common, "HfApi", RecordingHub)
     RecordingHub.calls = []
     argv += ["--push_to_hub", "--hub_model_id", "me/rf", "--hub_token", "secret-token"]
-    results = warm_start.main([*argv, "--output_dir", str(tmp_path / "out")])
+    results = retrofit_recipe.main([*argv, "--output_dir", str(tmp_path / "out")])
     repositories = ["me/rf-learned-softmax", "me/rf-learned-l2", "me/rf-t5-softmax", "me/rf-t5-l2"]
     assert [call[1:] for call in RecordingHub.calls[:4]] == [(name, True, "secret-token") for name in repositories]
     uploads = RecordingHub.calls[4:]

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from .configuration_posenc import layout_name
+from hf_posenc.configuration_posenc import layout_name
 
 
 CHECKPOINT_PATTERNS = ["step_*", "epoch_*", "seed_*"]

@@ -7,7 +7,7 @@ last ``stride`` positions, so every scored token sits at positions ``L - stride 
 next-token prediction; an encoder on 15 % of those last positions, masked (fixed draw). A model that cannot run at
 a length (a ``learned`` table shorter than the window) gets the reason in the table instead of a number::
 
-    python recipes/extrapolate.py --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+    hf-posenc extrapolate --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from hf_posenc_cli.arguments import DEFAULT_FACTORS, extrapolate_parser
+from hf_posenc.configuration_posenc import layout_name
 
-from .configuration_posenc import layout_name
-from .pretraining import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
-from .recipe_common import checked_input, recipe_accelerator
+from ..parsers.common import DEFAULT_FACTORS
+from ..parsers.extrapolate import extrapolate_parser
+from .common import checked_input, recipe_accelerator
+from .pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
 
 
 def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:

@@ -28,10 +28,11 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 import hf_posenc
-from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import check_layout_sizes, layout_sizes, parse_scheme, parse_variant, probe_parser
 
-from .recipe_common import recipe_accelerator
+from .. import catalogue
+from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme, parse_variant
+from ..parsers.probe import probe_parser
+from .common import recipe_accelerator
 
 
 def default_schemes() -> list[str]:

@@ -4,8 +4,8 @@ The flags follow Transformers' ``run_clm_no_trainer.py`` / ``run_mlm_no_trainer.
 processes come from accelerate (``accelerate config``; DDP, FSDP or DeepSpeed), so the same command runs on one CPU
 and on many GPUs::
 
-    python recipes/pretrain.py --position_encoding rope --output_dir out/rope          # embedded corpus, bytes
-    accelerate launch recipes/pretrain.py --task mlm --position_encoding t5 --attention_normalizer l2 \\
+    hf-posenc pretrain --position_encoding rope --output_dir out/rope          # embedded corpus, bytes
+    accelerate launch -m hf_posenc_cli pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
         --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name bert-base-uncased \\
         --hidden_size 512 --num_hidden_layers 8 --num_attention_heads 8 --block_size 512 --max_train_steps 20000 \\
         --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
@@ -39,10 +39,10 @@ from tqdm.auto import tqdm
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_posenc
-from hf_posenc_cli.arguments import MODEL_SIZE_DEFAULTS, pretrain_parser
+from hf_posenc.configuration_posenc import layout_name
 
-from .configuration_posenc import layout_name
-from .recipe_common import (
+from ..parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
+from .common import (
     checked_input,
     hub_repository,
     recipe_accelerator,

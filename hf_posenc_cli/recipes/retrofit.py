@@ -29,10 +29,9 @@ from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 import hf_posenc
-from hf_posenc_cli.arguments import retrofit_parser
 
-from .pretraining import embedded_corpus_file
-from .recipe_common import (
+from ..parsers.retrofit import retrofit_parser
+from .common import (
     checked_input,
     hub_repository,
     recipe_accelerator,
@@ -40,6 +39,7 @@ from .recipe_common import (
     upload_folder,
     write_model_card,
 )
+from .pretrain import embedded_corpus_file
 
 
 # The stock scheme (the baseline), then rope, alibi and t5; the content-position ones once they are registered.

@@ -41,10 +41,10 @@ from datasets import Dataset, DatasetDict, load_dataset
 from tqdm.auto import tqdm
 
 import hf_posenc
-from hf_posenc_cli.arguments import glue_parser
+from hf_posenc.configuration_posenc import layout_name
 
-from .configuration_posenc import layout_name
-from .recipe_common import (
+from ..parsers.glue import glue_parser
+from .common import (
     checked_input,
     hub_repository,
     recipe_accelerator,

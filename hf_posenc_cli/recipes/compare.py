@@ -1,14 +1,14 @@
 """``hf-posenc compare``: the main job. Pretrain one small model per position encoding x attention normalizer on
 an equal budget, then report for each: loss at the training length, loss at 2x, 4x, 8x that length (sliding
-windows, :mod:`hf_posenc.extrapolation`), the position probe (relative fit error), parameters and tokens/s.
+windows, :mod:`hf_posenc_cli.recipes.extrapolate`), the position probe (relative fit error), parameters and tokens/s.
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--output_dir`` and the models under ``models/``.
 
-The recipe is one for every scheme (``hf_posenc.pretraining``): the same data (the embedded corpus by default, as
-bytes), seed, batches, steps, AdamW with linear warm-up and cosine decay, gradient clipping, and no weight decay on
-any embedding table, so that no scheme's position parameters are pulled to zero; each scheme's own parameters start
-as its reference initialises them (:func:`hf_posenc.pretraining.reference_init`). Only the position encoding and the
-normalizer differ between runs. Torch runs ``--threads`` threads per process (default 1: on a shared 2-core CPU the
-fastest, and a rerun gives the same numbers)::
+The recipe is one for every scheme (:mod:`hf_posenc_cli.recipes.pretrain`): the same data (the embedded corpus by
+default, as bytes), seed, batches, steps, AdamW with linear warm-up and cosine decay, gradient clipping, and no
+weight decay on any embedding table, so that no scheme's position parameters are pulled to zero; each scheme's own
+parameters start as its reference initialises them (:func:`hf_posenc_cli.recipes.pretrain.reference_init`). Only the
+position encoding and the normalizer differ between runs. Torch runs ``--threads`` threads per process (default 1:
+on a shared 2-core CPU the fastest, and a rerun gives the same numbers)::
 
     hf-posenc compare                    # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores
     hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
@@ -31,18 +31,13 @@ import transformers
 from accelerate.utils import broadcast_object_list
 
 import hf_posenc
-from hf_posenc_cli import catalogue
-from hf_posenc_cli.arguments import (
-    DEFAULT_COMPARE_SCHEMES,
-    check_layout_sizes,
-    compare_parser,
-    layout_sizes,
-    parse_scheme,
-)
 
-from . import pretraining
-from .extrapolation import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
-from .recipe_common import checked_input, hub_repository, recipe_accelerator, torch_threads
+from .. import catalogue
+from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme
+from ..parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
+from . import pretrain
+from .common import checked_input, hub_repository, recipe_accelerator, torch_threads
+from .extrapolate import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -77,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--layouts {' '.join(chunked)} have chunked attention, which is causal (no encoder form): drop --encoders"
         )
     if args.tokenizer_name is not None:
-        load_tokenizer = partial(pretraining.load_tokenizer, task="mlm" if args.encoders else "clm")
+        load_tokenizer = partial(pretrain.load_tokenizer, task="mlm" if args.encoders else "clm")
         checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
     return args
 
@@ -323,7 +318,7 @@ def evaluation_text_ids(args: argparse.Namespace):
         dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=None,
         validation_file=None, validation_split_percentage=5, text_column_name=args.text_column_name,
     )  # fmt: skip
-    text = "".join(pretraining.load_text_datasets(data)["validation"][args.text_column_name])
+    text = "".join(pretrain.load_text_datasets(data)["validation"][args.text_column_name])
 
     def ids(tokenizer):
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -348,7 +343,7 @@ def compare_run(args: argparse.Namespace, run: Run, evaluation, accelerator) -> 
             accelerator.print(f"{run_name(args, run)}: kept from {saved} (--resume)")
             return row
     run_started = time.perf_counter()
-    results = pretraining.main(argv)
+    results = pretrain.main(argv)
     train_seconds = time.perf_counter() - run_started
     auto_class = transformers.AutoModelForCausalLM if task == "clm" else transformers.AutoModelForMaskedLM
     model = auto_class.from_pretrained(model_dir).to(accelerator.device).eval()

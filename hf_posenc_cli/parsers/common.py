@@ -1,0 +1,251 @@
+"""What the recipes' command lines share: the flag types (scheme specs, catalogue names, counts, folders), the groups
+of flags several recipes take (layouts, tracking, the Hub), and the parser they are built on.
+
+Only the standard library is imported here and in the recipes' parsers beside it, so ``hf-posenc <recipe> --help``
+answers without loading torch or transformers (``hf_posenc`` itself registers its models with Transformers on
+import). Scheme and normalizer names, their options and the options' types are checked while parsing, against
+:mod:`hf_posenc_cli.catalogue`, as is an ``--output_dir`` under a file; each recipe module parses with its parser and
+checks the rest (files, ranges).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import catalogue
+from ..recipes import RECIPES
+
+
+DEFAULT_FACTORS = (1, 2, 4, 8)
+SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+
+MULTI_PROCESS_NOTE = """
+Several processes: `accelerate launch --multi_gpu --num_processes 2 ...` on GPUs and on CPUs (on a machine without
+CUDA the recipe joins the processes into one multi-CPU run over gloo), or `torchrun --standalone --nproc_per_node 2
+...`. (`accelerate launch --cpu --num_processes 2` starts one process: with --cpu, accelerate's launcher starts
+several only through MPI, --mpirun_hostfile.)"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every flag (every flag has a help string: argparse shows no default without one); the
+    description printed as written."""
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """A recipe's parser: a bad flag is reported in one line, ``hf-posenc <recipe>: error: <message>`` (exit 2),
+    without argparse's usage block (``--help`` prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def scheme_spec(kind: str) -> Callable[[str], str | dict[str, Any] | list[str | dict[str, Any]]]:
+    """The flag type of a ``kind`` value (``"position_encoding"``, ``"attention_normalizer"``): a name, or a JSON dict
+    ``{"type": name, **options}``, checked against the catalogue (names, options, types) while parsing; a
+    ``position_encoding`` may also be a JSON list of them, one per attention layer (the config checks its length)."""
+    per_layer = kind == "position_encoding"
+
+    def parse(text: str) -> str | dict[str, Any] | list[str | dict[str, Any]]:
+        value = text
+        if text.lstrip().startswith("{") or per_layer and text.lstrip().startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is not valid JSON ({error.msg}, character {error.pos}); give a name or a JSON dict "
+                    f'such as \'{{"type": "{catalogue.names(kind)[0]}"}}\''
+                    + (" (or a JSON list of them, one per layer)" if per_layer else "")
+                ) from None
+        for spec in value if isinstance(value, list) else [value]:
+            checked(catalogue.check_spec, kind, spec)
+        return value
+
+    parse.__name__ = kind
+    return parse
+
+
+def catalogue_name(kind: str, also: tuple[str, ...] = (), options: bool = False) -> Callable[[str], str]:
+    """The flag type of one name of ``kind`` (or of ``also``, such as ``all``), checked against the catalogue; with
+    ``options``, also ``name:key=value,...`` (:func:`parse_scheme`), its options checked too."""
+
+    def parse(text: str) -> str:
+        if options and ":" in text:
+            checked(catalogue.check_spec, kind, parse_scheme(text))
+        elif text not in also and text not in catalogue.names(kind):
+            valid = ", ".join(catalogue.names(kind)) + "".join(f" or {name}" for name in also)
+            raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}; valid: {valid}")
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
+def checked(check: Callable[..., None], *args: Any) -> None:
+    """``check(*args)``, its ``ValueError`` turned into the parser's error."""
+    try:
+        check(*args)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).rstrip(".")) from None
+
+
+def output_folder(text: str) -> Path:
+    """An ``--output_dir``: a folder, or a path where one can be made (nothing on the way is a file)."""
+    path = Path(text)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "" if place == path else f": {place}"
+                raise argparse.ArgumentTypeError(f"{text}{where} is a file, not a folder")
+            return path
+    return path
+
+
+def parse_scheme(text: str) -> dict:
+    """``name`` or ``name:key=value,key=value`` (values: true/false, numbers, or strings) -> a config dict."""
+    name, _, options = text.partition(":")
+    spec: dict = {"type": name}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        spec[key] = {"true": True, "false": False}.get(value.lower(), _number_or_string(value))
+    return spec
+
+
+def _number_or_string(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_variant(text: str) -> tuple[dict, bool]:
+    """``normalizer[+gate][+sink][+output_gate][+boundary]`` -> (the normalizer's config dict, boundary tokens);
+    ``+gate``: the Toeplitz gate; ``+sink``: softmax's learned sink; ``+output_gate``: gated attention, elementwise."""
+    name, *flags = text.split("+")
+    unknown = set(flags) - {"gate", "sink", "output_gate", "boundary"}
+    if unknown:
+        raise ValueError(
+            f"variant {text!r}: unknown flag(s) {sorted(unknown)}; valid: '+gate', '+sink', '+output_gate', "
+            "'+boundary'."
+        )
+    if "sink" in flags and name != "softmax":
+        raise ValueError(f"variant {text!r}: '+sink' is an option of softmax only.")
+    spec = {"type": name, "toeplitz_gate": "gate" in flags}
+    if "sink" in flags:
+        spec["sink"] = "learned"
+    if "output_gate" in flags:
+        spec["output_gate"] = "elementwise"
+    return spec, "boundary" in flags
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """The flag type of an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)  # a count of at least 1
+non_negative_int = int_at_least(0)  # a count that may be 0
+
+
+def string_to_bool(text: str) -> bool:
+    """A boolean flag's value, as Transformers' ``HfArgumentParser`` reads it: true/false, yes/no, 1/0."""
+    if text.lower() in ("true", "yes", "y", "1"):
+        return True
+    if text.lower() in ("false", "no", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+LAYOUT_SIZES = (
+    ("sliding", "--sliding_window", "slide", "the window of a sliding layout"),
+    ("chunked", "--attention_chunk_size", "have chunked attention", "the chunk of a chunked-attention layout"),
+)
+"""The catalogue's layout flags and the size each needs: ``(flag, option, what the layouts do, what the size is)``."""
+
+
+def layout_sizes(name: str, sliding_window: int | None, attention_chunk_size: int | None) -> tuple:
+    """The ``(sliding_window, attention_chunk_size)`` of layout ``name`` (``hf_posenc.layout_preset``'s arguments):
+    each size where the catalogue says the layout uses it, else None."""
+    entry = catalogue.load_catalogue()["layout"][name]
+    return sliding_window if entry["sliding"] else None, attention_chunk_size if entry["chunked"] else None
+
+
+def check_layout_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--sliding_window`` / ``--attention_chunk_size`` given exactly when a layout of ``--layouts`` needs it (the
+    catalogue's ``sliding`` / ``chunked`` flags); a parser error otherwise."""
+    entries = catalogue.load_catalogue()["layout"]
+    for key, option, verb, meaning in LAYOUT_SIZES:
+        using = [name for name in args.layouts if entries[name][key]]
+        given = getattr(args, option[2:])
+        if using and given is None:
+            parser.error(f"--layouts {' '.join(using)} {verb}: give {option}")
+        if given is not None and not using:
+            owners = ", ".join(name for name, entry in entries.items() if entry[key])
+            parser.error(f"{option} is {meaning} ({owners}); no --layouts {verb}")
+
+
+def new_parser(recipe: str, description: str) -> argparse.ArgumentParser:
+    return RecipeParser(
+        prog=f"hf-posenc {recipe}",
+        description=f"{RECIPES[recipe].description}.\n\n{description.strip()}\n{MULTI_PROCESS_NOTE}",
+        formatter_class=HelpFormatter,
+    )
+
+
+def hidden_alias(parser: argparse.ArgumentParser, flag: str, dest: str, **kwargs) -> None:
+    """An old spelling of a flag, still accepted, not listed in ``--help``."""
+    parser.add_argument(flag, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+
+def add_tracking_flags(group) -> None:
+    group.add_argument(
+        "--with_tracking", action="store_true", help="log metrics through accelerate's trackers (see --report_to)"
+    )
+    group.add_argument(
+        "--report_to",
+        default="all",
+        help='with --with_tracking: "all" (every installed tracker), or one of "tensorboard", "wandb", "trackio", '
+        '"comet_ml", "clearml", "mlflow", "aim", "dvclive", "swanlab"',
+    )
+
+
+def add_hub_flags(group, what: str, repository: str = "the repository") -> None:
+    group.add_argument("--push_to_hub", action="store_true", help=f"upload {what} and its model card to the Hub")
+    group.add_argument("--hub_model_id", default=None, help=f"{repository} (when None: the name of --output_dir)")
+    group.add_argument("--hub_token", default=None, help="when None: the token of `hf auth login`")
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--layouts`` (presets of ``hf_posenc.LAYOUT_PRESETS``, their ``role`` in the recipe) and the sizes they take,
+    ``--sliding_window`` and ``--attention_chunk_size`` (checked by :func:`check_layout_sizes`)."""
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=catalogue.names("layout"),
+        default=[],
+        help=f"2025-26 layouts (hf_posenc.LAYOUT_PRESETS), {role}",
+    )
+    parser.add_argument(
+        "--sliding_window", type=positive_int, default=None, help="the window of the --layouts that slide (rnope_swa)"
+    )
+    parser.add_argument(
+        "--attention_chunk_size",
+        type=positive_int,
+        default=None,
+        help="the chunk of the --layouts with chunked attention (irope), in tokens",
+    )

@@ -1,0 +1,106 @@
+"""The command line of ``hf-posenc compare`` (:mod:`hf_posenc_cli.recipes.compare`), the main job. Standard library
+only."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .common import (
+    DEFAULT_FACTORS,
+    add_hub_flags,
+    add_layout_flags,
+    add_tracking_flags,
+    catalogue_name,
+    new_parser,
+    non_negative_int,
+    output_folder,
+)
+
+
+DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
+
+
+def compare_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "compare",
+        """
+Pretrain one small model per position encoding x attention normalizer on an equal budget (the pretrain recipe,
+the same data, seed, batches, steps and optimiser for every scheme), then report for each: loss at the training
+length, at 2x, 4x, 8x that length (sliding windows), the position probe's relative fit error, parameters and
+tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
+
+  hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores at load 2-4
+  hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
+  hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \
+      --seeds 0 1 2
+  hf-posenc compare --schemes rope --layouts irope --attention_chunk_size 32 --num_hidden_layers 4
+""",
+    )
+    parser.add_argument(
+        "--output_dir", type=output_folder, default="compare-output", help="the report, the plot, the models (models/)"
+    )
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding", also=("all",), options=True),
+        default=None,
+        help="position encodings (a name, or name:key=value,... as path:forget_gate=true), or all (when None: "
+        f"{' '.join(DEFAULT_COMPARE_SCHEMES)}, or none beside --layouts)",
+    )
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        type=catalogue_name("attention_normalizer", also=("all",), options=True),
+        default=["softmax"],
+        help="attention normalizers (a name, or name:key=value,... as softmax:output_gate=elementwise), or all",
+    )
+    add_layout_flags(parser, "each a run beside the schemes")
+    parser.add_argument("--encoders", action="store_true", help="also pretrain masked-LM encoders (posenc_bert)")
+    parser.add_argument("--dataset_name", default=None, help="a dataset on the Hub (datasets.load_dataset)")
+    parser.add_argument("--dataset_config_name", default=None, help="the configuration of --dataset_name")
+    parser.add_argument("--text_column_name", default="text", help="--dataset_name: the column holding the text")
+    parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
+    parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
+    parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
+    parser.add_argument("--hidden_size", type=int, default=128, help="every model's width")
+    parser.add_argument("--num_hidden_layers", type=int, default=3, help="every model's depth")
+    parser.add_argument("--num_attention_heads", type=int, default=4, help="attention heads per layer")
+    parser.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps per model")
+    parser.add_argument("--num_warmup_steps", type=int, default=60, help="optimizer steps of linear warm-up")
+    parser.add_argument("--learning_rate", type=float, default=2e-3, help="AdamW's peak learning rate")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32, help="blocks per process and step")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=16, help="held-out blocks and windows")
+    parser.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed for every model")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="train every model once per seed (models/<run>/seed_<s>); the table gives mean ± standard deviation",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs whose folder already holds their result (compare_row.json) from the same recipe: an "
+        "interrupted compare, or seeds run by separate processes into one --output_dir",
+    )
+    parser.add_argument(
+        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
+    )
+    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
+    parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
+    parser.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        help="torch's threads per process (torch.set_num_threads; 0: torch's default, one per core). On a 2-core CPU "
+        "shared with other jobs one thread trained 2.6-4.5x faster than two; a rerun with the same --threads gives "
+        "the same numbers, another thread count moves them as another seed would",
+    )
+    add_tracking_flags(parser)
+    add_hub_flags(
+        parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"
+    )
+    return parser

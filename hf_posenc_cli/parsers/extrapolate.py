@@ -1,0 +1,58 @@
+"""The command line of ``hf-posenc extrapolate`` (:mod:`hf_posenc_cli.recipes.extrapolate`). Standard library only."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .common import (
+    DEFAULT_FACTORS,
+    new_parser,
+    output_folder,
+)
+
+
+def extrapolate_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "extrapolate",
+        """
+Each length L is measured with sliding windows (Press et al. 2022): windows of L tokens moved by the training
+length, each scored on its last training-length positions. A decoder is scored on the next token, an encoder on 15 %
+of those positions, masked (fixed draw). A model that cannot run at a length gets the reason instead of a number.
+Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_dir.
+
+  hf-posenc extrapolate --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
+  hf-posenc extrapolate --model_name_or_path compare-output/models/*/seed_* --output_dir out/extrapolation
+Models whose training_args.json differ only in the seed (the seeds of one compare --seeds run) are one row: mean ±
+standard deviation.
+""",
+    )
+    parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
+    parser.add_argument("--tokenizer_name", default=None, help="when None: each model's own tokenizer")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the models' folders")
+    parser.add_argument("--eval_file", type=Path, default=None, help="plain text, all of it (default: see below)")
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
+    )
+    parser.add_argument("--train_length", type=int, default=None, help="when None: each model's training block size")
+    parser.add_argument(
+        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
+    )
+    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="evaluate on the first N tokens only")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="windows per process and batch")
+    parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="score each encoder once per masking draw (a decoder's score draws nothing: once); the table gives the "
+        "mean ± standard deviation over the draws and over the models that differ only in their training seed",
+    )
+    parser.add_argument(
+        "--output_dir", type=output_folder, default="extrapolation-output", help="the table, the JSON file, the plot"
+    )
+    return parser

@@ -1,0 +1,85 @@
+"""The command line of ``hf-posenc retrofit`` (:mod:`hf_posenc_cli.recipes.retrofit`). Standard library only."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .common import (
+    add_hub_flags,
+    add_tracking_flags,
+    catalogue_name,
+    hidden_alias,
+    new_parser,
+    output_folder,
+)
+
+
+def retrofit_parser() -> argparse.ArgumentParser:
+    parser = new_parser(
+        "retrofit",
+        """
+For each scheme (x normalizer) the recipe loads the checkpoint, measures the held-out MLM loss of the stock model
+("before"), retrofits it in place (hf_posenc.retrofit) and measures again ("patched"), trains --max_train_steps
+steps and measures a last time ("after"). The stock scheme itself (learned for BERT) is the baseline. A checkpoint
+without an MLM head first gets its head fitted on the frozen stock encoder (--head_steps), once, shared by every
+scheme. Writes results.json and retrofit.png to --output_dir.
+
+  hf-posenc retrofit                                 # the offline MiniLM, Emma ch. 1-4, learned rope alibi t5 ...
+  hf-posenc retrofit --model_name_or_path roberta-base --schemes rope t5 --normalizers softmax l2 \\
+      --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
+""",
+    )
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="folder or Hub id (when None: the offline MiniLM, if installed)"
+    )
+    parser.add_argument("--tokenizer_name", default=None, help="when None: the checkpoint's tokenizer")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding"),
+        default=None,
+        help="when None: learned (baseline) rope alibi t5 ...",
+    )
+    parser.add_argument(
+        "--normalizers",
+        nargs="+",
+        type=catalogue_name("attention_normalizer"),
+        default=["softmax"],
+        help="attention normalizers",
+    )
+    parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded Emma)")
+    parser.add_argument("--max_seq_length", type=int, default=64, help="tokens per block, [CLS] and [SEP] included")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="blocks per process and step")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="blocks per process, evaluating")
+    parser.add_argument("--max_train_steps", type=int, default=50, help="MLM steps after the patch")
+    parser.add_argument("--head_steps", type=int, default=60, help="steps fitting a missing MLM head (0: none)")
+    parser.add_argument("--learning_rate", type=float, default=3e-4, help="AdamW's peak learning rate")
+    parser.add_argument("--eval_blocks", type=int, default=32, help="held-out blocks every evaluation uses")
+    parser.add_argument("--mlm_probability", type=float, default=0.15, help="the share of tokens masked")
+    parser.add_argument("--seed", type=int, default=0, help="masks, batch order, the eval blocks")
+    parser.add_argument(
+        "--output_dir", type=output_folder, default="retrofit-output", help="the results, the plot, the models"
+    )
+    parser.add_argument(
+        "--save_models",
+        action="store_true",
+        help="save each retrofitted model (save_pretrained, with its tokenizer and model card) in --output_dir",
+    )
+    add_tracking_flags(parser)
+    add_hub_flags(
+        parser,
+        "each retrofitted model (as --save_models saves it)",
+        "the repositories' prefix: <prefix>-<scheme>-<normalizer>",
+    )
+    for old, dest, kind in (
+        ("--model", "model_name_or_path", str), ("--seq-len", "max_seq_length", int),
+        ("--steps", "max_train_steps", int),
+        ("--head-steps", "head_steps", int), ("--lr", "learning_rate", float), ("--eval-blocks", "eval_blocks", int),
+        ("--mlm-probability", "mlm_probability", float), ("--output-dir", "output_dir", output_folder),
+        ("--train-file", "train_file", Path),
+    ):  # fmt: skip
+        hidden_alias(parser, old, dest, type=kind)
+    hidden_alias(parser, "--save-models", "save_models", action="store_true")
+    return parser
