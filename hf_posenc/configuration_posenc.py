@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import transformers
 from huggingface_hub.dataclasses import strict
 from packaging import version
 from transformers import BertConfig, GPT2Config
+from transformers.configuration_utils import PreTrainedConfig
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
 from .options import resolve_spec
@@ -117,59 +120,102 @@ def no_rope_layout(value: Any, no_rope_layers: Any, no_rope_layer_interval: Any,
     return [value if flag else "none" for flag in no_rope_layers]
 
 
+@dataclass(frozen=True)
+class LayoutPreset:
+    """A layout of a 2025-26 model: one scheme on the rotary layers and another on every ``interval``-th layer
+    (``(layer + 1) % interval == 0``: Transformers' ``no_rope_layer_interval``), and on the rotary layers a local
+    attention (``local_attention``: ``"sliding_attention"``, ``"chunked_attention"``, or None for full attention
+    everywhere); the every-``interval``-th layers attend to every key. ``layer_types`` follows Gemma 3's
+    ``sliding_window_pattern`` (``Gemma3TextConfig``)."""
+
+    description: str
+    rope: dict[str, Any]
+    nope: dict[str, Any] = field(default_factory=lambda: {"type": "none"})
+    local_attention: str | None = None
+    interval: int = 4
+
+    @property
+    def slides(self) -> bool:
+        """Sliding-window layers: the preset needs ``sliding_window``."""
+        return self.local_attention == "sliding_attention"
+
+    @property
+    def chunks(self) -> bool:
+        """Chunked-attention layers: the preset needs ``attention_chunk_size``."""
+        return self.local_attention == "chunked_attention"
+
+    def keeps_rope(self, num_layers: int) -> list[bool]:
+        return [bool((layer + 1) % self.interval) for layer in range(num_layers)]
+
+    def layer_types(self, num_layers: int) -> list[str] | None:
+        """``local_attention`` on the rotary layers and ``full_attention`` on the others; None without a local
+        attention (every layer full)."""
+        if self.local_attention is None:
+            return None
+        return [self.local_attention if rope else "full_attention" for rope in self.keeps_rope(num_layers)]
+
+
 LAYOUT_PRESETS = {
-    "irope": "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 and chunked attention on three layers of "
-    "four, none with Llama 4's attention temperature and full attention on every fourth (no_rope_layer_interval 4); "
-    "needs attention_chunk_size (Llama 4: 8192)",
-    "smollm3": "SmolLM3 (SmolLM3Config): rope with theta 2000000 on three layers of four, none on every fourth",
-    "rnope_swa": "RNoPE-SWA (Yang et al. 2025, 'Rope to Nope and Back Again'): rope with a sliding window on three "
-    "layers of four, none with full attention on every fourth; needs sliding_window",
+    "irope": LayoutPreset(
+        "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 and chunked attention on three layers of four, "
+        "none with Llama 4's attention temperature and full attention on every fourth (no_rope_layer_interval 4); "
+        "needs attention_chunk_size (Llama 4: 8192)",
+        rope={"type": "rope", "theta": 500000.0},
+        nope={"type": "none", "attn_temperature_tuning": True},
+        local_attention="chunked_attention",
+    ),
+    "smollm3": LayoutPreset(
+        "SmolLM3 (SmolLM3Config): rope with theta 2000000 on three layers of four, none on every fourth",
+        rope={"type": "rope", "theta": 2000000.0},
+    ),
+    "rnope_swa": LayoutPreset(
+        "RNoPE-SWA (Yang et al. 2025, 'Rope to Nope and Back Again'): rope with a sliding window on three layers of "
+        "four, none with full attention on every fourth; needs sliding_window",
+        rope={"type": "rope"},
+        local_attention="sliding_attention",
+    ),
 }
-"""Layouts of 2025-26 models as one name: :func:`layout_preset` gives their config values."""
-SLIDING_LAYOUTS = ("rnope_swa",)
-"""The layouts of :data:`LAYOUT_PRESETS` with sliding-window layers (they need ``sliding_window``)."""
-CHUNKED_LAYOUTS = ("irope",)
-"""The layouts of :data:`LAYOUT_PRESETS` with chunked-attention layers (they need ``attention_chunk_size``)."""
+"""Layouts of 2025-26 models as one name, each a :class:`LayoutPreset`: :func:`layout_preset` gives their config
+values."""
 
 
 def layout_preset(
     name: str, num_layers: int, sliding_window: int | None = None, attention_chunk_size: int | None = None
 ) -> dict[str, Any]:
     """The config values of a layout of :data:`LAYOUT_PRESETS` for ``num_layers`` attention layers:
-    ``position_encoding`` (a per-layer list, ``none`` where ``(layer + 1) % 4 == 0``, as Transformers'
-    ``no_rope_layer_interval=4``), for ``rnope_swa`` ``layer_types`` (sliding on the rope layers) and
-    ``sliding_window``, for ``irope`` ``layer_types`` (chunked on the rope layers, as ``Llama4TextConfig`` lays
-    them out) and ``attention_chunk_size``. Pass them to ``PosEncGPT2Config(**layout_preset(...))`` or a decoder
+    ``position_encoding`` (a per-layer list: the preset's ``rope`` spec, its ``nope`` spec where
+    ``(layer + 1) % interval == 0``), and for a preset with a local attention ``layer_types`` (that attention on
+    the rope layers, as ``Llama4TextConfig`` lays out its chunks) with its size, ``sliding_window`` or
+    ``attention_chunk_size``. ``layer_types`` passes Transformers' own check (``PreTrainedConfig.validate_layer_type``)
+    before the sizes are checked. Pass them to ``PosEncGPT2Config(**layout_preset(...))`` or a decoder
     ``PosEncBertConfig`` (an encoder has no chunked attention)."""
     if name not in LAYOUT_PRESETS:
         raise ValueError(f"Unknown layout {name!r}; valid choices: {sorted(LAYOUT_PRESETS)}.")
-    sliding, chunked = name in SLIDING_LAYOUTS, name in CHUNKED_LAYOUTS
-    if sliding and sliding_window is None:
+    preset = LAYOUT_PRESETS[name]
+    values: dict[str, Any] = {
+        "position_encoding": [dict(preset.rope if rope else preset.nope) for rope in preset.keeps_rope(num_layers)]
+    }
+    layer_types = preset.layer_types(num_layers)
+    if layer_types is not None:
+        PreTrainedConfig.validate_layer_type(SimpleNamespace(layer_types=layer_types, num_hidden_layers=num_layers))
+        values["layer_types"] = layer_types
+    if preset.slides and sliding_window is None:
         raise ValueError(f"layout {name!r} slides on its rope layers: give sliding_window (tokens a query sees).")
-    if not sliding and sliding_window is not None:
+    if not preset.slides and sliding_window is not None:
         raise ValueError(f"layout {name!r} has no sliding-window layers; sliding_window={sliding_window!r} is unused.")
-    if chunked and attention_chunk_size is None:
+    if preset.chunks and attention_chunk_size is None:
         raise ValueError(
             f"layout {name!r} has chunked attention on its rope layers: give attention_chunk_size (tokens per chunk; "
             "Llama 4: 8192)."
         )
-    if not chunked and attention_chunk_size is not None:
+    if not preset.chunks and attention_chunk_size is not None:
         raise ValueError(
             f"layout {name!r} has no chunked-attention layers; attention_chunk_size={attention_chunk_size!r} is "
             "unused."
         )
-    rope = {"irope": {"type": "rope", "theta": 500000.0}, "smollm3": {"type": "rope", "theta": 2000000.0}}
-    nope = {"type": "none", "attn_temperature_tuning": True} if name == "irope" else {"type": "none"}
-    keeps_rope = [(layer + 1) % 4 != 0 for layer in range(num_layers)]
-    values: dict[str, Any] = {
-        "position_encoding": [rope.get(name, {"type": "rope"}) if flag else nope for flag in keeps_rope]
-    }
-    if sliding or chunked:
-        local = "sliding_attention" if sliding else "chunked_attention"
-        values["layer_types"] = [local if flag else "full_attention" for flag in keeps_rope]
-    if sliding:
+    if preset.slides:
         values["sliding_window"] = sliding_window
-    if chunked:
+    if preset.chunks:
         values["attention_chunk_size"] = attention_chunk_size
     return values
 

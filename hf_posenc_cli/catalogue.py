@@ -24,10 +24,10 @@ JSON_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict
 
 def build_catalogue() -> dict[str, dict[str, Any]]:
     """``{kind: {name: {"families": [...], "options": {key: {"default", "types", "valid"}}}}}`` from the registries,
-    and ``{"layout": {name: {"description", "sliding", "chunked"}}}`` from :data:`hf_posenc.LAYOUT_PRESETS` (imports
-    hf_posenc, hence torch)."""
+    and ``{"layout": {name: {"description", "local_attention"}}}`` from the records of :data:`hf_posenc.LAYOUT_PRESETS`
+    (imports hf_posenc, hence torch)."""
     from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
-    from hf_posenc.configuration_posenc import CHUNKED_LAYOUTS, LAYOUT_PRESETS, SLIDING_LAYOUTS
+    from hf_posenc.configuration_posenc import LAYOUT_PRESETS
     from hf_posenc.position_encodings import POSITION_ENCODINGS
 
     registries = {"position_encoding": POSITION_ENCODINGS, "attention_normalizer": ATTENTION_NORMALIZERS}
@@ -41,8 +41,10 @@ def build_catalogue() -> dict[str, dict[str, Any]]:
         }
         for kind in KINDS
     }
-    layouts = {name: {"description": text, "sliding": name in SLIDING_LAYOUTS, "chunked": name in CHUNKED_LAYOUTS}
-               for name, text in LAYOUT_PRESETS.items()}  # fmt: skip
+    layouts = {
+        name: {"description": preset.description, "local_attention": preset.local_attention}
+        for name, preset in LAYOUT_PRESETS.items()
+    }
     return {**entries, "layout": layouts}
 
 

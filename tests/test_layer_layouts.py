@@ -132,6 +132,23 @@ def test_a_layout_preset_refuses_what_it_cannot_use(name, window, chunk, message
         hf_posenc.layout_preset(name, 4, window, chunk)
 
 
+def test_a_presets_layer_types_follow_gemma3s_pattern():
+    """A preset's local attention sits on the layers Gemma 3 slides on with ``sliding_window_pattern`` = the
+    preset's interval (``Gemma3TextConfig``: every ``pattern``-th layer full), and a preset's fields say which size
+    it needs; a preset without a local attention gives no ``layer_types``."""
+    for layers in (4, 6, 9):
+        gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=layers, sliding_window_pattern=4).layer_types
+        rnope_swa = hf_posenc.LAYOUT_PRESETS["rnope_swa"]
+        assert rnope_swa.layer_types(layers) == gemma3
+        assert hf_posenc.layout_preset("rnope_swa", layers, sliding_window=8)["layer_types"] == gemma3
+        irope = hf_posenc.layout_preset("irope", layers, attention_chunk_size=8)["layer_types"]
+        assert irope == [kind.replace("sliding", "chunked") for kind in gemma3]
+    assert [(name, preset.slides, preset.chunks) for name, preset in hf_posenc.LAYOUT_PRESETS.items()] == [
+        ("irope", False, True), ("smollm3", False, False), ("rnope_swa", True, False)
+    ]  # fmt: skip
+    assert "layer_types" not in hf_posenc.layout_preset("smollm3", 8)
+
+
 def test_the_probe_takes_a_layouts_depth_and_windows():
     """``probe(num_hidden_layers=, layer_types=, sliding_window=)``: the model it trains has them; with softmax a
     mix of ``rope`` and ``none`` layers sees identical tokens as identical (9105: relative schemes and NoPE under a

@@ -171,31 +171,39 @@ def string_to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-LAYOUT_SIZES = (
-    ("sliding", "--sliding_window", "slide", "the window of a sliding layout"),
-    ("chunked", "--attention_chunk_size", "have chunked attention", "the chunk of a chunked-attention layout"),
-)
-"""The catalogue's layout flags and the size each needs: ``(flag, option, what the layouts do, what the size is)``."""
+LAYOUT_SIZES = {
+    "sliding_attention": ("--sliding_window", "slide", "the window of a sliding layout"),
+    "chunked_attention": (
+        "--attention_chunk_size",
+        "have chunked attention",
+        "the chunk of a chunked-attention layout",
+    ),
+}
+"""The size flag of each local attention a layout preset may have (the catalogue's ``local_attention``, a
+:class:`hf_posenc.configuration_posenc.LayoutPreset` field): ``(flag, what the layouts do, what the size is)``."""
 
 
 def layout_sizes(name: str, sliding_window: int | None, attention_chunk_size: int | None) -> tuple:
     """The ``(sliding_window, attention_chunk_size)`` of layout ``name`` (``hf_posenc.layout_preset``'s arguments):
-    each size where the catalogue says the layout uses it, else None."""
-    entry = catalogue.load_catalogue()["layout"][name]
-    return sliding_window if entry["sliding"] else None, attention_chunk_size if entry["chunked"] else None
+    the size of the layout's local attention, None for the other."""
+    local = catalogue.load_catalogue()["layout"][name]["local_attention"]
+    return (
+        sliding_window if local == "sliding_attention" else None,
+        attention_chunk_size if local == "chunked_attention" else None,
+    )
 
 
 def check_layout_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--sliding_window`` / ``--attention_chunk_size`` given exactly when a layout of ``--layouts`` needs it (the
-    catalogue's ``sliding`` / ``chunked`` flags); a parser error otherwise."""
+    """``--sliding_window`` / ``--attention_chunk_size`` given exactly when a layout of ``--layouts`` needs it (its
+    ``local_attention`` in the catalogue); a parser error otherwise."""
     entries = catalogue.load_catalogue()["layout"]
-    for key, option, verb, meaning in LAYOUT_SIZES:
-        using = [name for name in args.layouts if entries[name][key]]
+    for local, (option, verb, meaning) in LAYOUT_SIZES.items():
+        using = [name for name in args.layouts if entries[name]["local_attention"] == local]
         given = getattr(args, option[2:])
         if using and given is None:
             parser.error(f"--layouts {' '.join(using)} {verb}: give {option}")
         if given is not None and not using:
-            owners = ", ".join(name for name, entry in entries.items() if entry[key])
+            owners = ", ".join(name for name, entry in entries.items() if entry["local_attention"] == local)
             parser.error(f"{option} is {meaning} ({owners}); no --layouts {verb}")
 
 

@@ -32,7 +32,6 @@ from accelerate.utils import broadcast_object_list
 
 import hf_posenc
 
-from .. import catalogue
 from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme
 from ..parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
 from . import pretrain
@@ -66,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     check_layout_sizes(parser, args)
-    chunked = [name for name in args.layouts if catalogue.load_catalogue()["layout"][name]["chunked"]]
+    chunked = [name for name in args.layouts if hf_posenc.LAYOUT_PRESETS[name].chunks]
     if chunked and args.encoders:
         parser.error(
             f"--layouts {' '.join(chunked)} have chunked attention, which is causal (no encoder form): drop --encoders"

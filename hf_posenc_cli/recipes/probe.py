@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 import hf_posenc
 
-from .. import catalogue
 from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme, parse_variant
 from ..parsers.probe import probe_parser
 from .common import recipe_accelerator
@@ -68,7 +67,7 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
 
     def has_form(family: str, scheme: str, variant: str) -> bool:  # both have a form for the family
         kind = "encoder" if family == "bert" else "decoder"
-        if kind == "encoder" and scheme in args.layouts and catalogue.load_catalogue()["layout"][scheme]["chunked"]:
+        if kind == "encoder" and scheme in args.layouts and hf_posenc.LAYOUT_PRESETS[scheme].chunks:
             return False  # chunked attention is causal
         normalizer = parse_variant(variant)[0]["type"]
         specs = model_layout(args, scheme)["position_encoding"]
