@@ -1,7 +1,7 @@
 """How fast position-only biases learn: small byte-level decoders trained side by side, loss at 1x to 8x length.
 
 Each scheme trains a ``posenc_gpt2`` decoder (bytes as tokens, width 128, 3 layers, 4 heads, no dropout) with AdamW
-at 1e-3 on batches of 32 x 64 bytes of Jane Austen, from the same seed and the same batches. After training it
+at 1e-3 on batches of 32 x 64 bytes of ``--corpus``, from the same seed and the same batches. After training it
 reports the next-byte loss (nats/byte) on held-out text at 1x, 2x, 4x and 8x the training length, scored as the
 extrapolation recipe does (``hf_posenc_cli.recipes.extrapolate.sliding_window_loss``: windows of L bytes moved by
 the training length, each scored on its last training-length positions), and the ratio of the last to the first (how
@@ -11,6 +11,10 @@ and how each scheme holds past its training length.
     python benchmarks/bias_learning_pace.py                                   # t5, alibi, kerple, fire; 600 steps
     python benchmarks/bias_learning_pace.py --steps 300 --schemes t5 '{"type": "t5", "table_scale": 1.0}'
     python benchmarks/bias_learning_pace.py --schemes t5 '{"type": "t5", "init": "decay"}' x-transformers
+
+``--corpus`` is any plain-text file. Its default, ``../shared/data/corpus/austen.txt`` beside the checkout (six Jane
+Austen novels, 4.0 MB, public domain, from Debian's r-cran-janeaustenr), is a file of the project's workspace that the
+repository does not ship: a clone gives ``--corpus`` a file of its own.
 
 A scheme is a name or a JSON ``position_encoding`` dict; ``x-transformers`` is the anchor: x-transformers'
 ``Decoder(dim=128, depth=3, heads=4, attn_dim_head=32, rel_pos_bias=True)`` (its T5 bias, table ``N(0, 1)`` read
@@ -41,7 +45,9 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corp
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", nargs="+", default=["t5", "alibi", "kerple", "fire"])
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument(
+        "--corpus", type=Path, default=DEFAULT_CORPUS, help="plain text, read as bytes (default: %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=64, help="training length (bytes)")
@@ -51,7 +57,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", metavar="PATH", help="save settings and results as JSON")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not args.corpus.is_file():
+        parser.error(
+            f"--corpus {args.corpus}: no such file (the default is a file of the project's workspace, "
+            "../shared/data/corpus/austen.txt beside the checkout, not part of the repository; give a plain-text file)"
+        )
+    return args
 
 
 def parse_scheme(text: str):

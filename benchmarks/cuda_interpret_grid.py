@@ -1,7 +1,8 @@
 """The CUDA FlexAttention kernels' numbers without a GPU: the whole grid of ``cuda_proxy.py --interpret``.
 
-``cuda_proxy.py`` (a project tool kept beside the checkout, ``../shared/tools/``; it needs ``triton``, which torch
-2.13 pins at 3.7.1) compiles each FlexAttention the library builds for a fake H100, runs inductor's generated Triton
+``cuda_proxy.py`` (a tool of the project's workspace, not part of the repository: it is read from
+``../shared/tools/cuda_proxy.py`` beside the checkout, or from ``--proxy``; it needs ``triton``, which torch 2.13 pins
+at 3.7.1) compiles each FlexAttention the library builds for a fake H100, runs inductor's generated Triton
 kernels, forward and backward, in Triton's interpreter on the CPU, and compares the training step's loss and every
 gradient, or the inference logits, with an eager CPU run of the same weights. Its own command pairs each normalizer
 with ``t5`` only and takes names; this script runs every case of the grid through its ``run_combo_interpret``:
@@ -18,6 +19,8 @@ two result lines to ``RESULTS``; a rerun skips the tasks already there, so the g
     python benchmarks/cuda_interpret_grid.py grid.log --jobs 2            # everything not yet in grid.log
     python benchmarks/cuda_interpret_grid.py grid.log --list              # what is left
     python benchmarks/cuda_interpret_grid.py grid.log --summary           # passed / failed per dtype and head size
+
+A clone of the repository has no ``../shared``: without the tool, ``--list``, ``--summary`` and ``--gpu`` still run.
 
 On a machine with a GPU, ``--gpu`` runs the same tasks on it instead: each model compiled for CUDA as the library
 routes it, the real kernels launched, the loss and every gradient, or the logits, compared with the same eager float32
@@ -356,7 +359,12 @@ def summarize(results: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="the results file: appended to, read to skip finished tasks")
-    parser.add_argument("--proxy", type=Path, default=DEFAULT_PROXY, help="path of cuda_proxy.py")
+    parser.add_argument(
+        "--proxy",
+        type=Path,
+        default=DEFAULT_PROXY,
+        help="path of cuda_proxy.py, a workspace tool that is not in the repository (default: %(default)s)",
+    )
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), choices=[16, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--jobs", type=int, default=2)
@@ -376,14 +384,17 @@ def main() -> int:
         if not torch.cuda.is_available():
             parser.error("--gpu: torch sees no CUDA device here (torch.cuda.is_available() is False)")
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    elif not args.proxy.is_file():
-        parser.error(f"--proxy {args.proxy}: no such file (the project's cuda_proxy.py, kept beside the checkout)")
     done = {name for _, name in recorded_cases(args.results)}
     grid = tasks(tuple(args.head_dims), tuple(args.dtypes), args.catalogue_first)
     todo = [task for task in grid if not set(case_names(task)) <= done]
     if args.list:
         print("\n".join(map(str, todo)) + f"\n{len(todo)} tasks left")
         return 0
+    if not args.gpu and not args.proxy.is_file():
+        parser.error(
+            f"--proxy {args.proxy}: no such file (cuda_proxy.py is a tool of the project's workspace, kept in "
+            "../shared/tools/ beside the checkout, not part of the repository; give its path, or run --gpu on a GPU)"
+        )
     start = time.time()
     context = get_context("spawn")
     with (

@@ -19,7 +19,6 @@ from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import CACHE_NAME
 
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ROOT = Path(__file__).resolve().parents[1]
 CLI_ENV = {
     **{name: value for name, value in os.environ.items() if name != "ACCELERATE_USE_CPU"},

@@ -1,6 +1,7 @@
 """The CUDA grid's driver on CPU, without the tool or a GPU: every model of its grid is a valid config that runs, a
-results file's cases (dict specs in their names) are read back for a resumed run, and ``--gpu``'s case check (run
-here on the CPU) passes within tolerance and records what falls outside it, in bf16 with eager's own bf16 error."""
+results file's cases (dict specs in their names) are read back for a resumed run (listed with no tool, as in a clone,
+which has no ``../shared``; a run without it stops naming the path), and ``--gpu``'s case check (run here on the CPU)
+passes within tolerance and records what falls outside it, in bf16 with eager's own bf16 error."""
 
 from __future__ import annotations
 
@@ -57,12 +58,24 @@ def test_a_resumed_grid_skips_the_recorded_tasks(monkeypatch, tmp_path, capsys):
     )
     assert grid.recorded_cases(results) == [("PASS", train), ("FAIL", infer)]
     assert grid.summarize(results) == 1
-    argv = ["cuda_interpret_grid.py", str(results), "--head-dims", "32", "--dtypes", "float32", "--list"]
-    monkeypatch.setattr(sys, "argv", argv)
+    absent = tmp_path / "cuda_proxy.py"  # as in a clone, which has no ../shared/tools: listing needs no tool
+    argv = ["cuda_interpret_grid.py", str(results), "--head-dims", "32", "--dtypes", "float32", "--proxy", str(absent)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--list"])
     assert grid.main() == 0
     listed = capsys.readouterr().out.splitlines()
     assert str(gated) not in listed and str(tasks[0]) in listed
     assert listed[-1] == f"{len(tasks) - 1} tasks left"
+
+
+def test_running_the_grid_without_the_tool_names_the_missing_file(monkeypatch, tmp_path, capsys):
+    grid = load_grid(monkeypatch)
+    absent = tmp_path / "cuda_proxy.py"
+    monkeypatch.setattr(sys, "argv", ["cuda_interpret_grid.py", str(tmp_path / "grid.log"), "--proxy", str(absent)])
+    with pytest.raises(SystemExit) as exit_info:
+        grid.main()
+    assert exit_info.value.code == 2
+    assert f"--proxy {absent}: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "grid.log").exists()
 
 
 def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypatch):
