@@ -328,15 +328,21 @@ class ConvAbsolute(PositionEncoding):
     on the left only, so token ``t`` reads tokens ``t - kernel_size + 1 .. t``. Padding tokens (2-D mask, or tokens no
     query attends in a 4-D mask) are zeroed before the convolution, so a padded row equals the row alone. With a KV
     cache, every token's (zeroed) input is kept as the per-token cache state ``"conv_inputs"``; a decoding step reads
-    the ``kernel_size - 1`` rows before its tokens (by the cached length, so a static cache's unwritten rows are never
-    read) and convolves without padding. Parameters: ``conv`` (``hidden`` channels, one group each), initialised
-    as Transformers initialises a convolution (``N(0, initializer_range)``, zero bias).
+    the ``kernel_size - 1`` tokens before its own (by the cached length, so a static cache's unwritten rows are never
+    read, less the tokens a window evicted: where every layer is windowed the state is kept as the widest window
+    keeps its keys, which must hold them: ``check_layer_windows``) and convolves without padding. Parameters:
+    ``conv`` (``hidden`` channels, one group each), initialised as Transformers initialises a convolution
+    (``N(0, initializer_range)``, zero bias).
     """
 
     name = "conv"
     description = "x + depthwise convolution with zero padding: position leaks from the padding (causal in a decoder)"
     options = {"kernel_size": Option(3, (int,), "convolution width", lambda v: v >= 2, "an int >= 2")}
     cache_states = ("conv_inputs",)
+
+    @classmethod
+    def past_tokens_read(cls, spec):
+        return spec["kernel_size"] - 1
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
@@ -358,9 +364,10 @@ class ConvAbsolute(PositionEncoding):
             x = x * keep[..., None].to(x.dtype)
         if inputs.cache is None:
             return inputs.inputs_embeds + self.convolve(F.pad(x, (0, 0, *self.padding)))
+        kept_from = inputs.cache.kept_from(inputs.cache.state_slot("conv_inputs", self), seq_len)
         stored = inputs.cache.append_state("conv_inputs", x, self)
-        rows = past_length + torch.arange(1 - width, seq_len, device=x.device)
-        window = stored[:, rows.clamp(min=0)] * (rows >= 0)[None, :, None].to(x.dtype)
+        tokens = past_length + torch.arange(1 - width, seq_len, device=x.device)
+        window = stored[:, (tokens - kept_from).clamp(min=0)] * (tokens >= 0)[None, :, None].to(x.dtype)
         return inputs.inputs_embeds + self.convolve(window)
 
 

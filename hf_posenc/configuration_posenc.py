@@ -326,6 +326,32 @@ def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embedding
     config.layer_types = resolve_layer_types(
         config.layer_types, config.sliding_window, num_layers, config.attention_chunk_size, causal
     )
+    check_layer_windows(
+        config.position_encoding, config.layer_types, config.sliding_window, config.attention_chunk_size
+    )
+
+
+def check_layer_windows(
+    position_encoding: dict[str, Any] | list[dict[str, Any]],
+    layer_types: list[str] | None,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+) -> None:
+    """Where every attention layer is windowed, a scheme's per-token cache states are kept as the widest window keeps
+    its keys (the ``window - 1`` tokens before the current ones, Transformers' windowed caches): ``ValueError`` if a
+    scheme reads further back (``PositionEncoding.past_tokens_read``: ``conv``'s ``kernel_size - 1``)."""
+    if layer_types is None or "full_attention" in layer_types:
+        return
+    windows = {"sliding_attention": sliding_window, "chunked_attention": attention_chunk_size}
+    widest = max(windows[layer_type] for layer_type in layer_types)
+    for spec in layer_position_specs(position_encoding, len(layer_types)):
+        reach = POSITION_ENCODINGS[spec["type"]].past_tokens_read(spec)
+        if reach > widest - 1:
+            raise ValueError(
+                f"position_encoding {spec['type']!r} reads the {reach} tokens before each token from the KV cache, "
+                f"but every layer is windowed and the widest window ({widest} tokens) keeps {widest - 1}: make a "
+                "layer 'full_attention', widen its window, or narrow the scheme (conv: kernel_size <= the window)."
+            )
 
 
 def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:

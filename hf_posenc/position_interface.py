@@ -145,22 +145,43 @@ class PositionCache:
         """Slots that hold key positions (at least 2); the scheme's and the layer terms' states follow them."""
         return max(2, 1 + max(self.key_slots(), default=0))
 
+    def widest_layer(self) -> int:
+        """The attention layer whose cache layer keeps the most keys: the first full one, else the widest window."""
+        layers = self.cache.layers
+        kinds = [cache_layer_kind(layers[i]) if i < len(layers) else None for i in range(self.num_layers)]
+        if None in kinds:
+            return kinds.index(None)
+        return max(range(self.num_layers), key=lambda layer_idx: kinds[layer_idx][1])
+
     def append(self, slot: int, states: torch.Tensor, like: int | None = None) -> torch.Tensor:
         """Store ``states`` ``(batch, seq, features)`` for the current tokens, in a cache layer of the kind of
-        attention layer ``like`` (None: of the first full-attention layer); return the slot's states of every cached
-        token the layer keeps and the current ones, ``(batch, kv_len, features)`` (a static cache returns its
-        preallocated rows, those not yet written are zeros)."""
+        attention layer ``like`` (None: :meth:`widest_layer`); return the slot's states of every cached token the
+        layer keeps and the current ones, ``(batch, kv_len, features)``, row ``r`` the token ``kept_from + r``
+        (:meth:`kept_from`; a static cache returns its preallocated rows, those not yet written are zeros)."""
         index = self.num_layers + slot
         layers = self.cache.layers
         if self.cache.layer_class_to_replicate is None:
-            if like is None:
-                like = next((i for i in range(self.num_layers) if not self.is_sliding(i)), 0)
+            like = self.widest_layer() if like is None else like
             while len(layers) <= index:
-                layers.append(fresh_cache_layer(layers[like]))
-            if not layers[index].is_initialized and cache_layer_kind(layers[index]) != cache_layer_kind(layers[like]):
-                layers[index] = fresh_cache_layer(layers[like])  # a gap left by a later slot
+                layers.append(placeholder_cache_layer(layers[like]))
+            if not layers[index].is_initialized:  # the slot's first use: a layer of its kind, recording as the cache
+                layers[index] = fresh_cache_layer(layers[like])
         stored, _ = self.cache.update(states[:, None], states[:, None, :, :0], index)
         return stored[:, 0]
+
+    def kept_from(self, slot: int, query_length: int) -> int:
+        """The token (counted from the cache's first) of row 0 of what :meth:`append` returns for a forward of
+        ``query_length`` tokens, asked before it: 0 but where a window has evicted the oldest tokens. The slot's
+        cache layer says where its rows start (``get_mask_sizes``, as for the attention mask)."""
+        index = self.num_layers + slot
+        layers = self.cache.layers
+        if index >= len(layers) or not layers[index].is_initialized:
+            return 0
+        return layers[index].get_mask_sizes(query_length)[1]
+
+    def state_slot(self, name: str, scheme: PositionEncoding) -> int:
+        """The slot of the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
+        return self.num_key_slots + scheme.cache_states.index(name)
 
     def append_key_positions(self, positions: torch.Tensor, batch_size: int, like: int | None = None) -> torch.Tensor:
         """Store the positions ``(batch|1, seq)`` of the current tokens; return every key's ``(batch, kv_len)`` as
@@ -169,8 +190,9 @@ class PositionCache:
         return self.append(slot, positions.expand(batch_size, -1)[..., None], like)[..., 0]
 
     def append_state(self, name: str, states: torch.Tensor, scheme: PositionEncoding) -> torch.Tensor:
-        """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``)."""
-        return self.append(self.num_key_slots + scheme.cache_states.index(name), states)
+        """:meth:`append` for the scheme's per-token state ``name`` (one of ``scheme.cache_states``), kept in a cache
+        layer of the kind of :meth:`widest_layer`."""
+        return self.append(self.state_slot(name, scheme), states)
 
     def append_layer_state(
         self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
@@ -194,14 +216,27 @@ def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:
 
 def fresh_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:
     """An empty cache layer of the kind of ``template``: static or dynamic, with its sliding window (a static sliding
-    layer's ``max_cache_len`` is its window already)."""
+    layer's ``max_cache_len`` is its window already), recording its past if ``template`` does (``generate``'s
+    assisted decoding turns recording on before the first forward, so that it can crop a window's rollback)."""
     if isinstance(template, StaticSlidingWindowLayer):
-        return StaticSlidingWindowLayer(template.max_cache_len, template.max_cache_len)
-    if isinstance(template, StaticLayer):
-        return StaticLayer(template.max_cache_len)
-    if isinstance(template, DynamicSlidingWindowLayer):
-        return DynamicSlidingWindowLayer(template.sliding_window)
-    return DynamicLayer()
+        layer = StaticSlidingWindowLayer(template.max_cache_len, template.max_cache_len)
+    elif isinstance(template, StaticLayer):
+        layer = StaticLayer(template.max_cache_len)
+    elif isinstance(template, DynamicSlidingWindowLayer):
+        layer = DynamicSlidingWindowLayer(template.sliding_window)
+    else:
+        layer = DynamicLayer()
+    if getattr(template, "record_past", False):
+        layer.activate_past_recording()
+    return layer
+
+
+def placeholder_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:
+    """A cache layer that holds a slot's place until its first use (a slot after it was used first, or a slot no
+    layer uses: the full layers' key positions when every layer is windowed): a full one, static if ``template``
+    is, which every cache operation (cropping, reordering, batch expansion) leaves empty. An empty sliding one would
+    not: Transformers' ``DynamicSlidingWindowLayer.crop`` reads its keys."""
+    return StaticLayer(template.max_cache_len) if isinstance(template, StaticLayer) else DynamicLayer()
 
 
 @dataclass
@@ -393,6 +428,12 @@ class PositionEncoding(CatalogueEntry, nn.Module):
     @classmethod
     def check_sizes(cls, spec: dict[str, Any], hidden_size: int, max_position_embeddings: int) -> None:
         """Raise ``ValueError`` if the options do not fit the config's sizes; called when the config is built."""
+
+    @classmethod
+    def past_tokens_read(cls, spec: dict[str, Any]) -> int:
+        """How many tokens before the current ones the scheme reads from its ``cache_states`` (0: none). Where every
+        attention layer is windowed the states are kept in the widest window, which must hold that many."""
+        return 0
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:

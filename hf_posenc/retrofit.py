@@ -578,10 +578,19 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
+    model.create_masks_for_generate = keep_attention_mask_for_generate
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
     register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
     return new_modules
+
+
+def keep_attention_mask_for_generate(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """A retrofitted model's ``create_masks_for_generate``, as a PosEnc model's: ``generate`` with a static cache would
+    build the 4-D mask (a dict of them per layer type where the config has ``layer_types``, as Qwen2's) in the
+    format of the requested backend; the patched forward builds each layer's mask itself, in the format of the
+    backend that runs, from the 2-D mask kept here."""
+    return attention_mask
 
 
 def patch_from_config(model: PreTrainedModel) -> None:

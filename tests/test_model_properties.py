@@ -418,3 +418,90 @@ def test_compiled_fullgraph_forward_equals_eager_mode(family, scheme):
     with torch.no_grad():
         expected = model(ids, attention_mask=attention_mask).logits
         torch.testing.assert_close(compiled(ids, attention_mask=attention_mask).logits, expected, atol=ATOL, rtol=1e-4)
+
+
+# Every layer windowed (the caches evict past the window: keys, positions and a scheme's own states), and a sliding
+# layer beside a full one. Windows of 4 tokens; generation runs past them.
+EVERY_LAYER_WINDOWED = {"sliding": dict(sliding_window=4), "chunked": dict(attention_chunk_size=4)}
+WINDOWED_LAYOUTS = {
+    **EVERY_LAYER_WINDOWED,
+    "sliding_and_full": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+}
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("window", list(EVERY_LAYER_WINDOWED))
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+def test_every_layer_windowed_generates_past_the_window_with_cache_as_without(
+    scheme, normalizer, window, cache_implementation
+):
+    """No full layer keeps every token: what a scheme keeps with the cache (``conv``'s inputs) lives in a windowed
+    cache layer, which evicts its oldest tokens as the attention layers do."""
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa", **EVERY_LAYER_WINDOWED[window])
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
+    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
+def repeating_prompt() -> torch.Tensor:
+    """A prompt whose n-grams repeat, so that prompt lookup proposes candidates (some rejected: the cache is
+    cropped back past the window)."""
+    return torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+
+
+@pytest.mark.parametrize("layout", list(WINDOWED_LAYOUTS))
+@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+def test_assisted_decoding_with_windowed_layers_equals_greedy_decoding(scheme, normalizer, layout):
+    """``generate(prompt_lookup_num_tokens=...)`` records the cache's past before the first forward and crops the
+    rejected candidates, past the window; the extra cache layers that keep positions and states must record too."""
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa", **WINDOWED_LAYOUTS[layout])
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    greedy = model.generate(repeating_prompt(), **kwargs)
+    assert torch.equal(model.generate(repeating_prompt(), prompt_lookup_num_tokens=3, **kwargs), greedy)
+
+
+@pytest.mark.parametrize("layout", list(WINDOWED_LAYOUTS))
+@pytest.mark.parametrize("scheme", ["rope", "conv", "fox"])
+def test_decoding_with_an_assistant_model_and_windowed_layers_equals_greedy_decoding(scheme, layout):
+    """An assistant model's cache records its past from its creation; both models have windowed layers."""
+    model = make_model("gpt2", scheme, attn="sdpa", **WINDOWED_LAYOUTS[layout])
+    assistant = make_model("gpt2", scheme, attn="sdpa", seed=1, **WINDOWED_LAYOUTS[layout])
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    greedy = model.generate(repeating_prompt(), **kwargs)
+    assert torch.equal(model.generate(repeating_prompt(), assistant_model=assistant, **kwargs), greedy)
+
+
+def test_stock_mistral_with_a_window_decodes_with_prompt_lookup_as_greedy():
+    """The reference behaviour of the two tests above: Transformers' own windowed model."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        initializer_range=0.2,
+    )
+    model = transformers.MistralForCausalLM(config).eval()
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    greedy = model.generate(repeating_prompt(), **kwargs)
+    assert torch.equal(model.generate(repeating_prompt(), prompt_lookup_num_tokens=3, **kwargs), greedy)
+
+
+def test_a_scheme_reading_past_every_layer_window_is_refused():
+    """``conv`` reads ``kernel_size - 1`` tokens back; with every layer windowed its inputs are kept as the widest
+    window keeps its keys (``window - 1`` tokens before the current ones)."""
+    make_config("gpt2", {"type": "conv", "kernel_size": 4}, sliding_window=4)
+    make_config(
+        "gpt2",
+        {"type": "conv", "kernel_size": 5},
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
+    with pytest.raises(ValueError, match=r"'conv' reads the 4 tokens .* the widest window \(4 tokens\) keeps 3"):
+        make_config("gpt2", {"type": "conv", "kernel_size": 5}, sliding_window=4)

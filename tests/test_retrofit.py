@@ -190,6 +190,31 @@ def test_patched_decoder_generates_the_same_with_and_without_cache_and_padding(
 
 
 @pytest.mark.parametrize(
+    ("model_type", "class_name"),
+    [
+        ("gpt2", "GPT2LMHeadModel"),
+        ("llama", "LlamaForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),  # its config has layer_types: generate's static-cache masks are a dict of them
+    ],
+)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_identity_retrofit_generates_with_a_static_cache_as_the_stock_model(saved_stock, model_type, class_name, attn):
+    """``generate`` with a static cache builds its 4-D masks up front (``create_masks_for_generate``) in the
+    requested backend's format; a retrofitted model keeps the 2-D mask instead, as a PosEnc model, and gives the
+    stock model's tokens and scores."""
+    stock = load_stock(saved_stock, model_type, class_name, attn)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    batch = padded_batch(model_type)
+    del batch["position_ids"]  # generate derives them from the mask
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    kwargs.update(output_scores=True, return_dict_in_generate=True)
+    expected, actual = stock.generate(**batch, **kwargs), patched.generate(**batch, **kwargs)
+    assert torch.equal(actual.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(actual.scores), torch.stack(expected.scores), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
     ("model_type", "class_name", "scheme", "normalizer"),
     [("gpt2", "GPT2LMHeadModel", "alibi", "l2"), ("llama", "LlamaForCausalLM", "t5", "l2")]
     + [("llama", "LlamaForCausalLM", "none", "stick_breaking")]
