@@ -52,7 +52,6 @@ from .modeling_posenc_common import (
     build_position_encoding,
     check_input_ids,
     prepare_attention,
-    register_peft_default_targets,
     reject_unsupported_inputs,
     resolve_position_ids,
     sequence_classification_loss,
@@ -206,6 +205,7 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _can_compile_fullgraph = True
     _no_split_modules = ["PosEncBertEmbeddings", "PosEncBertLayer"]
     _skip_keys_device_placement = [CACHE_NAME]
+    peft_stock_types = ("bert",)  # LoRA targets as in stock BERT: query, value
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
     @torch.no_grad()
@@ -728,7 +728,6 @@ POSENC_BERT_MODELS = (
     PosEncBertForMultipleChoice,
 )
 PosEncBertPreTrainedModel.family_auto_map = auto_map_for(PosEncBertConfig, POSENC_BERT_MODELS)
-register_peft_default_targets(PosEncBertConfig.model_type, ("bert",))  # the stock module names: query, value, ...
 
 __all__ = [
     "PosEncBertModel",

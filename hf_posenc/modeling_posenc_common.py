@@ -278,8 +278,9 @@ def register_peft_default_targets(model_type: str, stock_types: tuple[str, ...])
     PEFT (0.21) finds default targets only in those module-level dicts of ``peft.utils.constants``, keyed by
     ``config.model_type``, with no hook on the model or config; this adds entries to them (it never replaces one) with
     the stock family's module names, which PosEnc and retrofitted models keep (``query``/``value``, ``c_attn``,
-    ``q_proj``/``v_proj``). Does nothing where peft is not installed. Runs when a modeling module is imported, also
-    as remote code, so a folder loaded with ``trust_remote_code=True`` gets the defaults without hf_posenc."""
+    ``q_proj``/``v_proj``). Does nothing where peft is not installed. Runs when a model is built (``post_init``) or
+    retrofitted, also as remote code, so a folder loaded with ``trust_remote_code=True`` gets the defaults without
+    hf_posenc."""
     if importlib.util.find_spec("peft") is None:
         return
     from peft.utils import constants
@@ -319,6 +320,14 @@ class PosEncPreTrainedMixin:
     forward)."""
 
     family_auto_map: dict[str, str] = {}
+    peft_stock_types: tuple[str, ...] = ()  # the stock model types whose PEFT default targets the family takes
+
+    def post_init(self):
+        """Transformers' post-init, then PEFT's default target modules for the model's type
+        (:func:`register_peft_default_targets`): when a model is built, since ``get_peft_model`` is given one, rather
+        than when the module is imported, so that ``import hf_posenc`` loads no optional package."""
+        super().post_init()
+        register_peft_default_targets(self.config.model_type, self.peft_stock_types)
 
     @torch.no_grad()
     def _init_weights(self, module):

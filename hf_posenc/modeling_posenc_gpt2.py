@@ -35,7 +35,6 @@ from .modeling_posenc_common import (
     build_position_encoding,
     check_input_ids,
     prepare_attention,
-    register_peft_default_targets,
     reject_unsupported_inputs,
     resolve_position_ids,
     sequence_classification_loss,
@@ -142,6 +141,7 @@ class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _can_compile_fullgraph = True
     _no_split_modules = ["PosEncGPT2Block"]
     _skip_keys_device_placement = [CACHE_NAME]
+    peft_stock_types = ("gpt2",)  # LoRA targets as in stock GPT-2: c_attn
     _can_record_outputs = {
         "hidden_states": PosEncGPT2Block,
         "attentions": OutputRecorder(PosEncGPT2Attention, index=1),
@@ -368,7 +368,6 @@ class PosEncGPT2ForSequenceClassification(PosEncGPT2PreTrainedModel):
 
 POSENC_GPT2_MODELS = (PosEncGPT2Model, PosEncGPT2LMHeadModel, PosEncGPT2ForSequenceClassification)
 PosEncGPT2PreTrainedModel.family_auto_map = auto_map_for(PosEncGPT2Config, POSENC_GPT2_MODELS)
-register_peft_default_targets(PosEncGPT2Config.model_type, ("gpt2",))  # the stock module names: c_attn, mlp.c_proj
 
 __all__ = [
     "PosEncGPT2Model",

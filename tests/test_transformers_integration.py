@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -340,6 +342,27 @@ def lora_round_trip(build, task_type: str, inputs: dict, labels: dict, expected_
         merged = lora.merge_and_unload()
         assert not any(hasattr(module, "lora_A") for module in merged.modules())
         torch.testing.assert_close(merged(**inputs).logits, adapted_output, atol=1e-5, rtol=1e-5)
+
+
+IMPORT_THEN_BUILD_THEN_LORA = """
+import sys
+import hf_posenc, transformers
+assert "peft" not in sys.modules, "import hf_posenc imported peft"
+config = hf_posenc.PosEncGPT2Config(vocab_size=61, n_layer=1, n_head=2, n_embd=32, bos_token_id=0, eos_token_id=0)
+model = transformers.AutoModelForCausalLM.from_config(config)
+from peft import LoraConfig, get_peft_model
+print(sorted(get_peft_model(model, LoraConfig(task_type="CAUSAL_LM")).peft_config["default"].target_modules))
+"""
+
+
+def test_import_leaves_peft_to_the_first_model_built_and_lora_still_finds_its_targets():
+    """``import hf_posenc`` does not import PEFT (an optional package); the model registers its default LoRA targets
+    when built, so PEFT imported afterwards finds them (a fresh interpreter: the suite has imported peft already)."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    command = [sys.executable, "-c", IMPORT_THEN_BUILD_THEN_LORA]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['c_attn']"
 
 
 def test_lora_with_task_type_only_on_posenc_bert(tmp_path):
