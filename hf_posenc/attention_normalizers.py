@@ -131,6 +131,11 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
         return {**super().describe(), "families": list(cls.families)}
 
     @classmethod
+    def check_heads(cls, spec: dict[str, Any], num_heads: int) -> None:
+        """Raise ``ValueError`` if the normalizer cannot run with ``num_heads`` attention heads; run when the config
+        is built, and again when the model is."""
+
+    @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
         """The backends that can run the normalizer with these options: the gate needs the weights (eager)."""
         return ("eager",) if spec["toeplitz_gate"] else cls.backends
@@ -926,16 +931,20 @@ class Differential(AttentionNormalizer):
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
         super().__init__(spec, dims, layer_idx)
-        if dims.num_heads % 2:
-            raise ValueError(
-                f"attention_normalizer 'differential' pairs the attention heads: num_attention_heads must be even, "
-                f"got {dims.num_heads}."
-            )
+        self.check_heads(spec, dims.num_heads)
         self.lambda_init = differential_lambda_init(layer_idx)
         std = float(spec["lambda_std"])
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             nn.Parameter(torch.normal(0.0, std, size=(dims.head_dim,))) for _ in range(4)
         )
+
+    @classmethod
+    def check_heads(cls, spec: dict[str, Any], num_heads: int) -> None:
+        if num_heads % 2:
+            raise ValueError(
+                f"attention_normalizer 'differential' pairs the attention heads: num_attention_heads must be even, "
+                f"got {num_heads}."
+            )
 
     @classmethod
     def weights_are_softmax(cls, spec: dict[str, Any]) -> bool:

@@ -354,12 +354,17 @@ def check_layer_windows(
             )
 
 
-def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
+def resolve_attention_normalizer(
+    value: Any, causal: bool | None = None, num_heads: int | None = None
+) -> dict[str, Any]:
     """Full spec of an attention normalizer; for an encoder or a decoder (``causal``; None: a bare spec, no family
-    check) a normalizer with no form for the family raises ``ValueError``."""
+    check) a normalizer with no form for the family raises ``ValueError``, and one that cannot run with
+    ``num_heads`` attention heads (None: not checked) too."""
     spec = resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
     if causal is not None:
         ATTENTION_NORMALIZERS[spec["type"]].check_family(spec, causal)
+    if num_heads is not None:
+        ATTENTION_NORMALIZERS[spec["type"]].check_heads(spec, num_heads)
     return spec
 
 
@@ -405,7 +410,9 @@ class PosEncBertConfig(BertConfig):
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=self.is_decoder)
+        self.attention_normalizer = resolve_attention_normalizer(
+            self.attention_normalizer, causal=self.is_decoder, num_heads=self.num_attention_heads
+        )
         super().__post_init__(**kwargs)
 
 
@@ -446,5 +453,7 @@ class PosEncGPT2Config(GPT2Config):
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=True)
+        self.attention_normalizer = resolve_attention_normalizer(
+            self.attention_normalizer, causal=True, num_heads=self.n_head
+        )
         super().__post_init__(**kwargs)

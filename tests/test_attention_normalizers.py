@@ -1263,6 +1263,14 @@ def test_differential_needs_an_even_number_of_heads():
         make_model("gpt2", "learned", "differential", n_embd=24, n_head=3)
 
 
+@pytest.mark.parametrize(("family", "heads"), [("bert", {"num_attention_heads": 3}), ("gpt2", {"n_head": 3})])
+def test_differential_with_an_odd_number_of_heads_is_refused_when_the_config_is_built(family, heads):
+    config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
+    with pytest.raises(ValueError, match="'differential' pairs the attention heads: num_attention_heads must be even"):
+        config_class(attention_normalizer="differential", **heads)
+    config_class(attention_normalizer="softmax", **heads)  # the other normalizers take any number of heads
+
+
 def test_differential_trains_with_attention_dropout_on_eager_where_both_halves_share_the_mask():
     spec = resolve_attention_normalizer("differential")
     position = hf_posenc.PosEncGPT2Config().position_encoding
