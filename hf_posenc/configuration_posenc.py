@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -354,17 +355,28 @@ def check_layer_windows(
             )
 
 
-def resolve_attention_normalizer(
-    value: Any, causal: bool | None = None, num_heads: int | None = None
-) -> dict[str, Any]:
+def resolve_attention_shape_options(config) -> None:
+    """Check ``use_qk_norm`` (a bool) and ``attn_logit_softcapping`` (None, off, or a finite number > 0, stored as a
+    float) in place; ``ValueError`` naming the bad value."""
+    if not isinstance(config.use_qk_norm, bool):
+        raise ValueError(f"use_qk_norm must be True or False; got {config.use_qk_norm!r}.")
+    cap = config.attn_logit_softcapping
+    if cap is None:
+        return
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(
+            f"attn_logit_softcapping must be None (off) or a number > 0, the cap c of c * tanh(scores / c) (Gemma 2: "
+            f"50.0); got {cap!r}."
+        )
+    config.attn_logit_softcapping = float(cap)
+
+
+def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
     """Full spec of an attention normalizer; for an encoder or a decoder (``causal``; None: a bare spec, no family
-    check) a normalizer with no form for the family raises ``ValueError``, and one that cannot run with
-    ``num_heads`` attention heads (None: not checked) too."""
+    check) a normalizer with no form for the family raises ``ValueError``."""
     spec = resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
     if causal is not None:
         ATTENTION_NORMALIZERS[spec["type"]].check_family(spec, causal)
-    if num_heads is not None:
-        ATTENTION_NORMALIZERS[spec["type"]].check_heads(spec, num_heads)
     return spec
 
 
@@ -392,6 +404,12 @@ class PosEncBertConfig(BertConfig):
         tokens, as Transformers' caches do. Unused when `layer_types` has no chunked layer.
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
+    use_qk_norm (`bool`, *optional*, defaults to `False`):
+        QK-norm: an RMSNorm of each head's queries and keys (a learned `head_dim` weight each, epsilon
+        `layer_norm_eps`) after their projection, before the position encoding acts (Qwen3, OLMo 3, Gemma 3).
+    attn_logit_softcapping (`float`, *optional*):
+        Gemma 2's soft-cap `c`: the scores (position and content terms included) become `c * tanh(scores / c)`
+        before the normalizer. None: off. Computed on eager and FlexAttention (SDPA cannot cap its scores).
 
     ```python
     >>> import hf_posenc, transformers
@@ -407,12 +425,13 @@ class PosEncBertConfig(BertConfig):
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    use_qk_norm: bool = False
+    attn_logit_softcapping: float | int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
-        self.attention_normalizer = resolve_attention_normalizer(
-            self.attention_normalizer, causal=self.is_decoder, num_heads=self.num_attention_heads
-        )
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=self.is_decoder)
+        resolve_attention_shape_options(self)
         super().__post_init__(**kwargs)
 
 
@@ -440,6 +459,12 @@ class PosEncGPT2Config(GPT2Config):
         tokens, as Transformers' caches do. Unused when `layer_types` has no chunked layer.
     attention_normalizer (`str` or `dict`, *optional*, defaults to `"softmax"`):
         A name from `hf_posenc.list_attention_normalizers()`, or `{"type": name, **options}`.
+    use_qk_norm (`bool`, *optional*, defaults to `False`):
+        QK-norm: an RMSNorm of each head's queries and keys (a learned `head_dim` weight each, epsilon
+        `layer_norm_epsilon`) after their projection, before the position encoding acts (Qwen3, OLMo 3, Gemma 3).
+    attn_logit_softcapping (`float`, *optional*):
+        Gemma 2's soft-cap `c`: the scores (position and content terms included) become `c * tanh(scores / c)`
+        before the normalizer. None: off. Computed on eager and FlexAttention (SDPA cannot cap its scores).
     """
 
     model_type = "posenc_gpt2"
@@ -450,10 +475,11 @@ class PosEncGPT2Config(GPT2Config):
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    use_qk_norm: bool = False
+    attn_logit_softcapping: float | int | None = None
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)
-        self.attention_normalizer = resolve_attention_normalizer(
-            self.attention_normalizer, causal=True, num_heads=self.n_head
-        )
+        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=True)
+        resolve_attention_shape_options(self)
         super().__post_init__(**kwargs)

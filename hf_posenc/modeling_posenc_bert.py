@@ -50,6 +50,7 @@ from .modeling_posenc_common import (
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
+    build_query_key_norms,
     check_input_ids,
     prepare_attention,
     reject_unsupported_inputs,
@@ -110,15 +111,21 @@ class PosEncBertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_eps)
         self.normalizer = build_attention_normalizer(config, config.is_decoder, layer_idx)
         self.position_term = build_layer_position_term(config, config.is_decoder, layer_idx)
+        self.logit_softcapping = config.attn_logit_softcapping
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx
 
     def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's q and k projections of ``(rows, hidden)`` vectors, as ``(heads, rows, head_dim)``."""
+        """This layer's q and k projections of ``(rows, hidden)`` vectors (through the QK-norm if there is one), as
+        ``(heads, rows, head_dim)``."""
         shape = (*states.shape[:-1], -1, self.head_dim)
-        return self.query(states).view(shape).transpose(-3, -2), self.key(states).view(shape).transpose(-3, -2)
+        query, key = self.query(states).view(shape), self.key(states).view(shape)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        return query.transpose(-3, -2), key.transpose(-3, -2)
 
     def forward(
         self,
@@ -128,8 +135,7 @@ class PosEncBertSelfAttention(nn.Module):
         cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = self.project_query_key(hidden_states)  # (batch, heads, seq, head_dim)
         value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
         output, weights = positional_attention(
             query,
@@ -147,6 +153,7 @@ class PosEncBertSelfAttention(nn.Module):
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
+            logit_softcapping=self.logit_softcapping,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
 

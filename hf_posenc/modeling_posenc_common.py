@@ -21,6 +21,7 @@ from .configuration_posenc import (
     resolve_position_layout,
 )
 from .posenc_attention import (
+    QueryKeyRMSNorm,
     build_attention_mask,
     build_dense_mask,
     choose_backend,
@@ -76,6 +77,16 @@ def build_layer_position_term(config, causal: bool, layer_idx: int) -> LayerPosi
     specs = layer_position_specs(resolve_config_position_encoding(config, causal), config.num_hidden_layers)
     spec = specs[layer_idx]
     return POSITION_ENCODINGS[spec["type"]].layer_term(spec, attention_dims(config, causal), layer_idx)
+
+
+def build_query_key_norms(
+    config, head_dim: int, eps: float
+) -> tuple[QueryKeyRMSNorm, QueryKeyRMSNorm] | tuple[None, None]:
+    """An attention layer's QK-norm (``config.use_qk_norm``): the RMSNorms of its queries and of its keys, applied
+    per head after the projections and before the position encoding (Qwen3's ``q_norm``, ``k_norm``), or None."""
+    if not config.use_qk_norm:
+        return None, None
+    return QueryKeyRMSNorm(head_dim, eps), QueryKeyRMSNorm(head_dim, eps)
 
 
 def build_attention_normalizer(config, causal: bool, layer_idx: int) -> AttentionNormalizer:
@@ -168,6 +179,7 @@ def prepare_attention(
             position_bias_needs_grad=position_bias_needs_grad(scheme),
             consecutive=consecutive,
             gradient_refusal=flex_gradient_refusal(scheme, consecutive),
+            logit_softcapping=getattr(model.config, "attn_logit_softcapping", None),
         )
         tables = scheme.prepare(position_ids, keys, backend, consecutive=consecutive)
         score_bias = tables.pop("score_bias", None)

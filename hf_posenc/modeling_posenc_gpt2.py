@@ -33,6 +33,7 @@ from .modeling_posenc_common import (
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
+    build_query_key_norms,
     check_input_ids,
     prepare_attention,
     reject_unsupported_inputs,
@@ -66,15 +67,24 @@ class PosEncGPT2Attention(nn.Module):
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_epsilon)
         self.normalizer = build_attention_normalizer(config, True, layer_idx)
         self.position_term = build_layer_position_term(config, True, layer_idx)
+        self.logit_softcapping = config.attn_logit_softcapping
         self.layer_idx = layer_idx
+
+    def project(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(..., hidden)`` -> q, k, v as ``(..., heads, head_dim)``, q and k through the QK-norm if there is one."""
+        shape = (*states.shape[:-1], -1, self.head_dim)
+        query, key, value = (t.view(shape) for t in self.c_attn(states).split(self.embed_dim, dim=-1))
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        return query, key, value
 
     def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's q and k projections of ``(rows, hidden)`` vectors, as ``(heads, rows, head_dim)``."""
-        shape = (*states.shape[:-1], -1, self.head_dim)
-        query, key, _ = self.c_attn(states).split(self.embed_dim, dim=-1)
-        return query.view(shape).transpose(-3, -2), key.view(shape).transpose(-3, -2)
+        query, key, _ = self.project(states)
+        return query.transpose(-3, -2), key.transpose(-3, -2)
 
     def forward(
         self,
@@ -83,10 +93,7 @@ class PosEncGPT2Attention(nn.Module):
         position_encoding: PositionEncoding,
         cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (
-            t.view(hidden_shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.embed_dim, dim=2)
-        )
+        query, key, value = (t.transpose(1, 2) for t in self.project(hidden_states))
         output, weights = positional_attention(
             query,
             key,
@@ -103,6 +110,7 @@ class PosEncGPT2Attention(nn.Module):
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
+            logit_softcapping=self.logit_softcapping,
         )
         output = self.c_proj(output.reshape(*hidden_states.shape[:-1], -1))
         return self.resid_dropout(output), weights

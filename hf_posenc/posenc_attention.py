@@ -134,12 +134,13 @@ def backend_candidates(
     requested: str, device: torch.device, sdpa_runs_normalizer: bool, position_bias_needs_grad: bool
 ) -> tuple[str, ...]:
     """The backends to try for a forward, in order; the first that can run the combination runs it.
+    ``sdpa_runs_normalizer``: SDPA computes the normalizer and the scores it is given (not with a logit soft-cap).
 
     | request | device | combination | order |
     |---|---|---|---|
     | ``eager`` | any | any | eager |
     | ``flex_attention`` | any | any | flex, sdpa, eager |
-    | ``sdpa`` (default) | CUDA | a normalizer SDPA cannot compute (l2, exp, relu2, swish_l2) | flex, eager |
+    | ``sdpa`` (default) | CUDA | a normalizer SDPA cannot compute (l2, exp, relu2, ...); a soft-cap | flex, eager |
     | ``sdpa`` (default) | CUDA | a position-only bias that needs gradients (t5, kerple, tupe) | flex, sdpa, eager |
     | ``sdpa`` (default) | otherwise | any | sdpa, eager |
 
@@ -173,6 +174,7 @@ def choose_backend(
     position_bias_needs_grad: bool = False,
     consecutive: bool = False,
     gradient_refusal: str | None = None,
+    logit_softcapping: float | None = None,
 ) -> str:
     """The backend that runs a forward: the first of :func:`backend_candidates` (from ``requested``, default SDPA)
     that can express the scheme and normalizer with their options (``position_encoding``, ``attention_normalizer``:
@@ -180,8 +182,10 @@ def choose_backend(
     :func:`value_term_flex_refusal` do not rule out. ``need_weights`` (``output_attentions``) needs eager;
     ``attention_dropout`` is training with a dropout rate > 0; ``position_bias_needs_grad`` is
     :func:`position_bias_needs_grad` of the scheme; ``consecutive``: the model's default positions with no cached
-    key; ``gradient_refusal``: :func:`flex_gradient_refusal` of the scheme. A user's ``BlockMask`` needs
-    FlexAttention. A request that cannot be honoured is logged with its reason."""
+    key; ``gradient_refusal``: :func:`flex_gradient_refusal` of the scheme; ``logit_softcapping``: the config's
+    ``attn_logit_softcapping`` (SDPA's kernel takes no function of its scores: eager, FlexAttention's ``score_mod``
+    and the chunked eager composition of ``sdpa_in_query_chunks`` normalizers cap them). A user's ``BlockMask``
+    needs FlexAttention. A request that cannot be honoured is logged with its reason."""
     requested = requested or "sdpa"
     if requested not in BACKEND_REQUESTS:
         raise ValueError(
@@ -219,11 +223,17 @@ def choose_backend(
                 "or 4-D tensor mask instead."
             )
         return "flex_attention"
-    candidates = backend_candidates(requested, device, "sdpa" in normalizer_backends, position_bias_needs_grad)
+    sdpa_caps = logit_softcapping is None or normalizer_class.sdpa_in_query_chunks
+    sdpa_computes = "sdpa" in normalizer_backends and sdpa_caps
+    candidates = backend_candidates(requested, device, sdpa_computes, position_bias_needs_grad)
     for backend in candidates:
         if backend != "eager" and need_weights:
             continue
         if backend not in scheme_backends or backend not in normalizer_backends:
+            continue
+        if backend == "sdpa" and not sdpa_caps:
+            if not torch.compiler.is_compiling():
+                _log_softcapping_off_sdpa(requested)
             continue
         if backend == "sdpa" and value_term and not softmax_weights:  # the value term reads softmax's weights
             continue
@@ -314,6 +324,14 @@ def _log_value_term_dropout(encoding: str) -> None:
     logger.info(
         f"hf_posenc: {encoding}'s value term reads the attention weights, which SDPA recomputes without its attention "
         "dropout: training with attention dropout runs eager."
+    )
+
+
+@cache
+def _log_softcapping_off_sdpa(requested: str) -> None:
+    logger.info(
+        f"hf_posenc: attn_logit_softcapping caps the scores before the normalizer; SDPA's kernel computes its scores "
+        f"inside and cannot cap them, so the attention runs on another backend (requested {requested})."
     )
 
 
@@ -595,6 +613,49 @@ def chain_score_mods(first: Callable | None, second: Callable | None) -> Callabl
     return chained_score_mod
 
 
+class QueryKeyRMSNorm(nn.Module):
+    """QK-norm: RMSNorm of each head's query or key features (Qwen3's ``Qwen3RMSNorm`` on ``head_dim``, applied as
+    ``Qwen3Attention`` does, after the projection and before the position encoding; OLMo 3, Gemma 3):
+    ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32, the ``(head_dim,)`` weight shared by the heads and
+    initialised to 1 (Transformers' init of an ``RMSNorm``). ``x``: ``(..., head_dim)``."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def soft_capped_scores(scores: torch.Tensor, cap: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, ``b -> c tanh(b / c)`` (``Gemma2Attention``'s ``attn_logit_softcapping``), of
+    the scores with their position and content terms; masked keys stay masked: ``mask`` is the mask already applied
+    to ``scores``, additive (``finfo.min`` on masked keys) or boolean (True = visible), or None."""
+    capped = cap * torch.tanh(scores / cap)
+    if mask is None:
+        return capped
+    hidden = ~mask if mask.dtype == torch.bool else mask <= torch.finfo(mask.dtype).min / 2
+    return capped.masked_fill(hidden, torch.finfo(capped.dtype).min)
+
+
+def soft_cap_score_mod(cap: float) -> Callable:
+    """:func:`soft_capped_scores` as a FlexAttention ``score_mod`` (attention-gym's ``generate_tanh_softcap``),
+    chained after the scheme's and the layer's terms; the ``BlockMask`` masks apart from it."""
+
+    def soft_cap(score, batch_idx, head_idx, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return soft_cap
+
+
 def repeat_kv_heads(states: torch.Tensor, query_heads: int) -> torch.Tensor:
     """Grouped-query keys or values ``(batch, kv_heads, seq, head_dim)`` repeated for the query heads they serve."""
     if states.shape[1] == query_heads:
@@ -602,9 +663,21 @@ def repeat_kv_heads(states: torch.Tensor, query_heads: int) -> torch.Tensor:
     return states.repeat_interleave(query_heads // states.shape[1], dim=1)
 
 
-def _eager(query, key, values, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training):
+def _eager(
+    query,
+    key,
+    values,
+    attention_inputs,
+    normalizer,
+    score_term,
+    value_rows,
+    scaling,
+    dropout,
+    training,
+    logit_softcapping=None,
+):
     """The weights materialised, applied to each of ``values`` (``normalizer.split_values``): the outputs and the
-    weights."""
+    weights. ``logit_softcapping``: the scores capped before the normalizer (:func:`soft_capped_scores`)."""
     compute_dtype = torch.promote_types(query.dtype, torch.float32)  # scores and weights in at least float32
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(-1, -2)) * scaling
     score_term = score_term(query, key, attention_inputs) if score_term is not None else None
@@ -612,6 +685,8 @@ def _eager(query, key, values, attention_inputs, normalizer, score_term, value_r
         scores = scores + score_term
     if attention_inputs["mask"] is not None:
         scores = scores + attention_inputs["mask"]
+    if logit_softcapping is not None:
+        scores = soft_capped_scores(scores, logit_softcapping, attention_inputs["mask"])
     weights = normalizer(scores, attention_inputs)
     if attention_inputs["row_has_key"] is not None:
         weights = weights * attention_inputs["row_has_key"]
@@ -622,7 +697,18 @@ def _eager(query, key, values, attention_inputs, normalizer, score_term, value_r
 
 
 def attention_in_query_chunks(
-    query, key, value, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
+    query,
+    key,
+    value,
+    attention_inputs,
+    normalizer,
+    score_term,
+    value_rows,
+    scaling,
+    dropout,
+    training,
+    causal,
+    logit_softcapping=None,
 ):
     """The ``sdpa`` backend of a normalizer no SDPA kernel computes (``normalizer.sdpa_in_query_chunks``:
     stick_breaking): the eager composition (scores, the mask, the normalizer, dropout, ``P V`` and the value term) a
@@ -631,7 +717,7 @@ def attention_in_query_chunks(
     v, its output and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its
     row's scores, so the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive,
     boolean, or None (``attention_normalizers.implicit_last_keys``: SDPA's top-left ``is_causal``, or every key);
-    dropout masks are recomputed from the saved RNG state."""
+    dropout masks are recomputed from the saved RNG state. ``logit_softcapping`` caps the scores as eager does."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])  # as eager reads them
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
@@ -650,6 +736,8 @@ def attention_in_query_chunks(
             scores = scores.masked_fill(~mask[..., start:stop, :], torch.finfo(scores.dtype).min)
         elif mask is not None:
             scores = scores + mask[..., start:stop, :]
+        if logit_softcapping is not None:
+            scores = soft_capped_scores(scores, logit_softcapping, None if mask is None else mask[..., start:stop, :])
         chunk_inputs = {
             **attention_inputs,
             "query_positions": query_positions[:, start:stop],
@@ -730,6 +818,7 @@ def positional_attention(
     layer_idx: int | None = None,
     project_query_key: QueryKeyProjection | None = None,
     hidden_states: torch.Tensor | None = None,
+    logit_softcapping: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
     may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
@@ -739,10 +828,12 @@ def positional_attention(
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
     term's ``layer_tables``, whose per-token states are kept in ``cache``, and for the normalizer's output gate);
-    ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``. The weights are applied to
-    each of the normalizer's ``split_values`` (one attention each, on every backend) and its ``attention_output``
-    combines and gates the outputs. Returns the output ``(batch, q_len, heads, head_dim)`` and the weights
-    ``(batch, heads, q_len, kv_len)`` as the normalizer reports them (eager only, else None)."""
+    ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``; ``logit_softcapping`` (the
+    config's ``attn_logit_softcapping``, None: off) caps the scores, position and content terms included, before the
+    normalizer (:func:`soft_capped_scores`; the backend is one that can, :func:`choose_backend`). The weights are
+    applied to each of the normalizer's ``split_values`` (one attention each, on every backend) and its
+    ``attention_output`` combines and gates the outputs. Returns the output ``(batch, q_len, heads, head_dim)`` and
+    the weights ``(batch, heads, q_len, kv_len)`` as the normalizer reports them (eager only, else None)."""
     encoding = encoding.layer_encoding(layer_idx)  # the scheme this layer runs (a per-layer layout's own)
     scaling = scaling * encoding.content_scale
     score_term = value_rows = None
@@ -773,7 +864,9 @@ def positional_attention(
         if position_term is not None:
             layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
             score_mod = chain_score_mods(score_mod, layer_mod)
-        region = f"{encoding.name}+{normalizer.name}"
+        if logit_softcapping is not None:
+            score_mod = chain_score_mods(score_mod, soft_cap_score_mod(logit_softcapping))
+        region = f"{encoding.name}+{normalizer.name}" + ("+softcap" if logit_softcapping is not None else "")
         kernel_options = flex_kernel_options(query.device, encoding, position_term)
         attend = partial(flex_attend, region=region, enable_gqa=key.shape[1] != query.shape[1], **kernel_options)
         block_mask = attention_inputs["mask"]
@@ -787,7 +880,9 @@ def positional_attention(
             )
             outputs = [output + term.to(output.dtype) for output, _ in passes]
     elif backend == "sdpa":
-        attend = attention_in_query_chunks if normalizer.sdpa_in_query_chunks else _sdpa
+        attend = _sdpa  # with a logit soft-cap only the chunked composition runs here (choose_backend)
+        if normalizer.sdpa_in_query_chunks:
+            attend = partial(attention_in_query_chunks, logit_softcapping=logit_softcapping)
         outputs = [
             attend(
                 query, key, v, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training, causal
@@ -796,7 +891,17 @@ def positional_attention(
         ]
     else:
         outputs, weights = _eager(
-            query, key, values, attention_inputs, normalizer, score_term, value_rows, scaling, dropout, training
+            query,
+            key,
+            values,
+            attention_inputs,
+            normalizer,
+            score_term,
+            value_rows,
+            scaling,
+            dropout,
+            training,
+            logit_softcapping,
         )
         weights = normalizer.output_weights(weights)
     output = normalizer.attention_output(outputs, hidden_states)

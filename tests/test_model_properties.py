@@ -505,3 +505,63 @@ def test_a_scheme_reading_past_every_layer_window_is_refused():
     )
     with pytest.raises(ValueError, match=r"'conv' reads the 4 tokens .* the widest window \(4 tokens\) keeps 3"):
         make_config("gpt2", {"type": "conv", "kernel_size": 5}, sliding_window=4)
+
+
+# The attention-shape options (``use_qk_norm``, ``attn_logit_softcapping``) with a representative absolute and
+# relative scheme, a rotation and a content term, and normalizers beyond softmax: the options act on q, k and the
+# scores, whatever feeds them. A cap of 1 acts on these models' scores.
+ATTENTION_OPTIONS = [{"use_qk_norm": True}, {"attn_logit_softcapping": 1.0}]
+OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw"]] + [
+    ("t5", "differential"),
+    ("t5", "stick_breaking"),
+    ("rope", {"type": "softmax", "sink": "learned"}),
+]
+FAMILY_OPTION_CASES = [(*combo, options) for combo in family_combos(OPTION_COMBOS) for options in ATTENTION_OPTIONS]
+DECODER_OPTION_CASES = [(*combo, options) for combo in OPTION_COMBOS for options in ATTENTION_OPTIONS]
+
+
+def option_id(value):
+    return "+".join(value) if isinstance(value, dict) and "type" not in value else None
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize(("scheme", "normalizer", "options"), DECODER_OPTION_CASES, ids=option_id)
+def test_attention_options_generate_with_cache_as_without(scheme, normalizer, options, cache_implementation):
+    model = make_model("gpt2", scheme, normalizer, attn="sdpa", **options)
+    prompt = random_ids(2, 6, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
+    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "options"), FAMILY_OPTION_CASES, ids=option_id)
+def test_attention_options_give_the_same_numbers_on_every_backend(family, scheme, normalizer, options):
+    ids = random_ids(2, 10)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 7:] = 0
+    logits = {}
+    for attn in ("eager", "sdpa", "flex_attention"):
+        model = make_model(family, scheme, normalizer, attn=attn, **options)
+        with torch.no_grad():
+            logits[attn] = model(ids, attention_mask=attention_mask).logits
+    visible = attention_mask.bool()
+    for attn in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "options"), FAMILY_OPTION_CASES, ids=option_id)
+def test_attention_options_keep_a_row_alone_equal_to_the_row_in_a_padded_batch(family, scheme, normalizer, options):
+    model = make_model(family, scheme, normalizer, attn="sdpa", **options)
+    short, full = random_ids(1, 7, seed=1), random_ids(1, 11, seed=2)
+    pad = torch.zeros(1, 4, dtype=torch.long)
+    padded = torch.cat([short, pad], 1) if family == "bert" else torch.cat([pad, short], 1)
+    mask = (torch.arange(11) < 7) if family == "bert" else (torch.arange(11) >= 4)
+    attention_mask = torch.stack([mask, torch.ones(11, dtype=torch.bool)]).long()
+    with torch.no_grad():
+        alone = model(short).logits[0]
+        in_batch = model(
+            torch.cat([padded, full]), attention_mask=attention_mask, position_ids=hf_position_ids(attention_mask)
+        ).logits
+    torch.testing.assert_close(in_batch[0][mask], alone, atol=ATOL, rtol=1e-4)
