@@ -233,3 +233,24 @@ def test_qk_norm_weights_start_at_one_and_are_saved(family, tmp_path):
     ids = random_ids(2, 7)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_compiled_flex_attention_caps_and_normalises_like_eager(family):
+    """The compiled CPU kernel (inference, heads of 32) with the soft-cap's ``score_mod`` after ``t5``'s and QK-norm:
+    eager's numbers (~20 s a compile)."""
+    wide = dict(hidden_size=64, num_attention_heads=2) if family == "bert" else dict(n_embd=64, n_head=2)
+    options = dict(use_qk_norm=True, attn_logit_softcapping=1.0, **wide)
+    ids = random_ids(2, 12)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 9:] = 0
+    posenc_attention.clear_flex_compile_cache()
+    outputs, regions = {}, []
+    for attn in ("eager", "flex_attention"):
+        model = make_model(family, "t5", attn=attn, **options)
+        with torch.no_grad():
+            outputs[attn] = model(ids, attention_mask=attention_mask).logits
+        regions = [name for _, name in posenc_attention._FIRST_SHAPES]
+    assert regions == ["t5+softmax+softcap"]
+    visible = attention_mask.bool()
+    torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
