@@ -88,7 +88,7 @@ class ShawTerm(LayerPositionTerm):
             chunk_starts = None if starts is None else starts[:, start:stop]
             return read_rows(row_scores[..., start:stop, :], index[:, start:stop], chunk_starts)
 
-        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
 
     def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
         row_scores = self.row_scores(query, attention_inputs, scaling)
@@ -224,7 +224,7 @@ class TransformerXLTerm(LayerPositionTerm):
                 position_scores = skew(row_scores, kv_len)
             return position_scores + content_scores
 
-        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
 
     def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["position"]
@@ -354,7 +354,7 @@ def query_and_key_row_terms(
             score = key_term if query_rows is None else score.add_(key_term)  # in place: one chunk-sized sum
         return score
 
-    return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]))
+    return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
 
 
 class DeBERTaTerm(LayerPositionTerm):
@@ -541,6 +541,10 @@ class TUPE(PositionEncoding):
     }
 
     @classmethod
+    def max_length(cls, spec):
+        return spec["max_positions"]  # the rows of its absolute table
+
+    @classmethod
     def check_spec(cls, spec):
         if spec["max_distance"] <= spec["num_buckets"] // 2:
             raise ValueError(
@@ -655,7 +659,7 @@ class CoPETerm(LayerPositionTerm):
     zero (as the reference's ``pos_emb``). The term is computed ``query_chunk`` queries at a time
     (:func:`in_query_chunks`)."""
 
-    query_chunk: int | None = None  # None: by CHUNK_ELEMENTS
+    query_chunk: int | None = None  # None: by the device's chunk budget (relative_tables.chunk_elements)
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -671,7 +675,7 @@ class CoPETerm(LayerPositionTerm):
             chunk_visible = None if visible is None else visible[..., start:stop, :]
             return cope_scores(query[..., start:stop, :], key, chunk_visible, self.position_embeddings, scaling)
 
-        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), self.query_chunk)
+        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device, self.query_chunk)
 
 
 def cope_scores(
@@ -822,6 +826,10 @@ class RelativeKey(PositionEncoding):
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
         return RelativeKeyTerm(spec, dims)
+
+    @classmethod
+    def max_length(cls, spec):
+        return spec["max_positions"]  # distances up to max_positions - 1
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)

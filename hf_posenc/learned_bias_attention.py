@@ -11,9 +11,9 @@ tensors per layer (measured: 212 MiB for one 4-head layer at 2048 tokens, agains
 ``P = softmax(scale q k^T + M)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``,
 ``dq = scale dS k``, ``dk = scale dS^T q``, ``dM = dS`` (summed over the dimensions ``M`` broadcasts).
 
-The backward runs in chunks of queries (``relative_tables.CHUNK_ELEMENTS`` of ``P`` at a time), so besides
-``dM`` (the mask's gradient, ``(q_len, kv_len)``-sized by nature) it holds two chunk-sized tensors, not two
-``(q_len, kv_len)`` ones.
+The backward runs in chunks of queries (``relative_tables.chunk_elements`` of ``P`` at a time, a budget that
+depends on the device), so besides ``dM`` (the mask's gradient, ``(q_len, kv_len)``-sized by nature) it holds two
+chunk-sized tensors, not two ``(q_len, kv_len)`` ones.
 
 With a value term ``o_i += sum_j P_ij T[idx_ij]`` (:class:`~hf_posenc.position_interface.ValueRows`, Shaw's ``R^V``)
 the forward needs ``P`` anyway: it computes it a chunk of queries at a time, in at least float32, and gives
@@ -114,7 +114,7 @@ class _AttentionWithLearnedBias(torch.autograd.Function):
 
 def _query_chunks(query: torch.Tensor, key: torch.Tensor) -> list[slice]:
     batch, heads, q_len, kv_len = *query.shape[:-1], key.shape[-2]
-    chunk = query_chunk_size(batch, heads, kv_len)
+    chunk = query_chunk_size(batch, heads, kv_len, query.device)
     return [slice(start, start + chunk) for start in range(0, q_len, chunk)]
 
 

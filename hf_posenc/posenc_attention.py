@@ -757,7 +757,7 @@ def attention_in_query_chunks(
             output = output + value_rows_term(weights, rows_of_chunk)
         return output
 
-    return in_query_chunks(chunk_output, (query.shape[0], query.shape[1], q_len, kv_len))
+    return in_query_chunks(chunk_output, (query.shape[0], query.shape[1], q_len, kv_len), query.device)
 
 
 def _differentiate_mask_outside_sdpa(attn_mask, query, dropout, training) -> bool:

@@ -171,27 +171,54 @@ def sum_sorted_runs(values: torch.Tensor, index: torch.Tensor, starts: torch.Ten
 
 
 CHUNK_ELEMENTS = 2**23
-"""Elements of one chunk's ``(batch, heads, chunk, kv_len)`` tensors in :func:`in_query_chunks` (32 MiB in float32):
-memory is bounded per chunk whatever the length, and blocks this large go back to the OS when freed (glibc serves
-allocations of 32 MiB and up by mmap), so the chunks' memory does not stay resident."""
+"""Elements of one chunk tensor on the CPU (and any device but CUDA), e.g. a ``(batch, heads, chunk, kv_len)`` tensor
+of :func:`in_query_chunks` (32 MiB in float32): memory is bounded per chunk whatever the length, and blocks this
+large go back to the OS when freed (glibc serves allocations of 32 MiB and up by mmap), so the chunks' memory does
+not stay resident."""
+
+CUDA_CHUNK_ELEMENTS_CAP = 2**28
+"""The most elements of one chunk tensor on CUDA (1 GiB in float32): 2 chunks a layer at 8 x 2048 tokens and 12
+heads, where :data:`CHUNK_ELEMENTS` made 49, each a few dozen small kernels and a checkpoint (launch-bound)."""
+
+CUDA_FREE_MEMORY_SHARE = 64
+"""On CUDA one chunk tensor takes at most the free memory over this many bytes per element: a sixteenth of it in
+float32, as a chunk holds a few such tensors at a time (scores, weights, their gradients)."""
 
 
-def query_chunk_size(batch: int, heads: int, kv_len: int) -> int:
-    """Queries per chunk so that a ``(batch, heads, chunk, kv_len)`` tensor holds at most :data:`CHUNK_ELEMENTS`
-    elements (at least one query)."""
-    return max(1, CHUNK_ELEMENTS // (batch * heads * kv_len))
+def chunk_elements(device: torch.device) -> int:
+    """The budget, in elements, of one chunk tensor of the chunked paths (:func:`in_query_chunks`, the learned-bias
+    attention's query chunks, FIRE's MLP): :data:`CHUNK_ELEMENTS` on the CPU, sized for its allocator; on CUDA the
+    free memory (``torch.cuda.mem_get_info``; under ``torch.compile`` the device's total memory, a constant) over
+    :data:`CUDA_FREE_MEMORY_SHARE`, at most :data:`CUDA_CHUNK_ELEMENTS_CAP` and at least :data:`CHUNK_ELEMENTS`."""
+    if device.type != "cuda":
+        return CHUNK_ELEMENTS
+    if torch.compiler.is_compiling():
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory, _ = torch.cuda.mem_get_info(device)
+    return max(CHUNK_ELEMENTS, min(CUDA_CHUNK_ELEMENTS_CAP, memory // CUDA_FREE_MEMORY_SHARE))
+
+
+def query_chunk_size(batch: int, heads: int, kv_len: int, device: torch.device) -> int:
+    """Queries per chunk so that a ``(batch, heads, chunk, kv_len)`` tensor holds at most :func:`chunk_elements`
+    elements on ``device`` (at least one query)."""
+    return max(1, chunk_elements(device) // (batch * heads * kv_len))
 
 
 def in_query_chunks(
-    chunk_term: Callable[[int, int], torch.Tensor], scores_shape: tuple[int, ...], chunk: int | None = None
+    chunk_term: Callable[[int, int], torch.Tensor],
+    scores_shape: tuple[int, ...],
+    device: torch.device,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term built from ``chunk_term(start, stop)``, its
-    rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill :data:`CHUNK_ELEMENTS`). With
+    """A ``(batch, heads, q_len, kv_len)`` (``scores_shape``) score term on ``device`` built from ``chunk_term(start,
+    stop)``, its rows ``start .. stop - 1``, ``chunk`` queries at a time (default: as many as fill
+    :func:`chunk_elements`). With
     gradients each chunk is checkpointed (its intermediates, the ``(batch, heads, chunk, rows)`` products, gates and
     indices, are recomputed in the backward), so a layer keeps only the term itself: memory grows like
     ``chunk * kv_len``, not like several ``(q_len, kv_len)`` tensors."""
     batch, heads, q_len, kv_len = scores_shape
-    chunk = chunk or query_chunk_size(batch, heads, kv_len)
+    chunk = chunk or query_chunk_size(batch, heads, kv_len, device)
     chunks = []
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)

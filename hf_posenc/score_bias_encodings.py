@@ -15,6 +15,7 @@ from transformers import initialization as init
 
 from .options import Option
 from .position_interface import RelativeScoreBias, scatter_adds_are_cheap
+from .relative_tables import chunk_elements
 
 
 def t5_relative_bucket(
@@ -352,17 +353,26 @@ class _ReluMlpOfScalars(torch.autograd.Function):
         return grad_x.view(x.shape), grad_weight_in, grad_bias_in, grad_weight_out, grad.sum(-1), None
 
 
+MLP_CHUNK_SHARE = 128
+"""Elements of ``x`` per chunk of :func:`relu_mlp_of_scalars`: the device's chunk budget
+(:func:`~hf_posenc.relative_tables.chunk_elements`) over this, so the ``(width, chunk)`` hidden layer and its
+gradient take a quarter of it each at the default width 32: ``2^16`` on the CPU (as before), up to ``2^21`` on CUDA
+(32 chunks at 1 x 8192 tokens where ``2^16`` made 1,024)."""
+
+
 def relu_mlp_of_scalars(
     x: torch.Tensor,
     weight_in: torch.Tensor,
     bias_in: torch.Tensor,
     weight_out: torch.Tensor,
     bias_out: torch.Tensor,
-    chunk: int = 1 << 16,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``(heads, *x.shape)``: ``f_h(x) = sum_u W_out[h, u] relu(w_in[u] x + b_in[u]) + b_out[h]`` for every element
     of ``x`` (``w_in``, ``b_in``: ``(width,)``; ``W_out`` ``(heads, width)``; ``b_out`` ``(heads,)``), in float32 or
-    wider whatever autocast says, ``chunk`` elements at a time (memory ``O(chunk * width)`` beyond the output)."""
+    wider whatever autocast says, ``chunk`` elements at a time (memory ``O(chunk * width)`` beyond the output;
+    default: the device's chunk budget over :data:`MLP_CHUNK_SHARE`)."""
+    chunk = chunk or max(1, chunk_elements(x.device) // MLP_CHUNK_SHARE)
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
         return _ReluMlpOfScalars.apply(

@@ -141,3 +141,33 @@ def test_band_dot_products_equal_the_band_of_the_scores_in_values_and_gradients(
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key))
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad)
+
+
+def test_chunk_budget_is_the_cpu_constant_on_cpu_and_follows_free_memory_on_cuda(monkeypatch):
+    from hf_posenc import relative_tables
+
+    assert relative_tables.chunk_elements(torch.device("cpu")) == 2**23
+    assert relative_tables.query_chunk_size(8, 12, 2048, torch.device("cpu")) == 2**23 // (8 * 12 * 2048)  # 42
+    cuda = torch.device("cuda", 0)
+    for free, expected in [(80 * 2**30, 2**28), (4 * 2**30, 2**26), (2**20, 2**23)]:  # capped, a 64th, the floor
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 * 2**30))
+        assert relative_tables.chunk_elements(cuda) == expected
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    assert relative_tables.query_chunk_size(8, 12, 2048, cuda) == 2**28 // (8 * 12 * 2048)  # 1,365: 2 chunks
+
+
+def test_fire_mlp_chunk_follows_the_device_budget(monkeypatch):
+    from hf_posenc import score_bias_encodings
+
+    seen, original = [], score_bias_encodings._ReluMlpOfScalars
+
+    class Recording(original):
+        @staticmethod
+        def forward(x, weight_in, bias_in, weight_out, bias_out, chunk):
+            seen.append(chunk)
+            return original.forward(x, weight_in, bias_in, weight_out, bias_out, chunk)
+
+    monkeypatch.setattr(score_bias_encodings, "_ReluMlpOfScalars", Recording)
+    weights = torch.randn(4), torch.randn(4), torch.randn(2, 4), torch.randn(2)
+    score_bias_encodings.relu_mlp_of_scalars(torch.rand(10), *weights)
+    assert seen == [2**16]  # 2^23 / 128: the CPU chunk as before
