@@ -54,6 +54,10 @@ class LearnedAbsolute(PositionEncoding):
         ),
     }
 
+    @classmethod
+    def max_length(cls, spec):
+        return spec["max_positions"]
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
@@ -166,6 +170,10 @@ class MultiplicativeAbsolute(PositionEncoding):
             return {"max_positions": "table='sinusoidal' has no length limit (max_positions sizes the learned table)"}
         return {}
 
+    @classmethod
+    def max_length(cls, spec):
+        return spec["max_positions"] if spec["table"] == "learned" else None
+
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         if spec["table"] == "learned":
@@ -215,6 +223,10 @@ class HierarchicalAbsolute(PositionEncoding):
         ),
         "alpha": Option(0.4, (float, int), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
     }
+
+    @classmethod
+    def max_length(cls, spec):
+        return None if spec["max_positions"] is None else spec["max_positions"] ** 2
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)

@@ -82,6 +82,19 @@ def layer_position_specs(value: dict[str, Any] | list[dict[str, Any]], num_layer
     return list(value) if isinstance(value, list) else [value] * num_layers
 
 
+def position_length_limit(value: dict[str, Any] | list[dict[str, Any]]) -> int | None:
+    """The longest input a resolved position encoding takes (a spec, or one per layer): the smallest
+    ``max_length`` of its schemes, None where none has a limit."""
+    limits = (POSITION_ENCODINGS[spec["type"]].max_length(spec) for spec in layer_position_specs(value, 1))
+    return min((limit for limit in limits if limit is not None), default=None)
+
+
+def training_length(config) -> int:
+    """A config's length of positions, the default length of the position tables: GPT-2's ``n_positions``, else
+    ``max_position_embeddings`` (which :class:`PosEncGPT2Config` answers with its schemes' limit)."""
+    return config.n_positions if hasattr(config, "n_positions") else config.max_position_embeddings
+
+
 def layout_name(value: dict[str, Any] | list[dict[str, Any]]) -> str:
     """A resolved position encoding's name for labels: its type, the layers' types joined by ``+`` for a per-layer
     list (``rope+rope+rope+none``), or the one type a list holds on every layer."""
@@ -469,6 +482,8 @@ class PosEncGPT2Config(GPT2Config):
 
     model_type = "posenc_gpt2"
     _auto_class = "AutoConfig"
+    # GPT-2 reads max_position_embeddings as n_positions; here it is a property, the schemes' length limit.
+    attribute_map = {key: name for key, name in GPT2Config.attribute_map.items() if key != "max_position_embeddings"}
 
     position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"
@@ -477,6 +492,19 @@ class PosEncGPT2Config(GPT2Config):
     attention_chunk_size: int | None = None
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The longest input the model takes, which Transformers' generation reads as the model's maximum length:
+        the smallest limit of its schemes (``learned``'s table, ``relative_key``'s distances, ...), None where no
+        scheme has one (``rope``, ``t5``, ``alibi``, ...). ``n_positions`` is the training length and the default
+        length of the position tables; setting ``max_position_embeddings`` sets it, as in GPT-2."""
+        specs = resolve_position_layout(self.position_encoding, self.n_layer, self.n_positions, True, self.n_embd)
+        return position_length_limit(specs)
+
+    @max_position_embeddings.setter
+    def max_position_embeddings(self, value: int) -> None:
+        self.n_positions = value
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)

@@ -19,6 +19,7 @@ from .configuration_posenc import (
     layer_position_specs,
     resolve_attention_normalizer,
     resolve_position_layout,
+    training_length,
 )
 from .posenc_attention import (
     QueryKeyRMSNorm,
@@ -45,7 +46,7 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
         head_dim=head_dim or config.hidden_size // config.num_attention_heads,
-        max_positions=config.max_position_embeddings,
+        max_positions=training_length(config),
         causal=causal,
         num_layers=config.num_hidden_layers,
         vocab_size=config.vocab_size,
@@ -58,7 +59,7 @@ def resolve_config_position_encoding(config, causal: bool) -> dict[str, Any] | l
     config.position_encoding = resolve_position_layout(
         config.position_encoding,
         config.num_hidden_layers,
-        config.max_position_embeddings,
+        training_length(config),
         causal,
         config.hidden_size,
     )

