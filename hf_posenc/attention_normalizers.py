@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -326,6 +327,62 @@ def flex_pass(
     return output, aux.lse
 
 
+LSE_ONLY_VALUE_WIDTH = 16
+"""The value width of a pass read for its log-sum-exp only: the narrowest value head the Triton FlexAttention kernel
+takes, so that such a pass makes no ``P V`` worth the name and, its value being a constant, no ``dV``."""
+
+
+def lse_pass(attend, query, key, value, score_mod, block_mask, scale, transform: Callable) -> torch.Tensor:
+    """``lse_i = log sum_j e^(t(b_ij))`` over the visible keys, as :func:`flex_pass`, from a pass on a zero value of
+    :data:`LSE_ONLY_VALUE_WIDTH` (the value heads' count kept, for grouped-query attention): the log-sum-exp does not
+    depend on the values, so it equals the full pass's, gradients included, at a fraction of its cost."""
+    zeros = value.new_zeros(*value.shape[:-1], LSE_ONLY_VALUE_WIDTH)
+    return flex_pass(attend, query, key, zeros, score_mod, block_mask, scale, transform)[1]
+
+
+def stacked_flex_passes(attend, query, key, value, score_mod, block_mask, scale, transform: Callable, parts: int):
+    """``parts`` passes of :func:`flex_pass` that share q, k and v, in one FlexAttention call: each query head is
+    repeated ``parts`` times (stacked head ``s`` is head ``s // parts``, part ``s % parts``) over the same keys and
+    values (grouped-query attention, ``parts`` times as many query heads per key head), the scheme's ``score_mod``
+    sees the head ``s // parts``, and ``transform(score, part)`` gives each part its scores. Returns each part's
+    output and log-sum-exp, as separate passes would. A ``BlockMask`` with one head per query head (Transformers'
+    masks have one for all) would need repeating: then the parts run as separate passes."""
+    if block_mask is not None and block_mask.kv_num_blocks.shape[1] != 1:
+        return [
+            flex_pass(
+                attend,
+                query,
+                key,
+                value,
+                score_mod,
+                block_mask,
+                scale,
+                partial(transform, part=part),
+                pass_name=f"{transform.__name__}_{part}",
+            )
+            for part in range(parts)
+        ]
+
+    def stacked_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        if score_mod is not None:
+            score = score_mod(score, batch_idx, head_idx // parts, q_idx, kv_idx)
+        return transform(score, head_idx % parts)
+
+    stacked = query.repeat_interleave(parts, dim=1)
+    output, aux = attend(
+        stacked,
+        key,
+        value,
+        score_mod=stacked_score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+        pass_name=transform.__name__,
+    )
+    return [(output[:, part::parts], aux.lse[:, part::parts]) for part in range(parts)]
+
+
 def _visible_key_count_lse(attend, query: torch.Tensor, key: torch.Tensor, block_mask: BlockMask | None):
     """``log n_i``, ``n_i`` the number of keys query ``i`` may see, ``(batch, heads|1, q_len)``: the log-sum-exp of
     a FlexAttention pass of zero scores under the mask (``-inf`` where no key is visible), on zero q, k, v of width 16
@@ -355,15 +412,12 @@ def _log_relu_squared(score: torch.Tensor) -> torch.Tensor:
     return _log_where(score > 0, lambda b: 2 * torch.log(b), score, 1.0)
 
 
-def _log_positive_swish(score: torch.Tensor) -> torch.Tensor:
-    """``log swish(b) = log b + log sigmoid(b)`` for ``b > 0`` (where swish > 0), ``-inf`` elsewhere."""
-    return _log_where(score > 0, lambda b: torch.log(b) + nn.functional.logsigmoid(b), score, 1.0)
-
-
-def _log_negative_swish(score: torch.Tensor) -> torch.Tensor:
-    """``log(-swish(b)) = log(-b) + log sigmoid(b)`` for ``b < 0`` (where swish < 0), ``-inf`` elsewhere; exact
-    where float32 ``swish`` itself underflows (``b`` below about -100)."""
-    return _log_where(score < 0, lambda b: torch.log(-b) + nn.functional.logsigmoid(b), score, -1.0)
+def _log_swish_part(score: torch.Tensor, part: int | torch.Tensor) -> torch.Tensor:
+    """``log |swish(b)| = log |b| + log sigmoid(b)`` where ``b`` has the part's sign (part 0: ``b > 0``, where swish
+    > 0; part 1: ``b < 0``, where swish < 0), ``-inf`` elsewhere; exact where float32 ``swish`` itself underflows
+    (``b`` below about -100). ``part`` may be a tensor (a stacked head's part, :func:`stacked_flex_passes`)."""
+    in_part = score * (1 - 2 * part) > 0
+    return _log_where(in_part, lambda b: torch.log(b.abs()) + nn.functional.logsigmoid(b), score, 1.0)
 
 
 def _log_swish_squared(score: torch.Tensor) -> torch.Tensor:
@@ -477,7 +531,7 @@ class L2(AttentionNormalizer):
     Computed as ``e^(b - m) / ||e^(b - m)||_2`` with ``m`` the row max, the same ratio without overflow, for any
     finite scores. Init: a uniform row of ``n`` keys sums to ``sqrt(n)`` (softmax: 1), so W_V and W_O are scaled by
     ``max_positions^(-1/4)``. FlexAttention (where it returns the log-sum-exp): ``O = softmax(b) V
-    exp(lse(b) - lse(2b) / 2)``, one extra FlexAttention pass for ``lse(2b)``.
+    exp(lse(b) - lse(2b) / 2)``, ``lse(2b)`` from a pass on a narrow zero value (:func:`lse_pass`).
     """
 
     name = "l2"
@@ -496,7 +550,7 @@ class L2(AttentionNormalizer):
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         output, lse = flex_pass(attend, query, key, value, score_mod, block_mask, scale)
-        _, lse_double = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _double)
+        lse_double = lse_pass(attend, query, key, value, score_mod, block_mask, scale, _double)
         return output * _row_factor(lse - lse_double / 2, lse).to(output.dtype)
 
 
@@ -595,9 +649,10 @@ class SwishL2(AttentionNormalizer):
     weight's magnitude, ``s+ = log swish(b)`` where ``b > 0``, ``s- = log(-swish(b))`` where ``b < 0``
     (``log |b| + log sigmoid(b)``, ``-inf`` elsewhere) and ``s2 = 2 log |swish(b)|``:
     ``O = softmax(s+) V exp(lse(s+) - lse(s2)/2) - softmax(s-) V exp(lse(s-) - lse(s2)/2)``, combined in at least
-    float32. The values equal eager's; the gradient differs only at a score of exactly 0 (or so close to it that
-    ``e^s`` underflows, about 1e-38 of the row's weights in float32), where eager's ``d swish / d b = 1/2`` reaches
-    the weight and the log form gives 0: a weight that crosses zero has no logarithm there.
+    float32; the first two in one call (:func:`stacked_flex_passes`), ``lse(s2)`` on a narrow zero value
+    (:func:`lse_pass`). The values equal eager's; the gradient differs only at a score of exactly 0 (or so close to
+    it that ``e^s`` underflows, about 1e-38 of the row's weights in float32), where eager's ``d swish / d b = 1/2``
+    reaches the weight and the log form gives 0: a weight that crosses zero has no logarithm there.
     """
 
     name = "swish_l2"
@@ -614,12 +669,9 @@ class SwishL2(AttentionNormalizer):
         return swish / torch.where(norm > 0, norm, 1.0)
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
-        passes = [
-            flex_pass(attend, query, key, value, score_mod, block_mask, scale, transform)
-            for transform in (_log_positive_swish, _log_negative_swish, _log_swish_squared)
-        ]
-        (positive, lse_positive), (negative, lse_negative), (_, lse_squared) = passes
-        half_norm = lse_squared / 2
+        parts = stacked_flex_passes(attend, query, key, value, score_mod, block_mask, scale, _log_swish_part, 2)
+        (positive, lse_positive), (negative, lse_negative) = parts
+        half_norm = lse_pass(attend, query, key, value, score_mod, block_mask, scale, _log_swish_squared) / 2
         dtype = torch.promote_types(positive.dtype, torch.float32)  # the difference of two parts: at least float32
         output = positive.to(dtype) * _row_factor(lse_positive - half_norm, lse_positive)
         output = output - negative.to(dtype) * _row_factor(lse_negative - half_norm, lse_negative)
@@ -794,8 +846,8 @@ class Softpick(AttentionNormalizer):
     are left out of both sums (the reference zeroes the non-finite ones). Init: near-zero scores give ``relu(b) /
     sum |b|``, rows summing to at most 1, so W_V and W_O keep the usual init. FlexAttention (where it returns the
     log-sum-exp), two passes of the log-offset form: ``s+ = log(e^b - 1)`` where ``b > 0`` (``-inf`` elsewhere) and
-    ``s| = log |e^b - 1|``, ``O = softmax(s+) V exp(lse(s+) - log(e^lse(s|) + eps))``; the gradient at a score of
-    exactly 0 is 0 on both paths.
+    ``s| = log |e^b - 1|``, ``O = softmax(s+) V exp(lse(s+) - log(e^lse(s|) + eps))`` (``lse(s|)`` on a narrow zero
+    value, :func:`lse_pass`); the gradient at a score of exactly 0 is 0 on both paths.
     """
 
     name = "softpick"
@@ -825,7 +877,7 @@ class Softpick(AttentionNormalizer):
 
     def flex_output(self, attend, query, key, value, score_mod, block_mask, scale):
         output, lse_positive = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_positive_expm1)
-        _, lse_total = flex_pass(attend, query, key, value, score_mod, block_mask, scale, _log_abs_expm1)
+        lse_total = lse_pass(attend, query, key, value, score_mod, block_mask, scale, _log_abs_expm1)
         log_denominator = torch.logaddexp(lse_total, torch.full_like(lse_total, math.log(self.spec["eps"])))
         return output * _row_factor(lse_positive - log_denominator, lse_positive).to(output.dtype)
 

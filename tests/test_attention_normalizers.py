@@ -446,7 +446,7 @@ def test_bfloat16_rows_of_4096_keys_are_finite_and_match_float64(name, causal):
 FUSED = [("bert", "l2"), ("gpt2", "exp"), ("bert", "relu2"), ("gpt2", "relu2"), ("bert", "swish_l2")]
 FUSED += [("gpt2", "swish_l2"), ("bert", "sigmoid"), ("gpt2", "sigmoid"), ("bert", "softpick"), ("gpt2", "softpick")]
 FUSED += [("bert", "ssmax"), ("gpt2", "ssmax"), ("bert", "sink"), ("gpt2", "plus_one")]
-FLEX_CALLS = {"l2": 2, "exp": 1, "relu2": 2, "swish_l2": 3, "sigmoid": 1, "softpick": 2, "sink": 1, "plus_one": 1}
+FLEX_CALLS = {"l2": 2, "exp": 1, "relu2": 2, "swish_l2": 2, "sigmoid": 1, "softpick": 2, "sink": 1, "plus_one": 1}
 FLEX_CALLS["ssmax"] = 2  # the visible-key count (log n_i), then softmax with s_h log n_i in the score_mod
 
 
@@ -590,6 +590,50 @@ def test_fused_flex_values_and_gradients_equal_eager_at_zero_and_negative_scores
     assert torch.isfinite(results["flex"][1]).all()
     for flex_grad, eager_grad in zip(results["flex"][3], results["eager"][3], strict=True):  # a sink, s_h
         torch.testing.assert_close(flex_grad, eager_grad)
+
+
+LSE_ONLY_CALLS = {"l2": [2, 16], "softpick": [2, 16], "swish_l2": [4, 16]}
+"""Per normalizer, its FlexAttention calls' query heads (of 2) in order, then the width of the pass read for its
+log-sum-exp only (the others take the 8-wide values)."""
+
+
+@pytest.mark.parametrize("name", sorted(LSE_ONLY_CALLS))
+@pytest.mark.parametrize("mask_heads", [1, 2])
+def test_lse_only_passes_take_a_narrow_zero_value_and_shared_passes_one_call(name, mask_heads):
+    """The pass read for its log-sum-exp only (l2's ``lse(2b)``, softpick's ``lse(s|)``, swish_l2's ``lse(s2)``)
+    gets a zero value 16 wide that needs no gradient; swish_l2's positive and negative parts run as one call with
+    each query head stacked twice over the same keys and values (a per-head mask: two calls). Output and gradients
+    equal eager's weights (float64, a causal mask, grouped-query keys)."""
+    torch.manual_seed(1)
+    calls = []
+
+    def recording_flex(query, key, value, **kwargs):
+        calls.append((query.shape[1], value.shape[-1], value.requires_grad, bool((value == 0).all())))
+        return differentiable_flex(query, key, value, **kwargs)
+
+    visible = torch.ones(5, 6, dtype=torch.bool).tril(1)
+    block_mask = create_block_mask(lambda b, h, q, kv: visible[q, kv], None, mask_heads if mask_heads > 1 else None,
+                                   5, 6, "cpu")  # fmt: skip
+    scores = (torch.randn(2, 5, 6, dtype=torch.float64) * 2).requires_grad_()
+    value = torch.randn(1, 1, 6, 8, dtype=torch.float64, requires_grad=True)
+    query = torch.zeros(1, 2, 5, 16, dtype=torch.float64)
+    layer = normalizer(name, num_heads=2).double()
+    output = layer.flex_output(recording_flex, query, query[:, :1, :1].expand(1, 1, 6, 16), value, scores_mod(scores),
+                               block_mask, 1.0)  # fmt: skip
+    expected = reference_weights(name, scores.detach(), visible, layer=layer) @ value.detach()
+    torch.testing.assert_close(output, expected)
+    (output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum().backward()
+    flex_grads = scores.grad, value.grad
+    scores.grad = value.grad = None
+    masked = scores[None].masked_fill(~visible, torch.finfo(torch.float64).min)
+    eager = layer(masked, {"visible": visible}) @ value
+    (eager * torch.linspace(-1, 1, eager.numel(), dtype=torch.float64).view_as(eager)).sum().backward()
+    for flex_grad, eager_grad in zip(flex_grads, (scores.grad, value.grad), strict=True):
+        torch.testing.assert_close(flex_grad, eager_grad)
+    *full_heads, lse_width = LSE_ONLY_CALLS[name]
+    if mask_heads == 2 and name == "swish_l2":
+        full_heads = [2, 2]
+    assert calls == [(heads, 8, True, False) for heads in full_heads] + [(2, lse_width, False, True)]
 
 
 @pytest.mark.parametrize("name", ["relu2", "swish_l2", "sigmoid", "ssmax", "softpick", "sink"])
