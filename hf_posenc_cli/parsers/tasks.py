@@ -1,0 +1,99 @@
+"""The flags of the long-context tasks (``--task`` and the tasks' settings) that ``compare`` and ``extrapolate``
+share, and their range checks. Standard library only."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import int_at_least, positive_int
+
+
+TASKS = ("lm", "mqar", "copy", "passkey")
+DEFAULT_TASK_STEPS = {"lm": 600, "mqar": 1000, "copy": 600, "passkey": 600}
+"""``compare --max_train_steps`` when not given, by ``--task``."""
+PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
+PASSKEY_QUESTION_BYTES = len(" The pass key is ")
+
+
+def unit_interval(text: str) -> float:
+    """The flag type of a number in [0, 1] (a depth)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--task`` (``what`` it does with a task) and the settings of the tasks."""
+    group = parser.add_argument_group("long-context tasks (--task mqar, copy, passkey)")
+    group.add_argument(
+        "--task",
+        choices=TASKS,
+        default="lm",
+        help=f"lm: language modelling, the loss on held-out text; mqar, copy, passkey: {what}, the accuracy at each "
+        "length (hf_posenc_cli.recipes.tasks)",
+    )
+    group.add_argument(
+        "--mqar_pairs", type=positive_int, default=8, help="mqar: key-value pairs per example (Zoology's num_kv_pairs)"
+    )
+    group.add_argument("--mqar_queries", type=positive_int, default=8, help="mqar: keys asked per example (<= pairs)")
+    group.add_argument(
+        "--mqar_vocab",
+        type=int_at_least(2),
+        default=128,
+        help="mqar: bytes the keys (first half) and values (second half) are drawn from; the other bytes fill",
+    )
+    group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")
+    group.add_argument(
+        "--passkey_depths",
+        type=unit_interval,
+        nargs="+",
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="passkey: where the needle is scored, as a fraction of the filler before it (0: first, 1: last)",
+    )
+    group.add_argument(
+        "--task_eval_examples",
+        type=positive_int,
+        default=128,
+        help="examples scored at each length (passkey: at each length and depth), the same for every model",
+    )
+
+
+def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, length: int | None) -> None:
+    """The task's settings against each other and, when the training ``length`` is known, against it in bytes (the
+    tokens of ``compare``'s models): a parser error naming the flag."""
+    if args.task == "mqar":
+        try:
+            check_mqar(length, args.mqar_pairs, args.mqar_queries, args.mqar_vocab)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.task == "copy" and length is not None and length < 3:
+        parser.error(f"--task copy needs --block_size >= 3 (a letter, the separator, its copy), got {length}")
+    if args.task == "passkey" and length is not None:
+        needed = PASSKEY_NEEDLE_BYTES + PASSKEY_QUESTION_BYTES + 2 * args.passkey_digits
+        if needed > length:
+            parser.error(
+                f"--task passkey: the needle, the question and a key of --passkey_digits {args.passkey_digits} take "
+                f"{needed} bytes, more than --block_size {length}"
+            )
+
+
+def check_mqar(length: int | None, num_pairs: int, num_queries: int, vocab_size: int) -> None:
+    """A ``ValueError`` naming the flag when ``mqar``'s settings cannot make an example of ``length`` tokens (any
+    length when None)."""
+    if vocab_size % 2 or not 2 <= vocab_size <= 254:
+        raise ValueError(
+            f"--mqar_vocab must be even and in 2..254 (the bytes above it fill the rest), got {vocab_size}"
+        )
+    if not 1 <= num_pairs <= vocab_size // 2:
+        raise ValueError(f"--mqar_pairs must be in 1..{vocab_size // 2} (half of --mqar_vocab), got {num_pairs}")
+    if not 1 <= num_queries <= num_pairs:
+        raise ValueError(f"--mqar_queries must be in 1..{num_pairs} (--mqar_pairs), got {num_queries}")
+    if length is not None and 2 * num_pairs + 2 * num_queries > length:
+        raise ValueError(
+            f"--mqar_pairs {num_pairs} and --mqar_queries {num_queries} take {2 * num_pairs + 2 * num_queries} "
+            f"tokens, more than the length {length}"
+        )
