@@ -545,10 +545,6 @@ class TUPE(PositionEncoding):
         return spec["max_positions"]  # the rows of its absolute table
 
     @classmethod
-    def max_length(cls, spec):
-        return spec["max_positions"]  # the rows of its absolute table
-
-    @classmethod
     def check_spec(cls, spec):
         if spec["max_distance"] <= spec["num_buckets"] // 2:
             raise ValueError(
@@ -830,10 +826,6 @@ class RelativeKey(PositionEncoding):
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
         return RelativeKeyTerm(spec, dims)
-
-    @classmethod
-    def max_length(cls, spec):
-        return spec["max_positions"]  # distances up to max_positions - 1
 
     @classmethod
     def max_length(cls, spec):
