@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(2)
     PARSERS[recipe]().parse_args(rest)  # --help and unknown flags answered before torch is imported
     try:
-        RECIPES[recipe].load().main(rest)
+        module = RECIPES[recipe].load()
+        from .recipes.common import library_progress_bars_on_a_terminal
+
+        with library_progress_bars_on_a_terminal():
+            module.main(rest)
     except USER_ERRORS as error:
         if os.environ.get("HF_POSENC_TRACEBACK") == "1":
             raise

@@ -3,14 +3,16 @@
 ``catalogue.json`` beside this module is a snapshot of hf_posenc's two registries (``POSITION_ENCODINGS``,
 ``ATTENTION_NORMALIZERS``, the one source of names and options), written by ``python -m hf_posenc_cli.catalogue``;
 ``tests/test_cli.py`` fails when it differs from them. The command checks flag values against it while parsing, so an
-unknown name, an unknown option or an option of the wrong type stops a recipe before torch is imported. Ranges and
-constraints between options are checked by the config (:func:`hf_posenc.options.resolve_spec`) once torch is loaded,
-still before any work.
+unknown name, an unknown option, an option of the wrong type or a number out of its range stops a recipe before torch
+is imported. Constraints between options, and the choices of a string option, are checked by the config
+(:func:`hf_posenc.options.resolve_spec`) once torch is loaded, still before any work.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -49,8 +51,75 @@ def build_catalogue() -> dict[str, dict[str, Any]]:
 
 
 def describe_option(option) -> dict[str, Any]:
-    """An :class:`hf_posenc.options.Option` as the catalogue stores it: default, type names, valid range."""
-    return {"default": option.default, "types": [kind.__name__ for kind in option.types], "valid": option.valid}
+    """An :class:`hf_posenc.options.Option` as the catalogue stores it: default, type names, the valid values in
+    words and, for a number, as a :func:`number_range` record."""
+    types = [kind.__name__ for kind in option.types]
+    ranged = option.check is not None and any(kind in types for kind in ("int", "float"))
+    return {
+        "default": option.default,
+        "types": types,
+        "valid": option.valid,
+        "range": number_range(option.valid) if ranged else None,
+    }
+
+
+NUMBER_PHRASES = (
+    (r"(?:an? )?(?:finite )?(?:(even) )?(?:number|int)? ?(>=|>) (-?[\d.]+)", "bound"),
+    (r"(-?[\d.]+) (<=|<) x (<=|<) (-?[\d.]+)", "between"),
+    (r"a number in ([(\[])(-?[\d.]+), (-?[\d.]+)([)\]])", "interval"),
+    (r"(?:a )?finite(?: number)?", "finite"),
+)
+"""How an option's ``valid`` words give a number's range (each phrase may also say ``finite``)."""
+
+
+def number_range(valid: str) -> dict[str, Any]:
+    """The range of a number option from its ``valid`` words (``"an int >= 1"``, ``"0 < x <= 1"``, ``"a number in
+    (0, 1)"``, ``"a finite number > 0"``, ``'"learned" or a finite number'``): any of ``minimum``,
+    ``exclusive_minimum``, ``maximum``, ``exclusive_maximum``, ``multiple_of``, ``finite``. Quoted choices (a
+    string's) are left to the config. ``ValueError`` for words no phrase reads: phrase the option's ``valid`` so
+    that one does (``tests/test_cli.py`` checks each record against the option's own check)."""
+    numbers = [part for part in re.split(r" or ", valid) if not re.fullmatch(r"""(['"]).*\1""", part)]
+    if len(numbers) != 1:
+        raise ValueError(f"valid {valid!r}: expected one phrase about numbers, found {numbers}.")
+    phrase, record = numbers[0], {}
+    if "finite" in phrase:
+        record["finite"] = True
+    for pattern, form in NUMBER_PHRASES:
+        match = re.fullmatch(pattern, phrase)
+        if match is None:
+            continue
+        if form == "bound":
+            even, sign, bound = match.groups()
+            record["minimum" if sign == ">=" else "exclusive_minimum"] = json.loads(bound)
+            if even:
+                record["multiple_of"] = 2
+        elif form == "between":
+            low, low_sign, high_sign, high = match.groups()
+            record["minimum" if low_sign == "<=" else "exclusive_minimum"] = json.loads(low)
+            record["maximum" if high_sign == "<=" else "exclusive_maximum"] = json.loads(high)
+        elif form == "interval":
+            opening, low, high, closing = match.groups()
+            record["minimum" if opening == "[" else "exclusive_minimum"] = json.loads(low)
+            record["maximum" if closing == "]" else "exclusive_maximum"] = json.loads(high)
+        return record
+    raise ValueError(f"valid {valid!r}: no phrase of NUMBER_PHRASES reads {phrase!r}.")
+
+
+def in_range(value: Any, record: dict[str, Any] | None) -> bool:
+    """Whether a number lies in a :func:`number_range` record (anything else, or no record: True, left to the
+    config)."""
+    if record is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    if record.get("finite") and not math.isfinite(value):
+        return False
+    bounds = {
+        "minimum": lambda bound: value >= bound,
+        "exclusive_minimum": lambda bound: value > bound,
+        "maximum": lambda bound: value <= bound,
+        "exclusive_maximum": lambda bound: value < bound,
+        "multiple_of": lambda step: value % step == 0,
+    }
+    return all(holds(record[key]) for key, holds in bounds.items() if key in record)
 
 
 def catalogue_text(catalogue: dict[str, dict[str, Any]]) -> str:
@@ -89,6 +158,9 @@ def check_spec(kind: str, value: str | dict[str, Any]) -> None:
     for key, given in spec.items():
         if key != "type":
             check_type(f"{kind} {name!r}", key, given, options[key])
+            if not in_range(given, options[key]["range"]):
+                valid = options[key]["valid"]
+                raise ValueError(f"{kind} {name!r}: option {key!r}={given!r} is out of range; valid: {valid}.")
 
 
 def check_type(owner: str, key: str, value: Any, option: dict[str, Any]) -> None:

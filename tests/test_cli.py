@@ -50,6 +50,20 @@ def test_console_script_reports_a_user_error_in_one_line_and_exits_non_zero(argv
     assert "Traceback" not in result.stderr and "{" not in last
 
 
+def test_a_log_redirected_to_a_file_holds_no_progress_lines(tmp_path):
+    """stderr not a terminal (here a pipe, as a file is): no progress bar of the recipe, of datasets or of
+    Transformers writes to it; what is left is the warning that 2 steps end inside the default warm-up of 60."""
+    result = run_command([console_script(), *TINY_PRETRAIN, "--output_dir", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "it/s" not in result.stderr and "\r" not in result.stderr and "%|" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [
+        "hf-posenc pretrain: warning: --max_train_steps 2 does not exceed --num_warmup_steps 60: the learning rate is "
+        "still warming up when training stops (no step at its peak, no decay), so the losses are those of a model "
+        "barely trained, not of the schedule; give more steps or a shorter --num_warmup_steps."
+    ]
+    assert "step 2: eval loss" in result.stdout
+
+
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"],
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -102,6 +116,36 @@ BAD_INPUTS = [
         "hf-posenc compare: error: argument --schemes: unknown position_encoding 'rotary'; valid: learned, ",
     ),
     (["compare", "--threads", "-1"], "hf-posenc compare: error: argument --threads: expected an integer >= 0, got -1"),
+    (
+        ["compare", "--schemes", "rope:theta=-1"],
+        "hf-posenc compare: error: argument --schemes: position_encoding 'rope': option 'theta'=-1 is out of range; "
+        "valid: a number > 1",
+    ),
+    (
+        ["pretrain", "--position_encoding", '{"type": "t5", "num_buckets": 0}'],
+        "hf-posenc pretrain: error: argument --position_encoding: position_encoding 't5': option 'num_buckets'=0 is "
+        "out of range; valid: an even int >= 4",
+    ),
+    (
+        ["probe", "--variants", "softmax+gate", "--schemes", "alibi:max_positions=0.5"],
+        "hf-posenc probe: error: argument --schemes: unknown option(s) ['max_positions'] for position_encoding",
+    ),
+    (
+        ["glue", "--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "o", "--attention_normalizer"]
+        + ['{"type": "ssmax", "initial_scale": Infinity}'],
+        "hf-posenc glue: error: argument --attention_normalizer: attention_normalizer 'ssmax': option "
+        "'initial_scale'=inf is out of range; valid: finite",
+    ),
+    *(
+        ([recipe, *required, "--threads", "x"], f"hf-posenc {recipe}: error: argument --threads: expected an integer")
+        for recipe, required in (
+            ("pretrain", []),
+            ("extrapolate", ["--model_name_or_path", "m"]),
+            ("probe", []),
+            ("retrofit", []),
+            ("glue", ["--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "o"]),
+        )
+    ),  # fmt: skip
     (
         ["compare", "--output_dir", "{file}/compare-output"],
         "hf-posenc compare: error: argument --output_dir: {file}/compare-output: {file} is a file, not a folder",
@@ -158,6 +202,49 @@ def test_the_commands_catalogue_is_the_registries():
     """``hf_posenc_cli/catalogue.json`` (what the command checks names and options against without torch) is the
     registries' own description; after adding or changing a scheme: python -m hf_posenc_cli.catalogue."""
     assert catalogue.load_catalogue() == catalogue.build_catalogue(), "run: python -m hf_posenc_cli.catalogue"
+
+
+def number_probes(record: dict, types: tuple[type, ...]) -> list:
+    """Numbers around every bound of a range record (and 0, small integers, infinities, NaN), of the option's
+    types."""
+    bounds = [value for key, value in record.items() if key not in ("finite", "multiple_of")]
+    integers = sorted({*range(-3, 11), *(round(bound) + step for bound in bounds for step in (-1, 0, 1))})
+    probes = list(integers) if int in types else []
+    if float in types:
+        probes += [float(value) for value in integers]
+        probes += [bound + step for bound in bounds for step in (-0.5, -1e-9, 1e-9, 0.5)]
+        probes += [float("inf"), float("-inf"), float("nan"), 0.37, 2.5]
+    return probes
+
+
+def test_the_catalogues_number_ranges_are_the_options_own_checks():
+    """Every number option with a range check has a range record in the catalogue (the command checks it before
+    torch loads), and the record accepts exactly the numbers the option's own check accepts, around every bound."""
+    from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+    from hf_posenc.position_encodings import POSITION_ENCODINGS
+
+    checked = 0
+    for registry in (POSITION_ENCODINGS, ATTENTION_NORMALIZERS):
+        for name, entry in registry.items():
+            for key, option in entry.options.items():
+                record = catalogue.describe_option(option)["range"]
+                numeric = {int, float} & set(option.types)
+                assert (record is not None) == (option.check is not None and bool(numeric)), (name, key)
+                for value in number_probes(record, option.types) if record is not None else []:
+                    assert catalogue.in_range(value, record) == bool(option.check(value)), (name, key, value)
+                    checked += 1
+    assert checked > 1000
+
+
+def test_a_range_is_read_from_the_options_words():
+    """The phrases of an option's ``valid`` words, each read into its bounds; words no phrase reads are refused."""
+    assert catalogue.number_range("an even int >= 4") == {"minimum": 4, "multiple_of": 2}
+    assert catalogue.number_range("0 < x <= 1") == {"exclusive_minimum": 0, "maximum": 1}
+    assert catalogue.number_range("a number in (0, 1)") == {"exclusive_minimum": 0, "exclusive_maximum": 1}
+    assert catalogue.number_range("a finite number >= 0") == {"finite": True, "minimum": 0}
+    assert catalogue.number_range('"learned" or a finite number') == {"finite": True}
+    with pytest.raises(ValueError, match="no phrase of NUMBER_PHRASES reads 'a prime'"):
+        catalogue.number_range("a prime")
 
 
 @pytest.mark.parametrize("recipe", list(PARSERS))

@@ -609,6 +609,81 @@ def test_every_recipe_that_writes_a_model_can_push_it(recipe):
     assert (args.push_to_hub, args.hub_model_id, args.hub_token) == (True, "me/x", "t")
 
 
+REQUIRED_FLAGS = {
+    "extrapolate": ["--model_name_or_path", "m"],
+    "glue": ["--model_name_or_path", "m", "--task_name", "rte", "--output_dir", "o"],
+}
+
+
+@pytest.mark.parametrize("recipe", list(PARSERS))
+def test_every_recipe_takes_threads_one_by_default(recipe):
+    parse = PARSERS[recipe]().parse_args
+    assert parse(REQUIRED_FLAGS.get(recipe, [])).threads == 1
+    assert parse([*REQUIRED_FLAGS.get(recipe, []), "--threads", "3"]).threads == 3
+    assert "one thread trained 2.6-4.5x faster than two" in " ".join(PARSERS[recipe]().format_help().split())
+
+
+@pytest.mark.parametrize(
+    ("recipe", "module", "work"),
+    [
+        ("pretrain", "pretrain_recipe", "train"),
+        ("extrapolate", "extrapolate", "score_models"),
+        ("glue", "glue", "fine_tune"),
+        ("probe", "probe_recipe", "probe_all"),
+        ("retrofit", "retrofit_recipe", "warm_start"),
+    ],  # fmt: skip
+)
+def test_a_recipe_runs_on_its_threads_and_gives_the_count_back(recipe, module, work, alibi_decoder, monkeypatch):
+    """The recipe's work runs with ``--threads`` torch threads; the caller's count is back afterwards."""
+    recipe_module = globals()[module]
+    seen = []
+    monkeypatch.setattr(recipe_module, work, lambda *args: seen.append(torch.get_num_threads()) or [])
+    before = torch.get_num_threads()
+    model = ["--model_name_or_path", str(alibi_decoder)]
+    required = {"extrapolate": model, "glue": [*model, "--task_name", "rte", "--output_dir", str(alibi_decoder)]}
+    recipe_module.main([*required.get(recipe, []), "--threads", str(before + 1)])
+    assert seen == [before + 1] and torch.get_num_threads() == before
+
+
+def test_a_schedule_that_ends_in_its_warm_up_is_warned_of_once(capsys, monkeypatch):
+    """``--max_train_steps`` not above ``--num_warmup_steps`` (compare's default warm-up is 60): one warning line
+    under the recipe's name; the runs compare then pretrains say nothing more."""
+    monkeypatch.setattr(recipe_common, "WARNED", set())
+    compare.parse_args(["--schemes", "rope", "--max_train_steps", "40"])
+    pretrain_recipe.parse_args(["--max_train_steps", "40"])
+    error = capsys.readouterr().err
+    assert error == (
+        "hf-posenc compare: warning: --max_train_steps 40 does not exceed --num_warmup_steps 60: the learning rate is "
+        "still warming up when training stops (no step at its peak, no decay), so the losses are those of a model "
+        "barely trained, not of the schedule; give more steps or a shorter --num_warmup_steps.\n"
+    )
+    compare.parse_args(["--schemes", "rope", "--max_train_steps", "61"])
+    pretrain_recipe.parse_args(["--max_train_steps", "0", "--num_train_epochs", "1"])  # epochs: no step count given
+    assert capsys.readouterr().err == ""
+
+
+def test_compare_checks_every_runs_config_before_any_work(tmp_path, capsys):
+    """A scheme without an encoder form, given with --encoders, stops compare at once under its own name (not when
+    the encoder's turn comes, after the decoders have trained)."""
+    with pytest.raises(SystemExit) as stopped:
+        compare.parse_args(["--schemes", "rope", "fox", "--encoders", "--output_dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-posenc compare: error: encoder (masked LM) fox + softmax: position_encoding 'fox' has")
+    assert error.count("\n") == 1 and not (tmp_path / "models").exists()
+
+
+def test_the_model_card_loads_the_folder_as_written(tmp_path, monkeypatch):
+    """The card's snippet names the path given as --output_dir (relative here), which loads from where the command
+    ran; not the folder's base name, which does not."""
+    monkeypatch.chdir(tmp_path)
+    pretrain_recipe.main([*TINY, "--max_train_steps", "1", "--output_dir", "out/tiny"])
+    card = (tmp_path / "out" / "tiny" / "README.md").read_text()
+    assert 'AutoModelForCausalLM.from_pretrained("out/tiny", trust_remote_code=True)' in card
+    assert card.startswith("---") and "\n# tiny\n" in card
+    transformers.AutoModelForCausalLM.from_pretrained("out/tiny", trust_remote_code=True)
+
+
 def test_hf_posenc_help_lists_every_recipe(capsys):
     with pytest.raises(SystemExit) as stopped:
         hf_posenc_cli.main(["--help"])

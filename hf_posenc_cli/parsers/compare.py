@@ -10,10 +10,10 @@ from .common import (
     DEFAULT_FACTORS,
     add_hub_flags,
     add_layout_flags,
+    add_threads_flag,
     add_tracking_flags,
     catalogue_name,
     new_parser,
-    non_negative_int,
     output_folder,
 )
 
@@ -31,8 +31,10 @@ length, at 2x, 4x, 8x that length (sliding windows), the position probe's relati
 tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and the models under models/.
 
   hf-posenc compare                # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores at load 2-4
+  hf-posenc compare --schemes rope alibi --max_train_steps 200 --num_warmup_steps 20 --eval_steps 200 \\
+      --probe_steps 100 --max_eval_tokens 4096 --output_dir out/compare-quick    # a quick look: 4 min on 2 busy cores
   hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
-  hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \
+  hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \\
       --seeds 0 1 2
   hf-posenc compare --schemes rope --layouts irope --attention_chunk_size 32 --num_hidden_layers 4
 """,
@@ -91,14 +93,7 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     )
     parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
-    parser.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=1,
-        help="torch's threads per process (torch.set_num_threads; 0: torch's default, one per core). On a 2-core CPU "
-        "shared with other jobs one thread trained 2.6-4.5x faster than two; a rerun with the same --threads gives "
-        "the same numbers, another thread count moves them as another seed would",
-    )
+    add_threads_flag(parser)
     add_tracking_flags(parser)
     add_hub_flags(
         parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .common import (
     DEFAULT_FACTORS,
+    add_threads_flag,
     new_parser,
     output_folder,
 )
@@ -55,4 +56,5 @@ standard deviation.
     parser.add_argument(
         "--output_dir", type=output_folder, default="extrapolation-output", help="the table, the JSON file, the plot"
     )
+    add_threads_flag(parser)
     return parser

@@ -9,6 +9,7 @@ from pathlib import Path
 from .common import (
     SCHEDULER_TYPES,
     add_hub_flags,
+    add_threads_flag,
     add_tracking_flags,
     new_parser,
     output_folder,
@@ -80,6 +81,7 @@ with hf_posenc.retrofit (every other weight kept in both cases).
     )
     parser.add_argument("--ignore_mismatched_sizes", action="store_true", help="new head where label counts differ")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow code from the checkpoint's folder")
+    add_threads_flag(parser)
     add_tracking_flags(parser)
     add_hub_flags(parser, "the best epoch's model")
     return parser

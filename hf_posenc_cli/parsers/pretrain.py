@@ -10,6 +10,7 @@ from .. import catalogue
 from .common import (
     SCHEDULER_TYPES,
     add_hub_flags,
+    add_threads_flag,
     add_tracking_flags,
     hidden_alias,
     new_parser,
@@ -159,6 +160,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
     train.add_argument(
         "--output_dir", type=output_folder, default="pretrain-output", help="the model, its tokenizer, logs, results"
     )
+    add_threads_flag(train)
     add_tracking_flags(train)
     add_hub_flags(train, "the model, its code and tokenizer")
     return parser

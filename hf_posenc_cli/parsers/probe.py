@@ -8,6 +8,7 @@ import argparse
 from .. import catalogue
 from .common import (
     add_layout_flags,
+    add_threads_flag,
     checked,
     hidden_alias,
     new_parser,
@@ -76,6 +77,7 @@ Several processes split the grid.
     parser.add_argument(
         "--output_dir", type=output_folder, default="probe-output", help="the table, the results, the heat map"
     )
+    add_threads_flag(parser)
     hidden_alias(parser, "--steps", "max_train_steps", type=int)
     hidden_alias(parser, "--lr", "learning_rate", type=float)
     hidden_alias(parser, "--output-dir", "output_dir", type=output_folder)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .common import (
     add_hub_flags,
+    add_threads_flag,
     add_tracking_flags,
     catalogue_name,
     hidden_alias,
@@ -67,6 +68,7 @@ scheme. Writes results.json and retrofit.png to --output_dir.
         action="store_true",
         help="save each retrofitted model (save_pretrained, with its tokenizer and model card) in --output_dir",
     )
+    add_threads_flag(parser)
     add_tracking_flags(parser)
     add_hub_flags(
         parser,

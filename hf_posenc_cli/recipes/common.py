@@ -6,16 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import datasets
 import torch
 from accelerate import Accelerator
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from transformers.utils import logging as hf_logging
 
 from hf_posenc.configuration_posenc import layout_name
 
@@ -61,6 +64,59 @@ def torch_threads(count: int) -> Iterator[int]:
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def progress_bar_off(main_process: bool) -> bool | None:
+    """tqdm's ``disable`` for a recipe's progress bar: off outside the main process, else None, which tqdm reads as
+    "shown on a terminal only", so a log redirected to a file holds no progress lines."""
+    return None if main_process else True
+
+
+@contextmanager
+def library_progress_bars_on_a_terminal() -> Iterator[None]:
+    """Run the block with the progress bars of ``datasets`` (``map``) and Transformers (loading and writing
+    weights) shown only when stderr is a terminal, then restore their settings: the command's log redirected to a
+    file holds no progress lines."""
+    switches = [
+        (datasets.is_progress_bar_enabled, datasets.disable_progress_bars, datasets.enable_progress_bars),
+        (hf_logging.is_progress_bar_enabled, hf_logging.disable_progress_bar, hf_logging.enable_progress_bar),
+    ]
+    turned_off = []
+    if not sys.stderr.isatty():
+        for is_enabled, disable, enable in switches:
+            if is_enabled():
+                disable()
+                turned_off.append(enable)
+    try:
+        yield
+    finally:
+        for enable in turned_off:
+            enable()
+
+
+WARNED: set[str] = set()
+"""The warnings :func:`warn` has printed in this process."""
+
+
+def warn(prog: str, message: str) -> None:
+    """Print ``<prog>: warning: <message>`` on stderr (the main process of a launch only), once per process: compare
+    checks its runs' flags before pretraining them, and each run would say the same again."""
+    if message in WARNED or int(os.environ.get("RANK", "0")) != 0:
+        return
+    WARNED.add(message)
+    print(f"{prog}: warning: {message}", file=sys.stderr)
+
+
+def warn_short_schedule(prog: str, max_train_steps: int | None, num_warmup_steps: int) -> None:
+    """Warn when ``--max_train_steps`` does not exceed ``--num_warmup_steps``: the learning rate is still rising when
+    the run stops, so it never trains at its peak nor decays."""
+    if max_train_steps and max_train_steps <= num_warmup_steps:
+        warn(
+            prog,
+            f"--max_train_steps {max_train_steps} does not exceed --num_warmup_steps {num_warmup_steps}: the learning "
+            "rate is still warming up when training stops (no step at its peak, no decay), so the losses are those of "
+            "a model barely trained, not of the schedule; give more steps or a shorter --num_warmup_steps.",
+        )
 
 
 def is_multi_cpu_launch() -> bool:
@@ -155,6 +211,7 @@ def write_model_card(
         base_model=getattr(args, "model_name_or_path", None) if recipe != "pretrain" else None,
     )
     name = repo_id or folder.resolve().name
+    location = repo_id or str(folder)  # what from_pretrained reads: the Hub id, else the folder as written
     flags = "\n".join(
         f"| `--{key}` | `{value}` |" for key, value in tracker_config(args).items() if value not in (None, "null")
     )
@@ -200,7 +257,7 @@ switch).
 ```python
 import transformers
 
-model = transformers.{auto_class}.from_pretrained("{name}", trust_remote_code=True)
+model = transformers.{auto_class}.from_pretrained("{location}", trust_remote_code=True)
 ```
 
 The folder carries its modeling code, so `trust_remote_code=True` loads it where hf_posenc is not installed.

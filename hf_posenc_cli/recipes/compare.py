@@ -18,9 +18,11 @@ on a shared 2-core CPU the fastest, and a rerun gives the same numbers)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -34,8 +36,9 @@ import hf_posenc
 
 from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme
 from ..parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
+from ..parsers.pretrain import pretrain_parser
 from . import pretrain
-from .common import checked_input, hub_repository, recipe_accelerator, torch_threads
+from .common import checked_input, hub_repository, recipe_accelerator, torch_threads, warn_short_schedule
 from .extrapolate import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
 
 
@@ -73,7 +76,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tokenizer_name is not None:
         load_tokenizer = partial(pretrain.load_tokenizer, task="mlm" if args.encoders else "clm")
         checked_input(parser, "--tokenizer_name", args.tokenizer_name, load_tokenizer)
+    check_run_configs(parser, args)
+    warn_short_schedule(parser.prog, args.max_train_steps, args.num_warmup_steps)
     return args
+
+
+def check_run_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Build the model config of every run as its pretraining will (:func:`pretrain.build_config`), before any work:
+    a value out of range, options that do not fit together, or a scheme without the family's form stop the comparison
+    here, in one line under compare's name, rather than when that run's turn comes."""
+    tasks = ["clm", "mlm"] if args.encoders else ["clm"]
+    for task, entry, normalizer in itertools.product(tasks, [*args.schemes, *args.layouts], args.normalizers):
+        argv = recipe_argv(args, (task, entry, normalizer, args.seed), args.output_dir)
+        run_args = pretrain_parser().parse_args(argv)
+        pretrain.fill_model_defaults(run_args)
+        try:
+            pretrain.build_config(run_args, vocab_size=384, pad_token_id=0, eos_token_id=1)
+        except ValueError as error:
+            parser.error(f"{TASK_NAMES[task]} {entry} + {normalizer}: {' '.join(str(error).split())}")
 
 
 Run = tuple[str, str, str, int]
@@ -122,7 +142,7 @@ def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[st
         argv += [f"--{flag}", str(getattr(args, flag))]
     for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
         argv += [f"--{flag}", str(getattr(args, flag))]
-    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(seed)]
+    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(seed), "--threads", str(args.threads)]
     if args.with_tracking:
         argv += ["--with_tracking", "--report_to", args.report_to]
     if args.train_file is not None:
@@ -155,7 +175,7 @@ def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
     if accelerator.is_main_process:
         probe = hf_posenc.probe(
             **layout, attention_normalizer=parse_scheme(normalizer), family=family, steps=args.probe_steps, seed=seed,
-            progress_bar=True,
+            progress_bar=sys.stderr.isatty(),
         )  # fmt: skip
         result = [probe["relative_mse"]]
     return broadcast_object_list(result)[0]

@@ -29,7 +29,7 @@ from hf_posenc.configuration_posenc import layout_name
 
 from ..parsers.common import DEFAULT_FACTORS
 from ..parsers.extrapolate import extrapolate_parser
-from .common import checked_input, recipe_accelerator
+from .common import checked_input, progress_bar_off, recipe_accelerator, torch_threads
 from .pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
 
 
@@ -83,7 +83,7 @@ def sliding_window_loss(
     main_process = accelerator is None or accelerator.is_local_main_process
     total, count, error = 0.0, 0, None
     try:
-        for first in tqdm(batches, desc=f"windows of {window}", disable=not main_process, leave=False):
+        for first in tqdm(batches, desc=f"windows of {window}", disable=progress_bar_off(main_process), leave=False):
             blocks = torch.stack([ids[s : s + window] for s in starts[first : first + batch_size]])
             if mask_token_id is None:
                 labels = blocks
@@ -172,7 +172,7 @@ def summary_cell(figure: dict[str, Any] | str | None, digits: int = 3) -> str:
 
 TRAINING_DETAILS = (
     "seed", "output_dir", "hub_model_id", "hub_token", "push_to_hub", "resume_from_checkpoint", "checkpointing_steps",
-    "with_tracking", "report_to", "preprocessing_num_workers", "overwrite_cache",
+    "with_tracking", "report_to", "preprocessing_num_workers", "overwrite_cache", "threads",
 )  # fmt: skip
 """What a model's ``training_args.json`` records that does not make it another experiment: two models whose
 arguments differ only here are seeds of one."""
@@ -319,6 +319,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     args.factors = tuple(sorted(set(args.factors)))
     models = [(name, *checked_model(parser, args, name)) for name in args.model_name_or_path]
+    with torch_threads(args.threads):
+        return score_models(args, models)
+
+
+def score_models(args: argparse.Namespace, models: list[tuple]) -> list[dict[str, Any]]:
+    """Score every model of ``models`` (name, config, tokenizer, training length) at each length; write the report."""
     accelerator = recipe_accelerator(args)
     rows = []
     for name, config, tokenizer, train_length in models:

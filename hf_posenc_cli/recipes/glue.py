@@ -47,10 +47,13 @@ from ..parsers.glue import glue_parser
 from .common import (
     checked_input,
     hub_repository,
+    progress_bar_off,
     recipe_accelerator,
     scheme_names,
+    torch_threads,
     tracker_config,
     upload_folder,
+    warn_short_schedule,
     write_model_card,
 )
 
@@ -141,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--gradient_accumulation_steps must be at least 1, got {args.gradient_accumulation_steps}")
     if args.num_train_epochs < 0 or (args.max_train_steps is not None and args.max_train_steps < 1):
         parser.error("--num_train_epochs must be >= 0 (0: evaluate only) and --max_train_steps >= 1")
+    warn_short_schedule(parser.prog, args.max_train_steps, args.num_warmup_steps)
     remote = {"trust_remote_code": args.trust_remote_code}
     load_config = partial(transformers.AutoConfig.from_pretrained, **remote)
     checked_input(parser, "--model_name_or_path", args.model_name_or_path, load_config, weights=True)
@@ -385,7 +389,9 @@ def train_one_seed(
     start = time.perf_counter()
     epochs, best, best_state, completed_steps = [], None, None, 0
     progress = tqdm(
-        total=max_train_steps, desc=f"{args.task_name} seed {seed}", disable=not accelerator.is_local_main_process
+        total=max_train_steps,
+        desc=f"{args.task_name} seed {seed}",
+        disable=progress_bar_off(accelerator.is_local_main_process),
     )
     model.train()
     for epoch in range(1, num_epochs + 1):
@@ -473,6 +479,12 @@ def glue_data(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    with torch_threads(args.threads):
+        return fine_tune(args)
+
+
+def fine_tune(args: argparse.Namespace) -> dict:
+    """Fine-tune and evaluate as ``args`` say."""
     repo_id = hub_repository(args)  # before any work: a Hub target that cannot be reached stops the run here
     accelerator = recipe_accelerator(
         args, gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision

@@ -45,9 +45,12 @@ from ..parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
 from .common import (
     checked_input,
     hub_repository,
+    progress_bar_off,
     recipe_accelerator,
+    torch_threads,
     tracker_config,
     upload_folder,
+    warn_short_schedule,
     write_model_card,
 )
 
@@ -121,20 +124,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         if args.config_overrides is not None:
             parser.error("--config_overrides needs --config_name or --model_name_or_path")
-        for name, default in MODEL_SIZE_DEFAULTS.items():
-            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-        if args.layout is None:
-            args.position_encoding = args.position_encoding or "learned"
-        args.attention_normalizer = args.attention_normalizer or "softmax"
-        args.dropout = 0.0 if args.dropout is None else args.dropout
-        args.initializer_range = 0.02 if args.initializer_range is None else args.initializer_range
+        fill_model_defaults(args)
         try:  # the config checks names, options, types and ranges; fail now rather than after the data
             build_config(args, vocab_size=384, pad_token_id=0, eos_token_id=1)
         except ValueError as error:
             parser.error(str(error))
     if args.tokenizer_name is not None:
         checked_input(parser, "--tokenizer_name", args.tokenizer_name, partial(load_tokenizer, task=args.task))
+    warn_short_schedule(parser.prog, args.max_train_steps, args.num_warmup_steps)
     return args
+
+
+def fill_model_defaults(args: argparse.Namespace) -> None:
+    """The model flags left None (a new model from the flags): the sizes of :data:`MODEL_SIZE_DEFAULTS`, ``learned``
+    (without ``--layout``), ``softmax``, dropout 0 and GPT-2's initializer range 0.02."""
+    for name, default in MODEL_SIZE_DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.layout is None:
+        args.position_encoding = args.position_encoding or "learned"
+    args.attention_normalizer = args.attention_normalizer or "softmax"
+    args.dropout = 0.0 if args.dropout is None else args.dropout
+    args.initializer_range = 0.02 if args.initializer_range is None else args.initializer_range
 
 
 def checkpoint_step(folder: Path) -> int | None:
@@ -360,6 +370,12 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train one model; returns the final metrics (also written to ``output_dir/results.json``)."""
     args = parse_args(argv)
+    with torch_threads(args.threads):
+        return train(args)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one model as ``args`` say."""
     tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path, args.task)
     repo_id = hub_repository(args)  # before any work: a Hub target that cannot be reached stops the run here
     accelerator = recipe_accelerator(
@@ -436,7 +452,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens_per_step *= accelerator.num_processes
     log_path = args.output_dir / "train_log.jsonl"
     progress = tqdm(
-        total=max_train_steps, initial=completed_steps, desc="training", disable=not accelerator.is_local_main_process
+        total=max_train_steps,
+        initial=completed_steps,
+        desc="training",
+        disable=progress_bar_off(accelerator.is_local_main_process),
     )
     train_seconds, step_loss, history, uploads = 0.0, torch.zeros((), dtype=torch.float64), [], []
     if args.with_tracking:

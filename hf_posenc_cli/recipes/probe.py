@@ -31,7 +31,7 @@ import hf_posenc
 
 from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme, parse_variant
 from ..parsers.probe import probe_parser
-from .common import recipe_accelerator
+from .common import progress_bar_off, recipe_accelerator, torch_threads
 
 
 def default_schemes() -> list[str]:
@@ -86,7 +86,8 @@ def run_grid(args: argparse.Namespace, process_index: int = 0, num_processes: in
     ]
     results = []
     mine = list(enumerate(grid))[process_index::num_processes]
-    for index, (family, scheme, variant, seed) in tqdm(mine, desc="probe", disable=process_index != 0):
+    bar = progress_bar_off(process_index == 0)
+    for index, (family, scheme, variant, seed) in tqdm(mine, desc="probe", disable=bar):
         normalizer, boundary = parse_variant(variant)
         start = time.perf_counter()
         result = hf_posenc.probe(
@@ -197,6 +198,12 @@ def heat_map_figure(results: list[dict], families: list[str], schemes: list[str]
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    with torch_threads(args.threads):
+        return probe_all(args)
+
+
+def probe_all(args: argparse.Namespace) -> list[dict]:
+    """Probe every cell of the grid ``args`` give."""
     accelerator = recipe_accelerator(args)
     mine = run_grid(args, accelerator.process_index, accelerator.num_processes)
     results = [entry for _, entry in sorted(gather_object(mine), key=lambda pair: pair[0])]

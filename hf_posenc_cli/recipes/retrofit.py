@@ -34,7 +34,9 @@ from ..parsers.retrofit import retrofit_parser
 from .common import (
     checked_input,
     hub_repository,
+    progress_bar_off,
     recipe_accelerator,
+    torch_threads,
     tracker_config,
     upload_folder,
     write_model_card,
@@ -134,7 +136,7 @@ def train(model: MaskedTokensLoss, loader, steps: int, lr: float, accelerator, d
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model.train()
-    step, progress = 0, tqdm(total=steps, desc=description, disable=not accelerator.is_main_process)
+    step, progress = 0, tqdm(total=steps, desc=description, disable=progress_bar_off(accelerator.is_main_process))
     while step < steps:
         for batch in loader:
             loss = model(**batch)
@@ -203,6 +205,12 @@ def save_model(args, model: transformers.PreTrainedModel, tokenizer, result: dic
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    with torch_threads(args.threads):
+        return warm_start(args)
+
+
+def warm_start(args: argparse.Namespace) -> list[dict]:
+    """Retrofit and train every scheme x normalizer ``args`` give."""
     # before any work: every Hub target is created (or found), one repository per scheme x normalizer
     repo_ids = {
         (scheme, normalizer): hub_repository(args, f"-{scheme}-{normalizer}")
