@@ -443,7 +443,9 @@ class PosEncBertConfig(BertConfig):
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=self.is_decoder)
+        self.attention_normalizer = resolve_attention_normalizer(
+            self.attention_normalizer, causal=self.is_decoder, num_heads=self.num_attention_heads
+        )
         resolve_attention_shape_options(self)
         super().__post_init__(**kwargs)
 
@@ -508,6 +510,8 @@ class PosEncGPT2Config(GPT2Config):
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)
-        self.attention_normalizer = resolve_attention_normalizer(self.attention_normalizer, causal=True)
+        self.attention_normalizer = resolve_attention_normalizer(
+            self.attention_normalizer, causal=True, num_heads=self.n_head
+        )
         resolve_attention_shape_options(self)
         super().__post_init__(**kwargs)
