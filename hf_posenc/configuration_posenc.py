@@ -384,12 +384,17 @@ def resolve_attention_shape_options(config) -> None:
     config.attn_logit_softcapping = float(cap)
 
 
-def resolve_attention_normalizer(value: Any, causal: bool | None = None) -> dict[str, Any]:
+def resolve_attention_normalizer(
+    value: Any, causal: bool | None = None, num_heads: int | None = None
+) -> dict[str, Any]:
     """Full spec of an attention normalizer; for an encoder or a decoder (``causal``; None: a bare spec, no family
-    check) a normalizer with no form for the family raises ``ValueError``."""
+    check) a normalizer with no form for the family raises ``ValueError``, and one that cannot run with
+    ``num_heads`` attention heads (None: not checked) too."""
     spec = resolve_spec("attention_normalizer", value, ATTENTION_NORMALIZERS)
     if causal is not None:
         ATTENTION_NORMALIZERS[spec["type"]].check_family(spec, causal)
+    if num_heads is not None:
+        ATTENTION_NORMALIZERS[spec["type"]].check_heads(spec, num_heads)
     return spec
 
 
