@@ -509,9 +509,14 @@ def test_a_scheme_reading_past_every_layer_window_is_refused():
 
 # The attention-shape options (``use_qk_norm``, ``attn_logit_softcapping``) with a representative absolute and
 # relative scheme, a rotation and a content term, and normalizers beyond softmax: the options act on q, k and the
-# scores, whatever feeds them. A cap of 1 acts on these models' scores.
-ATTENTION_OPTIONS = [{"use_qk_norm": True}, {"attn_logit_softcapping": 1.0}]
-OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw"]] + [
+# scores, whatever feeds them; both with every layer sliding and a per-layer layout. A cap of 1 acts on these models'
+# scores.
+ATTENTION_OPTIONS = [
+    {"use_qk_norm": True},
+    {"attn_logit_softcapping": 1.0},
+    {"use_qk_norm": True, "attn_logit_softcapping": 1.0, "sliding_window": 4},
+]
+OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw", ["rope", "t5"]]] + [
     ("t5", "differential"),
     ("t5", "stick_breaking"),
     ("rope", {"type": "softmax", "sink": "learned"}),
