@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import initialization as init
 
 from .options import Option
@@ -334,7 +335,10 @@ def query_and_key_row_terms(
     in checkpointed chunks of queries. The query term reads ``(batch, heads, chunk, rows)`` row scores at the index,
     the key term ``(batch, heads, kv_len, rows)`` ones at the transposed index. On consecutive positions the index
     falls along the keys and rises along the queries: ``query_starts`` are the run starts of ``rows - 1 - index``
-    (read by :func:`sorted_gather` descending) and ``key_starts`` those of ``index`` transposed; None: gathered."""
+    (read by :func:`sorted_gather` descending) and ``key_starts`` those of ``index`` transposed; None: gathered. The
+    key term's row scores are one matmul per layer, outside the chunks (every chunk reads all of them; its
+    backward sums the chunks' gradients into them, and neither read keeps them for the backward)."""
+    key_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (batch, heads, kv_len, rows)
 
     def chunk_scores(start: int, stop: int) -> torch.Tensor:
         score = 0.0
@@ -348,13 +352,37 @@ def query_and_key_row_terms(
         if key_rows is not None:  # k_j . K[idx(i, j)]: rows of keys, read with the transposed index
             key_index = index[:, start:stop].transpose(-1, -2)  # rises along the queries
             chunk_starts = None if key_starts is None else (key_starts - start).clamp(0, stop - start)
-            # Recomputed per chunk (checkpointed), so no (batch, heads, kv_len, rows) table is kept per layer.
-            key_scores = torch.matmul(key, key_rows)
             key_term = read_rows(key_scores, key_index, chunk_starts).transpose(-1, -2)
             score = key_term if query_rows is None else score.add_(key_term)  # in place: one chunk-sized sum
         return score
 
     return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
+
+
+def windowed_row_terms(
+    query: torch.Tensor, key: torch.Tensor, query_rows: torch.Tensor | None, key_rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``q_i . Q[:, i - j + kv_len - 1] + k_j . K[:, i - j + kv_len - 1]``, ``(batch, heads, q_len, kv_len)``, for
+    row tables ``(..., head_dim, q_len + kv_len - 1)`` of the distances of consecutive positions, column ``s`` the
+    local distance ``s - (kv_len - 1)`` (:mod:`~hf_posenc.relative_tables`' convention; either table may be None),
+    in checkpointed chunks of queries. A chunk of queries ``start .. stop - 1`` reads the columns ``start .. stop +
+    kv_len - 2`` only: the query term is :func:`skew` of ``q K`` over them (Transformer-XL's relative shift, views),
+    the key term the same skew of ``k K`` with the roles of queries and keys swapped (columns reversed, then
+    transposed): no index, no gather, and nothing of the table beyond the chunk's window is multiplied."""
+    kv_len = key.shape[-2]
+
+    def chunk_scores(start: int, stop: int) -> torch.Tensor:
+        window = slice(start, stop + kv_len - 1)
+        score = None
+        if query_rows is not None:  # column i - j + kv_len - 1 of query i's row scores
+            score = skew(torch.matmul(query[..., start:stop, :], query_rows[..., window]), kv_len)
+        if key_rows is not None:  # key j's row scores, reversed: column j - i + chunk - 1, the skew of (kv, chunk)
+            key_scores = torch.matmul(key, key_rows[..., window]).flip(-1)
+            key_term = skew(key_scores, stop - start).transpose(-1, -2)
+            score = key_term if score is None else score + key_term
+        return score
+
+    return in_query_chunks(chunk_scores, (*query.shape[:-1], kv_len), query.device)
 
 
 class DeBERTaTerm(LayerPositionTerm):
@@ -411,11 +439,13 @@ class DeBERTaTerm(LayerPositionTerm):
         key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (b, h, kv_len, 2 span)
         query_position = position_lookup(attention_inputs["query_positions"])
         key_position = position_lookup(attention_inputs["key_positions"])
-        buckets = self.buckets
+        buckets, row_of_distance, last_key = self.buckets, tables.get("deberta_rows"), key.shape[-2] - 1
 
         def deberta_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
-            row = buckets.index(distance)
+            if row_of_distance is not None:  # consecutive positions: the row of column i - j + kv_len - 1
+                row = row_of_distance[q_idx - kv_idx + last_key]
+            else:
+                row = buckets.index(query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx))
             if query_row_scores is not None:
                 score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
             if key_row_scores is not None:
@@ -489,14 +519,22 @@ class DeBERTa(PositionEncoding):
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         """The shared relative embeddings after their LayerNorm and the per-pair row index ``deberta_index``; on
-        consecutive positions (one row for the batch) also the run starts that read it by runs (c2p's of the
-        reversed index, p2c's of the transposed one)."""
+        consecutive positions (one row for the batch) the index comes from ``deberta_rows``, the row of each of the
+        ``q_len + kv_len - 1`` distances present (the log bucket computed once per distance, not per pair; in
+        :mod:`~hf_posenc.relative_tables`' column order), expanded by :func:`toeplitz`, with the run starts that
+        read it by runs (c2p's of the reversed index, p2c's of the transposed one). On flex: ``deberta_rows`` on
+        consecutive positions (the ``score_mod`` reads it at ``i - j + kv_len - 1``), else nothing (the
+        ``score_mod`` computes each pair's bucket from the positions)."""
         tables = {"deberta_embeddings": self.LayerNorm(self.rel_embeddings.weight)}
-        if backend == "flex_attention":  # the score_mod computes each pair's row from the positions
+        if consecutive:
+            tables["deberta_rows"] = self.buckets.index(toeplitz_distances(query_positions, key_positions))
+        if backend == "flex_attention":
             return tables
         if consecutive:
-            query_positions, key_positions = query_positions[:1], key_positions[:1]
-        index = self.buckets.index(relative_distances(query_positions, key_positions))
+            q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+            index = toeplitz(tables.pop("deberta_rows"), q_len, kv_len)[None]
+        else:
+            index = self.buckets.index(relative_distances(query_positions, key_positions))
         tables["deberta_index"] = index
         if consecutive:  # idx(i - j) falls along the keys (c2p reads it reversed) and rises along the queries (p2c)
             rows = 2 * self.span
@@ -518,11 +556,16 @@ class TUPE(PositionEncoding):
     The reference implementation (guolinke/TUPE ``TransformerSentenceEncoder``) does the same with spare table rows
     and buckets; this is the paper's form. A decoder has no [CLS]: ``cls_untying=True`` there is an error.
 
-    Paths: one bias table per forward (``(1, heads, q, k)`` on the model's default positions, the bucket bias computed
-    once per distance and expanded by :func:`toeplitz`; per pair otherwise), added as ``score_bias`` on eager and
-    SDPA and read per pair by FlexAttention's ``score_mod`` (the untied term is one matmul, ``(batch|1, heads, q,
-    k)``: a score_mod cannot sum over ``head_dim``). Compiled CPU FlexAttention cannot recompile that ``score_mod``
-    (torch 2.13), so CPU flex requests run SDPA.
+    Paths: eager and SDPA add one bias table per forward as ``score_bias`` (``(1, heads, q, k)`` on the model's
+    default positions, the bucket bias computed once per distance and expanded by :func:`toeplitz`; per pair
+    otherwise). On FlexAttention, on the default positions, both terms share the scale ``1/sqrt(2d)``, so the untied
+    term is extra query and key features (:meth:`flex_query_key`): ``[q_i ; p_i U_Q] . [k_j ; p_j U_K] / sqrt(2d)``
+    (query and key heads of ``2d``, values of ``d``), the position features of position 0 zeroed under
+    ``cls_untying`` (the untied term is then 0 on [CLS]'s row and column); the ``score_mod`` adds the bucket bias
+    per distance and the [CLS] values, expanded along the keys (``theta_2``) and the queries (``theta_1``) so that
+    their gradients spread. Nothing ``(q, k)``-sized is built. Other positions on flex read the whole bias table per
+    pair (``(batch|1, heads, q, k)``). Compiled CPU FlexAttention cannot recompile these ``score_mod`` s (torch
+    2.13), so CPU flex requests run SDPA.
     """
 
     name = "tupe"
@@ -621,13 +664,15 @@ class TUPE(PositionEncoding):
         return torch.where(query_position == 0, self.cls_to_others[head].to(bias.dtype), bias)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        """The whole bias as one table, once per forward: the untied term (one matmul), plus the bucketed bias once
-        per distance on consecutive positions (expanded by :func:`toeplitz`), else per pair, with [CLS] untied.
-        Consecutive positions with one query row are the same in every row, so the bias is ``(1, heads, q_len,
-        kv_len)``, shared by the batch. Eager and SDPA add it as ``score_bias``; FlexAttention's :meth:`score_mod`
-        reads it per pair (the untied term is ``(q, k)``-sized anyway, and a table read per pair takes its gradient
-        at that pair's address, where reading the bucket table or the [CLS] values inside the kernel would add one
-        gradient per score onto a few addresses)."""
+        """Eager and SDPA: the whole bias as one table, once per forward: the untied term (one matmul), plus the
+        bucketed bias once per distance on consecutive positions (expanded by :func:`toeplitz`), else per pair, with
+        [CLS] untied. Consecutive positions with one query row are the same in every row, so the bias is ``(1, heads,
+        q_len, kv_len)``, shared by the batch. FlexAttention on consecutive positions: :meth:`flex_tables`; on other
+        positions the same whole table, which :meth:`score_mod` reads per pair (a table read per pair takes its
+        gradient at that pair's address, where reading the bucket table or the [CLS] values at the head inside the
+        kernel would add one gradient per score onto a few addresses)."""
+        if backend == "flex_attention" and consecutive:
+            return self.flex_tables(query_positions, key_positions)
         if consecutive and query_positions.shape[0] == 1:
             key_positions = key_positions[:1]
         bias = self.untied_term(query_positions, key_positions)
@@ -643,8 +688,55 @@ class TUPE(PositionEncoding):
         bias = self.untie_cls(bias, query_position, key_position, heads[:, None, None])
         return {"tupe_bias" if backend == "flex_attention" else "score_bias": bias}
 
+    def flex_tables(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """FlexAttention's tables on consecutive positions: the position features ``p U_Q``, ``p U_K`` ``(batch|1,
+        heads, seq, head_dim)`` (zero at position 0 under ``cls_untying``), the bucket bias per distance ``(heads,
+        q_len + kv_len - 1)`` (padded to a multiple of 8 columns, as :class:`RelativeScoreBias`), and under
+        ``cls_untying`` ``theta_2`` per key ``(heads, kv_len)`` and ``theta_1`` per query ``(heads, q_len)`` (the
+        per-head values repeated: the kernel adds each score's gradient at its key's or query's address)."""
+        query_features = self.projected_positions(query_positions, self.query)
+        key_features = self.projected_positions(key_positions, self.key)
+        heads = torch.arange(self.dims.num_heads, device=query_positions.device)
+        per_distance = self.bucket_bias(toeplitz_distances(query_positions, key_positions)[None], heads[:, None])
+        tables = {"tupe_per_distance": F.pad(per_distance, (0, -per_distance.shape[-1] % 8))}
+        if self.cls_untying:
+            query_features = query_features * (query_positions != 0)[:, None, :, None]
+            key_features = key_features * (key_positions != 0)[:, None, :, None]
+            q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
+            tables["tupe_cls_per_key"] = self.others_to_cls[:, None].repeat(1, kv_len)
+            tables["tupe_cls_per_query"] = self.cls_to_others[:, None].repeat(1, q_len)
+        return {**tables, "tupe_query_features": query_features, "tupe_key_features": key_features}
+
+    def flex_query_key(self, query, key, tables):
+        """``[q ; p U_Q]`` and ``[k ; p U_K]`` on consecutive positions (:meth:`flex_tables`), scored with the
+        layer's scale ``1/sqrt(2d)``: the content term and the untied term in one dot product. Grouped keys are
+        repeated first (the position features are per query head)."""
+        if "tupe_query_features" not in tables:
+            return query, key
+        if key.shape[1] != query.shape[1]:
+            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        query_features, key_features = tables["tupe_query_features"], tables["tupe_key_features"]
+        query_features = query_features.expand(query.shape[0], -1, -1, -1).to(query.dtype)
+        key_features = key_features.expand(key.shape[0], -1, -1, -1).to(key.dtype)
+        return torch.cat((query, query_features), dim=-1), torch.cat((key, key_features), dim=-1)
+
     def score_mod(self, tables, query_positions, key_positions):
-        """The bias of :meth:`prepare` read per (query, key)."""
+        """Consecutive positions: the bucket bias per distance, [CLS]'s values on its row and column (the untied
+        term is in the features, :meth:`flex_query_key`); other positions: the bias of :meth:`prepare` read per
+        (query, key)."""
+        if "tupe_per_distance" in tables:
+            per_distance, last_key = tables["tupe_per_distance"], key_positions.shape[-1] - 1
+            per_key, per_query = tables.get("tupe_cls_per_key"), tables.get("tupe_cls_per_query")
+            query_position, key_position = position_lookup(query_positions), position_lookup(key_positions)
+
+            def tupe_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+                bias = per_distance[head_idx, q_idx - kv_idx + last_key]
+                if per_key is not None:  # reset(., i, j): [CLS]'s row wins over its column, as untie_cls
+                    bias = torch.where(key_position(batch_idx, kv_idx) == 0, per_key[head_idx, kv_idx], bias)
+                    bias = torch.where(query_position(batch_idx, q_idx) == 0, per_query[head_idx, q_idx], bias)
+                return score + bias.to(score.dtype)
+
+            return tupe_score_mod
         bias = tables["tupe_bias"]
         shared = bias.shape[0] == 1  # one layout for the whole batch
 
@@ -748,31 +840,44 @@ class RelativeKeyTerm(LayerPositionTerm):
         self.max_positions = spec["max_positions"] or dims.max_positions
         self.distance_embedding = nn.Embedding(2 * self.max_positions - 1, dims.head_dim)
 
-    def row_tables(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def row_tables(
+        self, query: torch.Tensor, scaling: float, window: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scaled table as ``(head_dim, rows)`` for the query term and, with ``key_query``, the key term: 4.x
         adds both to ``q . k`` before its ``1/sqrt(d)``, so they take the layer's scaling (put on the small table,
-        not on a ``(q_len, kv_len)`` result)."""
-        rows = (self.distance_embedding.weight * scaling).T.to(query.dtype)
+        not on a ``(q_len, kv_len)`` result). ``window``: the rows of the distances present, in the order of
+        :mod:`~hf_posenc.relative_tables`' columns (an ``index_select`` of the parameter, whose gradient lands in
+        those rows); None: every row."""
+        table = self.distance_embedding.weight
+        if window is not None:
+            table = table.index_select(0, window)
+        rows = (table * scaling).T.to(query.dtype)
         return rows, rows if self.key_query else None
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["position"]
-        query_rows, key_rows = self.row_tables(query, scaling)
-        query_starts, key_starts = tables.get("relative_key_query_starts"), tables.get("relative_key_key_starts")
+        window = tables.get("relative_key_window")
+        query_rows, key_rows = self.row_tables(query, scaling, window)
+        if window is not None:
+            return windowed_row_terms(query, key, query_rows, key_rows)
         index = tables["relative_key_index"]
-        return query_and_key_row_terms(query, key, query_rows, key_rows, index, query_starts, key_starts)
+        return query_and_key_row_terms(query, key, query_rows, key_rows, index, None, None)
 
     def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
-        query_rows, key_rows = self.row_tables(query, scaling)
+        window = attention_inputs["position"].get("relative_key_window")
+        query_rows, key_rows = self.row_tables(query, scaling, window)
         query_row_scores = torch.matmul(query, query_rows)  # (batch, heads, q_len, rows): one matmul per layer
         key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (batch, heads, kv_len, rows)
         query_position = position_lookup(attention_inputs["query_positions"])
         key_position = position_lookup(attention_inputs["key_positions"])
-        reach = self.max_positions - 1
+        reach, last_key = self.max_positions - 1, key.shape[-2] - 1
 
         def relative_key_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
-            row = distance.clamp(-reach, reach) + reach  # in range for every visible pair (checked in prepare)
+            if window is not None:  # consecutive positions: the window's column i - j + kv_len - 1
+                row = q_idx - kv_idx + last_key
+            else:
+                distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
+                row = distance.clamp(-reach, reach) + reach  # in range for every visible pair (checked in prepare)
             score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
             if key_row_scores is not None:
                 score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
@@ -794,10 +899,13 @@ class RelativeKey(PositionEncoding):
     ``max_positions - 1`` raises (4.x fails with an index error there). ``hf_posenc.convert`` turns a 4.x checkpoint
     of either type into this scheme with the same outputs.
 
-    Paths (those of :class:`DeBERTa`, through :func:`query_and_key_row_terms`): ``q`` and ``k`` against the table,
-    ``(batch, heads, q_len|kv_len, rows)``, read at each pair's row; on consecutive positions (the model's default
-    positions) by runs (:func:`~hf_posenc.relative_tables.sorted_gather`, no scatter in the backward), else
-    gathered; on flex inside the ``score_mod`` (each row table read at one index per score).
+    Paths: on consecutive positions (the model's default positions) only the ``q_len + kv_len - 1`` rows of the
+    distances present are read (an ``index_select`` of the parameter: the same checkpoints, the gradient in the same
+    rows, where a table sized by ``max_position_embeddings`` has up to 4x more), ``q`` and ``k`` against them by
+    chunk of queries and each pair's column read by a skew (:func:`windowed_row_terms`); other positions as
+    :class:`DeBERTa` (:func:`query_and_key_row_terms`: the whole table, gathered at each pair's row). On flex the
+    ``score_mod`` reads ``(batch, heads, q_len|kv_len, rows)`` row tables at one index per score (the window's
+    column ``i - j + kv_len - 1`` on consecutive positions).
     """
 
     name = "relative_key"
@@ -853,20 +961,14 @@ class RelativeKey(PositionEncoding):
             )
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
-        """The per-pair row index ``relative_key_index`` (``i - j + max_positions - 1``) and, on consecutive
-        positions (one row for the batch), the run starts that read it by runs (the query term's of the reversed
-        index, the key term's of the transposed one); on flex nothing (the score_mod computes each pair's row)."""
+        """On consecutive positions ``relative_key_window``, the table rows of the ``q_len + kv_len - 1`` distances
+        present (``toeplitz_distances + max_positions - 1``, every backend); otherwise the per-pair row index
+        ``relative_key_index`` (``i - j + max_positions - 1``), or on flex nothing (the score_mod computes each
+        pair's row from the positions)."""
         self.check_distances(query_positions, key_positions)
+        reach = self.max_positions - 1
+        if consecutive:  # in range: check_distances bounds every distance present
+            return {"relative_key_window": toeplitz_distances(query_positions, key_positions) + reach}
         if backend == "flex_attention":
             return {}
-        if consecutive:
-            query_positions, key_positions = query_positions[:1], key_positions[:1]
-        reach = self.max_positions - 1
-        index = relative_distances(query_positions, key_positions).clamp(-reach, reach) + reach
-        tables = {"relative_key_index": index}
-        if consecutive:  # i - j falls along the keys (read reversed) and rises along the queries (the key term)
-            rows = 2 * reach + 1
-            tables["relative_key_query_starts"] = run_starts(rows - 1 - index, rows)
-            if self.spec["variant"] == "key_query":
-                tables["relative_key_key_starts"] = run_starts(index.transpose(-1, -2), rows)
-        return tables
+        return {"relative_key_index": relative_distances(query_positions, key_positions).clamp(-reach, reach) + reach}

@@ -864,6 +864,9 @@ def positional_attention(
         if position_term is not None:
             layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
             score_mod = chain_score_mods(score_mod, layer_mod)
+        query, key = encoding.flex_query_key(query, key, tables)  # a scheme's extra q/k features (TUPE)
+        if key.shape[1] != values[0].shape[1]:  # keys repeated for per-query-head features: their values alike
+            values = [repeat_kv_heads(v, query.shape[1]) for v in values]
         if logit_softcapping is not None:
             score_mod = chain_score_mods(score_mod, soft_cap_score_mod(logit_softcapping))
         region = f"{encoding.name}+{normalizer.name}" + ("+softcap" if logit_softcapping is not None else "")

@@ -56,6 +56,8 @@ AttentionInputs = dict[str, Any]
   0), or None when nothing is masked;
 * ``"query_positions"``: ``(batch|1, q_len)``; ``"key_positions"``: ``(batch|1, kv_len)``, cached keys included;
 * ``"position"``: the dict of tensors the scheme's ``prepare`` returned;
+* ``"logit_softcapping"``: the config's ``attn_logit_softcapping`` (a float; None: off), read by the attention with
+  the backend chosen for it;
 * ``"layer"`` (inside an attention layer only, for its :class:`LayerPositionTerm`): the dict of tensors that term's
   ``layer_tables`` computed from the layer's input.
 """
@@ -498,6 +500,15 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         """The position-only score term as a FlexAttention ``score_mod`` built from ``prepare``'s tables, or None.
         Its captured tensors follow the rule of :meth:`LayerPositionTerm.score_mod`."""
         return None
+
+    def flex_query_key(
+        self, query: torch.Tensor, key: torch.Tensor, tables: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries and keys FlexAttention scores, from the layer's ``(batch, heads, q_len|kv_len, head_dim)``
+        ones (after the KV cache; ``tables``: what ``prepare`` returned): a scheme may append features to both, a
+        term ``f(i) . g(j)`` scored at the layer's scale (TUPE's untied term). The values keep their head size.
+        Unchanged by default."""
+        return query, key
 
     def flex_spreads_gradients(self, consecutive: bool) -> bool:
         """Whether the ``score_mod`` of a forward with these positions (``consecutive``, as for :meth:`prepare`)

@@ -14,7 +14,12 @@ from torch import nn
 from transformers import initialization as init
 
 from .options import Option
-from .position_interface import RelativeScoreBias, scatter_adds_are_cheap
+from .position_interface import (
+    RelativeScoreBias,
+    flex_compiles_length_sized_tables,
+    scatter_adds_are_cheap,
+    toeplitz_distances,
+)
 from .relative_tables import chunk_elements
 
 
@@ -401,6 +406,9 @@ class FIRE(RelativeScoreBias):
     The MLP of a scalar is piecewise linear (:func:`relu_mlp_pieces`): each forward turns its weights once into
     ``mlp_width + 1`` (slope, intercept) pairs per head, and every ``(i, j)`` looks up its piece, so ``f`` is exact
     and never evaluated per layer or per pair (nothing ``(q, k, width)``-sized, and a lookup in ``score_mod``).
+    FlexAttention on consecutive positions reads the formula's parts from tables per distance, per position and per
+    query (:meth:`spread_tables`), so it trains there with nothing ``(q, k)``-sized; other positions on flex read
+    ``c``, ``L`` and the pieces at the head and train on SDPA (``flex_spreads_gradients``).
 
     Initialisation as the reference code (Li et al. 2024, appendix; PyTorch's ``nn.Linear`` default for the MLP, which
     Transformers' ``N(0, initializer_range)`` would flatten to nearly zero): ``c = 0.1``, ``l = 1``, ``L`` starting
@@ -444,6 +452,74 @@ class FIRE(RelativeScoreBias):
             "slope": slope,
             "intercept": intercept,
         }
+
+    def prepare(self, query_positions, key_positions, backend, consecutive=False):
+        """On FlexAttention with consecutive positions (where flex compiles length-sized tables):
+        :meth:`spread_tables`; otherwise :class:`RelativeScoreBias`'s paths (the dense bias, or the per-pair formula
+        on flex)."""
+        device = query_positions.device
+        if backend == "flex_attention" and consecutive and flex_compiles_length_sized_tables(device):
+            return self.spread_tables(query_positions, key_positions)
+        return super().prepare(query_positions, key_positions, backend, consecutive)
+
+    def spread_tables(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The formula's pieces as tables read at addresses that follow the query or the key, so that the kernel's
+        one gradient per score spreads (:meth:`flex_spreads_gradients`), with ``psi(x) = log1p(|c| x)``:
+
+        * ``fire_distance`` ``psi(|i - j|)`` per distance ``(q_len + kv_len - 1,)`` (:mod:`relative_tables`'
+          columns);
+        * ``fire_query_scale`` ``psi(max(L, i)) + eps`` per query ``(batch|1, q_len)`` and ``fire_key_scale``
+          ``psi(max(L, j)) + eps`` per key: ``psi`` increases, so ``psi(max(L, i, j)) = max(psi(max(L, i)),
+          psi(max(L, j)))`` (two tables: a score_mod may read a tensor that takes gradients at one index only);
+        * ``fire_slope``, ``fire_intercept``: the MLP's pieces (:func:`relu_mlp_pieces`, in float32 whatever autocast
+          says) repeated along the queries, ``(heads, q_len, width + 1)``; ``fire_breakpoints`` ``(width,)`` take no
+          gradient (the piece is constant between them).
+
+        Nothing ``(q, k)``-sized; the tables read per score are 1-d or 3-d, none 0-d."""
+        with torch.autocast(query_positions.device.type, enabled=False):
+            breakpoints, slope, intercept = relu_mlp_pieces(*self.mlp_weights())
+        c = self.c.abs()
+        threshold = (self.threshold_scale * self.spec["threshold"]).abs()
+        dtype = torch.promote_types(c.dtype, torch.float32)
+        distance = toeplitz_distances(query_positions, key_positions).abs().to(dtype)
+
+        def scale(positions: torch.Tensor) -> torch.Tensor:
+            return torch.log1p(c * torch.maximum(positions.to(dtype), threshold)) + self.eps
+
+        q_len = query_positions.shape[-1]
+        return {
+            "fire_distance": torch.log1p(c * distance),
+            "fire_query_scale": scale(query_positions),
+            "fire_key_scale": scale(key_positions),
+            "fire_breakpoints": breakpoints,
+            "fire_slope": slope.T[:, None, :].repeat(1, q_len, 1),
+            "fire_intercept": intercept.T[:, None, :].repeat(1, q_len, 1),
+        }
+
+    def flex_spreads_gradients(self, consecutive):
+        """On consecutive positions every table the score_mod reads takes its gradient at an address that follows the
+        query or the key (:meth:`spread_tables`); other positions read ``c``, ``L`` and the pieces at the head."""
+        return consecutive
+
+    def score_mod(self, tables, query_positions, key_positions):
+        """:meth:`spread_tables` read per score (``x = D[i - j] / max(P_q[i], P_k[j])``, its piece counted against the
+        breakpoints, then ``slope x + intercept`` of that piece), or :class:`RelativeScoreBias`'s per-pair formula."""
+        if "fire_distance" not in tables:
+            return super().score_mod(tables, query_positions, key_positions)
+        distance, breakpoints = tables["fire_distance"], tables["fire_breakpoints"]
+        query_scale, key_scale = tables["fire_query_scale"], tables["fire_key_scale"]
+        slope, intercept, last_key = tables["fire_slope"], tables["fire_intercept"], key_positions.shape[-1] - 1
+        query_rows_shared, key_rows_shared = query_scale.shape[0] == 1, key_scale.shape[0] == 1
+
+        def fire_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            # read in place (a row of a table that takes gradients would be a view: compiled flex drops its gradient)
+            query_normaliser = query_scale[0 if query_rows_shared else batch_idx, q_idx]
+            normaliser = torch.maximum(query_normaliser, key_scale[0 if key_rows_shared else batch_idx, kv_idx])
+            x = distance[q_idx - kv_idx + last_key] / normaliser
+            piece = piece_index(x, breakpoints)
+            return score + (slope[head_idx, q_idx, piece] * x + intercept[head_idx, q_idx, piece]).to(score.dtype)
+
+        return fire_score_mod
 
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``w_in``, ``b_in`` ``(width,)``, ``W_out`` ``(heads, width)``, ``b_out`` ``(heads,)``."""

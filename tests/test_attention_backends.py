@@ -22,7 +22,7 @@ from conftest import (
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
-from hf_posenc import posenc_attention
+from hf_posenc import posenc_attention, score_bias_encodings
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import layer_position_specs, resolve_attention_normalizer
 from hf_posenc.posenc_attention import (
@@ -206,7 +206,10 @@ def test_flex_path_of_every_combination_equals_eager(family, scheme, normalizer,
 COMPILED_FLEX_CASES = [  # (family, scheme, normalizer): every score_mod, every normalizer FlexAttention runs
     ("bert", "t5", "softmax"),
     ("gpt2", "kerple", "softmax"),
-    # fire trains on SDPA: its score_mod reads c, L and its pieces per head (flex_gradient_refusal)
+    # fire on default positions: its tables per distance, position and query (spread_tables; given positions train
+    # on SDPA, flex_gradient_refusal); CPU flex reads the per-pair formula, so the test asks for the CUDA tables
+    ("bert", {"type": "fire", "threshold": 4.0}, "softmax"),
+    ("gpt2", "fire", "softmax"),
     ("bert", "tupe", "softmax"),
     ("bert", {"type": "shaw", "use_value": False, "max_distance": 3}, "softmax"),
     # Shaw's value term: band, log-sum-exp and the encoder's tail pass; causal
@@ -247,6 +250,7 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
     computes them."""
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args, **kwargs: None)
+    monkeypatch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
     regions = []
 
     def compiled_for(grad_enabled, region, dynamic):

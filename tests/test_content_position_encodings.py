@@ -20,7 +20,6 @@ from conftest import (
     assert_flex_training_step_equals_eager,
     make_config,
     make_model,
-    perturb_position_parameters,
     random_ids,
 )
 from safetensors.torch import save_file
@@ -271,6 +270,29 @@ def test_deberta_relative_index_equals_transformers_build_relative_position(spec
     relative = modeling_deberta_v2.build_relative_position(states, states, bucket_size=buckets, max_position=largest)
     span = buckets if buckets > 0 else largest
     assert torch.equal(index, (relative + span).clamp(0, 2 * span - 1))
+
+
+@pytest.mark.parametrize("spec", [{}, {"position_buckets": 8, "max_relative_positions": 20}, {"position_buckets": 0}])
+def test_deberta_row_per_distance_equals_transformers_log_bucket_for_every_distance(spec):
+    """Consecutive positions (queries 200..599, keys 0..699): the row of each distance, computed once per distance
+    (``deberta_rows``, what flex reads at ``i - j + kv_len - 1``), and the per-pair index expanded from it (eager,
+    SDPA), against Transformers' ``make_log_bucket_position`` of every distance -499..599 and of every pair."""
+    config = make_config("bert", {"type": "deberta", **spec}, max_position_embeddings=1024)
+    encoding = build_position_encoding(config, causal=False)
+    spec = config.position_encoding
+    buckets, largest = spec["position_buckets"], spec["max_relative_positions"]
+    span = buckets if buckets > 0 else largest
+
+    def expected_row(distances):
+        if buckets > 0:
+            distances = modeling_deberta_v2.make_log_bucket_position(distances, buckets, largest)
+        return (distances + span).clamp(0, 2 * span - 1)
+
+    query_positions, key_positions = torch.arange(200, 600)[None], torch.arange(700)[None]
+    rows = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)["deberta_rows"]
+    assert torch.equal(rows, expected_row(torch.arange(-499, 600)))
+    index = encoding.prepare(query_positions, key_positions, "eager", consecutive=True)["deberta_index"]
+    assert torch.equal(index, expected_row(query_positions[0, :, None] - key_positions[0, None, :])[None])
 
 
 @pytest.mark.parametrize("att_type", ["c2p|p2c", "c2p", "p2c"])
@@ -609,18 +631,48 @@ def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypa
         model(ids, attention_mask=block_mask)
 
 
-def test_tupe_flex_reads_one_bias_table_shared_by_the_batch_with_cls_untied():
-    """On consecutive positions flex gets one ``(1, heads, q, k)`` table, the bias eager adds: untied term + bucket
-    bias + [CLS] values, so the score_mod reads nothing per head alone (no gradient piles onto a few addresses)."""
-    _, encoding, _ = scheme_and_term("bert", "tupe")
-    perturb_position_parameters(encoding)
-    positions = torch.arange(10)[None]
-    tables = encoding.prepare(positions, positions.expand(3, -1), "flex_attention", True)
-    assert set(tables) == {"tupe_bias"} and tables["tupe_bias"].shape == (1, HEADS, 10, 10)
-    dense = encoding.prepare(positions, positions.expand(3, -1), "eager", True)["score_bias"]
-    torch.testing.assert_close(tables["tupe_bias"], dense)
-    torch.testing.assert_close(tables["tupe_bias"][0, :, 0, 3], encoding.cls_to_others.detach())
-    torch.testing.assert_close(tables["tupe_bias"][0, :, 4, 0], encoding.others_to_cls.detach())
+@pytest.mark.parametrize(("family", "first_position"), [("bert", 0), ("bert", 3), ("gpt2", 0)])
+def test_tupe_flex_features_and_score_mod_equal_the_dense_bias_values_and_grads(family, first_position):
+    """On consecutive positions flex scores ``[q ; p U_Q] . [k ; p U_K] / sqrt(2d)`` (position features zeroed at
+    [CLS]) plus the score_mod's bucket bias per distance and [CLS]'s values, nothing ``(q, k)``-sized; against
+    ``q . k / sqrt(2d)`` plus the bias eager adds (the untied matmul, the Toeplitz bucket bias, ``untie_cls``),
+    every pair evaluated as flex's unfused path does (vmap): values and the gradients of q, k and every parameter of
+    the scheme. Positions from 0 (the encoder's [CLS] row and column replaced) and from 3 (no [CLS])."""
+    from hf_posenc.posenc_attention import _on_pairs
+
+    _, encoding, _ = scheme_and_term(family, {"type": "tupe", "num_buckets": 8, "max_distance": 16})
+    positions = torch.arange(first_position, first_position + 10)[None]
+    generator = torch.Generator().manual_seed(5)
+    query, key = (torch.randn(3, HEADS, 10, HEAD_DIM, generator=generator) for _ in range(2))
+    grad_output = torch.randn(3, HEADS, 10, 10, generator=generator)
+    scale = (2 * HEAD_DIM) ** -0.5
+    parameters = [p for p in encoding.parameters()]
+    results = []
+    for backend in ("flex_attention", "eager"):
+        leaves = [t.clone().requires_grad_() for t in (query, key)]
+        tables = encoding.prepare(positions, positions, backend, True)
+        if backend == "eager":
+            scores = leaves[0] @ leaves[1].transpose(-1, -2) * scale + tables["score_bias"]
+        else:
+            shapes = {name: tuple(table.shape) for name, table in tables.items()}
+            cls = {"tupe_cls_per_key": (HEADS, 10), "tupe_cls_per_query": (HEADS, 10)} if family == "bert" else {}
+            features = (1, HEADS, 10, HEAD_DIM)
+            assert shapes == {
+                "tupe_per_distance": (HEADS, 24),  # 19 distances, padded to a multiple of 8
+                "tupe_query_features": features,
+                "tupe_key_features": features,
+                **cls,
+            }
+            flex_query, flex_key = encoding.flex_query_key(*leaves, tables)
+            assert flex_query.shape[-1] == flex_key.shape[-1] == 2 * HEAD_DIM
+            scores = flex_query @ flex_key.transpose(-1, -2) * scale
+            q_idx, kv_idx = (index.flatten() for index in torch.meshgrid(torch.arange(10), torch.arange(10)))
+            score_mod = encoding.score_mod(tables, positions, positions)
+            scores = _on_pairs(score_mod, 3, HEADS, q_idx, kv_idx, scores.flatten(-2)).view_as(scores)
+        grads = torch.autograd.grad((scores * grad_output).sum(), leaves + parameters, materialize_grads=True)
+        results.append((scores, *grads))
+    for actual, expected in zip(*results, strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
@@ -959,14 +1011,25 @@ def test_cope_in_chunks_of_queries_equals_one_chunk_values_and_grads():
 
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["skew", "gather"])
-@pytest.mark.parametrize("spec", ["xlnet", "deberta", {"type": "deberta", "att_type": "p2c", "share_att_key": False}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "xlnet",
+        "deberta",
+        {"type": "deberta", "att_type": "p2c", "share_att_key": False},
+        {"type": "relative_key", "max_positions": 16},
+    ],
+)
 def test_score_term_in_chunks_of_queries_equals_one_chunk_values_and_grads(spec, contiguous, monkeypatch):
 
     _, encoding, attention = scheme_and_term("bert", spec)
     query, key, _ = qkv(q_len=5, kv_len=7)
     query_positions = torch.tensor([[2, 3, 4, 5, 6]] * 2) if contiguous else torch.tensor([[5, 6, 9, 10, 12]] * 2)
     inputs = attention_inputs(
-        encoding, query_positions, KEY_POSITIONS[:1].expand(2, -1) if not contiguous else CONTIGUOUS_KEY_POSITIONS
+        encoding,
+        query_positions,
+        KEY_POSITIONS[:1].expand(2, -1) if not contiguous else CONTIGUOUS_KEY_POSITIONS,
+        consecutive=contiguous,
     )
     grad_output = torch.randn(2, HEADS, 5, 7)
     parameters = [p for p in attention.position_term.parameters()] + [p for p in attention.parameters()][:2]
@@ -997,20 +1060,22 @@ def relative_key_scheme_and_term(family: str, spec):
     ("family", "query_positions", "key_positions", "consecutive"),
     [
         ("bert", [[0, 1, 2, 3, 4]] * 2, [[0, 1, 2, 3, 4, 5, 6]] * 2, True),
+        ("gpt2", [[4, 5, 6, 7, 8]] * 2, [[0, 1, 2, 3, 4, 5, 6]] * 2, True),
         ("gpt2", [[5, 6, 9, 11, 12], [0, 1, 2, 3, 4]], [[0, 1, 2, 3, 5, 6, 9], [0, 0, 0, 0, 0, 1, 2]], False),
     ],
-    ids=["consecutive", "given"],
+    ids=["consecutive", "consecutive-offset", "given"],
 )
 def test_score_term_equals_the_loop_of_4x_formula(family, variant, query_positions, key_positions, consecutive):
     """``scaling * (q_i . r[i - j + M - 1] + k_j . r[i - j + M - 1])`` (key: without the k term), per pair: the
-    model's consecutive positions (read by runs) and given positions with a gap and cached keys (gathered); values
-    and gradients of q, k and the table."""
+    model's consecutive positions (the window of rows present, read by a skew; also with the queries 4 positions
+    after the first key) and given positions with a gap and cached keys (gathered); values and gradients of q, k and
+    the whole table (the window's gradient lands in its rows of the parameter, the other rows get 0)."""
     encoding, term = relative_key_scheme_and_term(
         family, {"type": "relative_key", "variant": variant, "max_positions": 13}
     )
     query_positions, key_positions = torch.tensor(query_positions), torch.tensor(key_positions)
     tables = encoding.prepare(query_positions, key_positions, "eager", consecutive)
-    assert ("relative_key_query_starts" in tables) is consecutive
+    assert ("relative_key_window" in tables) is consecutive
     inputs = {"position": tables, "query_positions": query_positions, "key_positions": key_positions}
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, HEADS, 5, HEAD_DIM, generator=generator, requires_grad=True)
@@ -1036,6 +1101,10 @@ def test_score_term_equals_the_loop_of_4x_formula(family, variant, query_positio
         assert (actual is None) is (wanted is None)  # key: k has no position term
         if wanted is not None:
             torch.testing.assert_close(actual, wanted)
+    pairs = zip(query_positions, key_positions, strict=True)
+    distances = {int(q - k) for q_row, k_row in pairs for q in q_row for k in k_row}
+    untouched = [row for row in range(2 * 13 - 1) if row - 12 not in distances]
+    assert untouched and grads[2][untouched].abs().max() == 0  # the rows of absent distances get no gradient
 
 
 def test_a_distance_past_the_table_raises_naming_the_limit():

@@ -604,6 +604,46 @@ def test_fire_dense_mlp_equals_its_pieces_per_pair_in_values_and_gradients(causa
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("threshold", "first_query"), [(4.0, 3), (512.0, 3), (4.0, 0)])
+def test_fire_spread_tables_on_flex_equal_its_dense_mlp_in_values_and_gradients(causal, threshold, first_query):
+    """FIRE's flex path on consecutive positions (off CPU: tables per distance, per position and per query, read in
+    the score_mod; the pieces counted against the breakpoints) evaluated on every pair as flex's unfused path does
+    (vmap), against the MLP evaluated on each pair's normalised distance (``mlp_bias``, dense): values and the
+    gradients of c, L and the MLP, below and past the threshold, queries at 3..8 or 0..5 after keys at 0..8."""
+    from hf_posenc import score_bias_encodings
+    from hf_posenc.posenc_attention import _on_pairs
+
+    encoding = perturbed_scheme("fire", causal, threshold=threshold, mlp_width=8)
+    query_positions, key_positions = torch.arange(first_query, first_query + 6)[None], torch.arange(9)[None]
+    on_cpu = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)
+    assert set(on_cpu) == {"bias_table"}  # CPU flex cannot compile length-sized tables: the per-pair formula
+    assert encoding.flex_spreads_gradients(True) and not encoding.flex_spreads_gradients(False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
+        tables = encoding.prepare(query_positions, key_positions, "flex_attention", consecutive=True)
+    assert {name: tuple(table.shape) for name, table in tables.items()} == {
+        "fire_distance": (14,),
+        "fire_query_scale": (1, 6),
+        "fire_key_scale": (1, 9),
+        "fire_breakpoints": (8,),
+        "fire_slope": (HEADS, 6, 9),
+        "fire_intercept": (HEADS, 6, 9),
+    }
+    assert not tables["fire_breakpoints"].requires_grad
+    score_mod = encoding.score_mod(tables, query_positions, key_positions)
+    q_idx, kv_idx = (index.flatten() for index in torch.meshgrid(torch.arange(6), torch.arange(9), indexing="ij"))
+    zeros = torch.zeros(2, HEADS, 6 * 9, dtype=torch.float64)
+    bias = _on_pairs(score_mod, 2, HEADS, q_idx, kv_idx, zeros).view(2, HEADS, 6, 9)
+    expected = encoding.mlp_bias(query_positions, key_positions, encoding.bias_table(torch.device("cpu")))
+    torch.testing.assert_close(bias, expected.expand_as(bias))
+    upstream = torch.randn(bias.shape, dtype=bias.dtype)
+    parameters = list(encoding.parameters())
+    grads = torch.autograd.grad((bias * upstream).sum(), parameters)
+    for got, want in zip(grads, torch.autograd.grad((expected * upstream).sum(), parameters), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_relu_mlp_of_scalars_in_chunks_equals_the_mlp_in_values_and_gradients():
     torch.manual_seed(0)
     x = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
