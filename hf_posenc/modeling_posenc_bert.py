@@ -114,7 +114,6 @@ class PosEncBertSelfAttention(nn.Module):
         self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_eps)
         self.normalizer = build_attention_normalizer(config, config.is_decoder, layer_idx)
         self.position_term = build_layer_position_term(config, config.is_decoder, layer_idx)
-        self.logit_softcapping = config.attn_logit_softcapping
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx
 
@@ -153,7 +152,6 @@ class PosEncBertSelfAttention(nn.Module):
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
-            logit_softcapping=self.logit_softcapping,
         )
         return output.reshape(*hidden_states.shape[:-1], -1), weights
 

@@ -141,6 +141,7 @@ def prepare_attention(
     cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told (a static
     fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
     num_layers = encoding.dims.num_layers
+    logit_softcapping = getattr(model.config, "attn_logit_softcapping", None)
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
     layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
@@ -180,7 +181,7 @@ def prepare_attention(
             position_bias_needs_grad=position_bias_needs_grad(scheme),
             consecutive=consecutive,
             gradient_refusal=flex_gradient_refusal(scheme, consecutive),
-            logit_softcapping=getattr(model.config, "attn_logit_softcapping", None),
+            logit_softcapping=logit_softcapping,
         )
         tables = scheme.prepare(position_ids, keys, backend, consecutive=consecutive)
         score_bias = tables.pop("score_bias", None)
@@ -202,6 +203,7 @@ def prepare_attention(
             )
         mask = masks[backend, allow_skip, layer_type]
         inputs = {"backend": backend, "query_positions": position_ids, "key_positions": keys, "position": tables}
+        inputs["logit_softcapping"] = logit_softcapping
         if backend == "flex_attention":
             inputs.update(mask=mask, visible=None, row_has_key=None)
         else:

@@ -70,7 +70,6 @@ class PosEncGPT2Attention(nn.Module):
         self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_epsilon)
         self.normalizer = build_attention_normalizer(config, True, layer_idx)
         self.position_term = build_layer_position_term(config, True, layer_idx)
-        self.logit_softcapping = config.attn_logit_softcapping
         self.layer_idx = layer_idx
 
     def project(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +109,6 @@ class PosEncGPT2Attention(nn.Module):
             layer_idx=self.layer_idx,
             project_query_key=self.project_query_key,
             hidden_states=hidden_states,
-            logit_softcapping=self.logit_softcapping,
         )
         output = self.c_proj(output.reshape(*hidden_states.shape[:-1], -1))
         return self.resid_dropout(output), weights

@@ -818,7 +818,6 @@ def positional_attention(
     layer_idx: int | None = None,
     project_query_key: QueryKeyProjection | None = None,
     hidden_states: torch.Tensor | None = None,
-    logit_softcapping: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``(batch, heads, q_len, head_dim)`` q, k, v with the scheme and normalizer composed in (k and v
     may have fewer heads, a divisor of q's: grouped-query attention, as in Llama; the cache keeps them unrepeated).
@@ -828,14 +827,16 @@ def positional_attention(
     :class:`LayerPositionTerm` or None, ``project_query_key`` the layer's q/k projections it may apply to other
     vectors, ``hidden_states`` ``(batch, q_len, hidden)`` the layer's input q, k, v were projected from (for the
     term's ``layer_tables``, whose per-token states are kept in ``cache``, and for the normalizer's output gate);
-    ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``; ``logit_softcapping`` (the
-    config's ``attn_logit_softcapping``, None: off) caps the scores, position and content terms included, before the
-    normalizer (:func:`soft_capped_scores`; the backend is one that can, :func:`choose_backend`). The weights are
+    ``scaling`` is the layer's factor on ``q.k``, times the scheme's ``content_scale``; the inputs'
+    ``"logit_softcapping"`` (the config's ``attn_logit_softcapping``, None: off) caps the scores, position and content
+    terms included, before the normalizer (:func:`soft_capped_scores`, on a backend that can: :func:`choose_backend`
+    was told the same value). The weights are
     applied to each of the normalizer's ``split_values`` (one attention each, on every backend) and its
     ``attention_output`` combines and gates the outputs. Returns the output ``(batch, q_len, heads, head_dim)`` and
     the weights ``(batch, heads, q_len, kv_len)`` as the normalizer reports them (eager only, else None)."""
     encoding = encoding.layer_encoding(layer_idx)  # the scheme this layer runs (a per-layer layout's own)
     scaling = scaling * encoding.content_scale
+    logit_softcapping = attention_inputs.get("logit_softcapping")
     score_term = value_rows = None
     if position_term is not None:
         store = None
