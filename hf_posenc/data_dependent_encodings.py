@@ -232,13 +232,16 @@ class HouseholderTerm(LayerPositionTerm):
         if self.forget_gate is not None:
             # FoX's own tables, its log f kept in the same per-token state (one store call, one cache slot).
             def store_with_path(name, log_forget):
-                nonlocal states
+                nonlocal states, key_log_forget
                 joined = torch.cat((states, log_forget.to(compute_dtype)), dim=-1)
                 joined = joined if store is None else store("path_state", joined)
-                states = joined[..., :width]
-                return joined[..., width:]
+                states, key_log_forget = joined[..., :width], joined[..., width:]
+                return key_log_forget
 
+            key_log_forget = None
             tables = self.forget_gate.layer_tables(hidden_states, attention_inputs, store_with_path)
+            # every key's log f as well: fla's kernel (fla_kernels.py) takes the gates, not their sums
+            tables["path_log_forget"] = key_log_forget.transpose(1, 2).contiguous()
         elif store is not None:
             states = store("path_state", states)
         kv_len = states.shape[1]

@@ -45,6 +45,7 @@ from .attention_normalizers import (
     flex_pass,
     implicit_visible,
 )
+from .fla_kernels import fla_attention
 from .learned_bias_attention import attention_with_learned_bias
 from .position_encodings import POSITION_ENCODINGS
 from .position_interface import (
@@ -860,7 +861,16 @@ def positional_attention(
         key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])
     weights = None
     values = normalizer.split_values(value)
-    if backend == "flex_attention":
+    fused = None
+    if backend == "sdpa":  # fla's kernel for the combinations that have one, on CUDA when installed
+        dropout_in_effect = dropout if training else 0.0
+        fused = fla_attention(
+            query, key, values, attention_inputs, encoding, normalizer, position_term, scaling, dropout_in_effect,
+            logit_softcapping,
+        )  # fmt: skip
+    if fused is not None:
+        outputs = fused
+    elif backend == "flex_attention":
         score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
         if position_term is not None:
             layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)

@@ -1,0 +1,237 @@
+"""fla's fused kernels (``fla_kernels.py``): which forwards reach them and the warning when a CUDA forward falls back
+(CPU, with a recording stand-in for the kernels), and their numbers against the library's eager path in Triton's
+interpreter (fla-core and triton installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_model, random_ids, with_cache
+
+from hf_posenc import fla_kernels
+
+
+COMBINATIONS = [("none", "stick_breaking"), ("path", "softmax"), ("path:forget_gate=true", "softmax")]
+
+
+def model_of(combination: str, normalizer: str, attn: str = "sdpa", **kwargs):
+    scheme, _, option = combination.partition(":")
+    spec = {"type": scheme, "forget_gate": True} if option else scheme
+    return make_model("gpt2", spec, normalizer, attn=attn, n_head=2, **kwargs)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """fla's two kernels replaced by recorders that return zeros of the output's shape, tried on the CPU."""
+    calls = []
+
+    def stick_breaking(q, k, v, scale, attend_current):
+        calls.append(("stick_breaking", q.shape, k.shape, scale, attend_current, None))
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), None
+
+    def path(q, k, v, w, beta, g, scale):
+        calls.append(("path", q.shape, w.shape, scale, beta.shape, None if g is None else g.shape))
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), None
+
+    modules = {
+        "stickbreaking_attn": SimpleNamespace(parallel_stickbreaking_attn=stick_breaking),
+        "path_attn": SimpleNamespace(parallel_path_attn=path),
+    }
+    monkeypatch.setattr(fla_kernels, "fla_runs_on", lambda device: True)
+    monkeypatch.setattr(fla_kernels, "fla_module", modules.get)
+    fla_kernels.warn_fla_fallback.cache_clear()
+    return calls
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBINATIONS)
+def test_a_plain_causal_forward_reaches_flas_kernel_with_the_layers_inputs(scheme, normalizer, stand_in):
+    """No padding, no cache, the model's positions: each layer calls the kernel once, with q, k, v as
+    ``(batch, len, heads, head_dim)``, the layer's scaling; PaTH with its directions, strengths and, with the forget
+    gate, the gates divided by the scaling (fla scales them with the scores)."""
+    model = model_of(scheme, normalizer)
+    model(random_ids(2, 12))
+    scaling = 16**-0.5
+    kernel = "stick_breaking" if normalizer == "stick_breaking" else "path"
+    gates = torch.Size([2, 12, 2]) if "forget_gate" in scheme else None
+    last = False if kernel == "stick_breaking" else torch.Size([2, 12, 2])
+    expected = (kernel, torch.Size([2, 12, 2, 16]), torch.Size([2, 12, 2, 16]), scaling, last, gates)
+    assert stand_in == [expected, expected]
+
+
+@pytest.mark.parametrize(("scheme", "normalizer"), COMBINATIONS)
+def test_padding_a_cache_and_dropout_fall_back_with_a_warning_naming_why(scheme, normalizer, stand_in, caplog):
+    """The forwards the kernels do not compute run the library's path (its numbers: the eager model's) with one
+    WARNING per reason: a padded batch, decoding with cached keys, attention dropout in training."""
+    model = model_of(scheme, normalizer)
+    eager = model_of(scheme, normalizer, attn="eager")
+    ids = random_ids(2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with caplog.at_level("WARNING", logger="hf_posenc"), torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
+        cache = with_cache(model(ids[:, :6], use_cache=True).past_key_values)
+        model(ids[:, 6:7], **cache)
+    assert [call[1] for call in stand_in] == [torch.Size([2, 6, 2, 16])] * 2  # the prefill only, in each layer
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert "padding, a custom mask or positions that do not increase" in caplog.text
+    assert "cached keys (decoding keeps the library's path)" in caplog.text
+    dropout = model_of(scheme, normalizer, attn_pdrop=0.1).train()
+    with caplog.at_level("WARNING", logger="hf_posenc"):
+        dropout(random_ids(1, 6))
+    assert "runs the library's path instead of fla's fused kernel: attention dropout" in caplog.text
+
+
+def test_positions_that_repeat_a_position_bias_and_a_missing_package_fall_back(stand_in, monkeypatch, caplog):
+    """Stick-breaking's keys are those at an earlier position: positions that restart (two packed documents) are not
+    the kernel's index order; ALiBi's bias is not in the kernel; without fla-core the warning says how to install
+    it. Other combinations (softmax with learned positions) never try the kernels."""
+    ids = random_ids(1, 8)
+    with caplog.at_level("WARNING", logger="hf_posenc"), torch.no_grad():
+        model_of("none", "stick_breaking")(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+        model_of("alibi", "stick_breaking")(ids)
+        model_of("learned", "softmax")(ids)
+        monkeypatch.setattr(fla_kernels, "fla_module", lambda name: None)
+        model_of("path", "softmax")(ids)
+    assert stand_in == []
+    assert "none + stick_breaking runs the library's path instead of fla's fused kernel: padding" in caplog.text
+    assert "alibi + stick_breaking runs the library's path instead of fla's fused kernel: a position bias" in (
+        caplog.text
+    )
+    assert "path + softmax runs the library's path instead of fla's fused kernel: fla-core is not installed" in (
+        caplog.text
+    )
+
+
+def test_nothing_is_tried_off_cuda():
+    assert not fla_kernels.fla_runs_on(torch.device("cpu"))
+    assert fla_kernels.fla_runs_on(torch.device("cuda"))
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    import torch
+    from triton.runtime import autotuner
+
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):  # the interpreter has no driver to benchmark configs with
+        self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+
+    # bfloat16: the interpreter keeps it as uint16 bit patterns, multiplies those in dots and binary ops and casts
+    # float32 to it by truncation; as on the GPU, those run in float32 and round to nearest even here
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    def to_f32(handle):
+        data = handle.data
+        return (data.astype(np.uint32) << 16).view(np.float32) if handle.dtype.scalar == tl.bfloat16 else data
+
+    def to_bf16(x):
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+    builder = interp.InterpreterBuilder
+    dot, binary, cast = builder.create_dot, builder.binary_op, builder.cast_impl
+
+    def create_dot(self, a, b, d, *args):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a, b = interp.TensorHandle(to_f32(a), tl.float32), interp.TensorHandle(to_f32(b), tl.float32)
+        return dot(self, a, b, d, *args)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar == tl.bfloat16 and rhs.dtype.scalar == tl.bfloat16:
+            out = op(to_f32(lhs), to_f32(rhs))
+            return interp.TensorHandle(out, tl.int1) if out.dtype == np.bool_ else interp.TensorHandle(
+                to_bf16(out), tl.bfloat16
+            )
+        return binary(self, lhs, rhs, op)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(to_bf16(src.data), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.create_dot, builder.binary_op, builder.cast_impl = create_dot, binary_op, cast_impl
+    from conftest import make_model, random_ids
+    from hf_posenc import fla_kernels
+
+    fla_kernels.fla_runs_on = lambda device: True
+    calls = []
+    module_of = fla_kernels.fla_module
+
+    def counted(name):
+        module = module_of(name)
+        return type("Counted", (), {
+            key: staticmethod(lambda *a, _f=getattr(module, key), **k: calls.append(1) or _f(*a, **k))
+            for key in ("parallel_stickbreaking_attn", "parallel_path_attn") if hasattr(module, key)
+        })
+
+    fla_kernels.fla_module = counted
+    scheme, normalizer, dtype = sys.argv[1:4]
+    spec = {"type": "path", "forget_gate": True} if scheme == "path_fox" else scheme
+    ids = random_ids(2, 40)
+    results = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model("gpt2", spec, normalizer, attn=attn, n_head=2, n_positions=64).train()
+        with torch.autocast("cpu", torch.bfloat16, enabled=attn == "sdpa" and dtype == "bfloat16"):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        results[attn] = {"loss": loss.item()} | {
+            name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None
+        }
+    errors = {
+        name: float((results["sdpa"][name] - want).abs().max() / max(float(want.abs().max()), 1e-12))
+        for name, want in results["eager"].items() if name != "loss"
+    }
+    loss_error = abs(results["sdpa"]["loss"] - results["eager"]["loss"]) / abs(results["eager"]["loss"])
+    print(json.dumps({"calls": len(calls), "loss": loss_error, "grads": errors}))
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+    reason="needs fla-core and triton (pip install fla-core==0.6.0 --no-deps einops; torch pins triton)",
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("scheme", "normalizer"), [("none", "stick_breaking"), ("path", "softmax"), ("path_fox", "softmax")]
+)
+def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normalizer, dtype):
+    """A GPT-2 training step (2 layers, 2 heads of 16, 2 x 40 tokens: PaTH's kernel crosses a block) through fla's
+    Triton kernels run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, a fresh interpreter: the
+    kernels are built for it when fla is imported), against the eager model: the loss and every parameter gradient,
+    relative to the largest entry; float32 to 1e-4 (fla rounds PaTH's directions to float16 in its inter-block
+    products), bf16 autocast to 5e-2 (the interpreter's bf16 arithmetic made the GPU's: float32 products, rounding
+    to nearest even)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", INTERPRETED, scheme, normalizer, dtype],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    assert result["calls"] == 2  # one per layer: the kernel ran
+    assert result["loss"] <= tolerance
+    worst = max(result["grads"].items(), key=lambda item: item[1])
+    assert worst[1] <= tolerance, worst
