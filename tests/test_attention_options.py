@@ -6,11 +6,14 @@ test_model_properties.py."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 import transformers
 from conftest import family_combos, make_config, make_model, random_ids
+from test_remote_code import LOAD_WITHOUT_HF_POSENC
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -254,3 +257,22 @@ def test_compiled_flex_attention_caps_and_normalises_like_eager(family):
     assert regions == ["t5+softmax+softcap"]
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_a_model_with_the_options_loads_as_remote_code_without_hf_posenc(family, tmp_path):
+    """The QK-norm module and the soft-cap live in the modules a saved folder carries."""
+    model = make_model(family, "rope", attn="sdpa", use_qk_norm=True, attn_logit_softcapping=1.0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.normal_(1.0, 0.5)
+    model.save_pretrained(tmp_path)
+    ids = random_ids(2, 9)
+    torch.save(ids, tmp_path / "ids.pt")
+    auto_name = "AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM"
+    command = [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path), auto_name]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / f"{auto_name}.pt"), model(ids).logits, atol=1e-5, rtol=1e-4)
