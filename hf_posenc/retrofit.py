@@ -53,11 +53,18 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
 
 from .attention_normalizers import AttentionNormalizer
-from .configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
+from .configuration_posenc import (
+    config_layer_types,
+    layer_position_specs,
+    resolve_attention_normalizer,
+    resolve_position_layout,
+)
 from .modeling_posenc_common import (
+    attention_dims,
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
+    build_query_key_norms,
     prepare_attention,
     register_peft_default_targets,
     resolve_position_ids,
@@ -71,6 +78,7 @@ from .position_interface import (
     PositionEncoding,
     given_cache,
 )
+from .rotary_encodings import ROPE_SCALING_OPTIONS, TRANSFORMERS_SCALING_KEYS
 
 
 ATTENTION_INPUTS = "posenc_attention_inputs"
@@ -112,9 +120,22 @@ class RetrofitAttention:
     """Mixin of a stock self-attention module: its own q/k/v projections, then :func:`positional_attention` with the
     scheme, the layer's normalizer and position term. Subclasses say how the stock module projects."""
 
-    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(batch, seq, hidden)`` -> q, k, v as ``(batch, heads, seq, head_dim)``."""
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    """Per-head QK-norm (the model's own, or :class:`QueryKeyRMSNorm` from ``use_qk_norm``), or None; set by
+    :func:`patch`."""
+
+    def project_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(batch, seq, hidden)`` -> the stock q, k, v projections as ``(batch, heads, seq, head_dim)``."""
         raise NotImplementedError
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``(batch, heads, seq, head_dim)``: the projections, then the QK-norm of each head where the
+        layer has one, before the position encoding (``Qwen3Attention``'s order)."""
+        query, key, value = self.project_heads(hidden_states)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        return query, key, value
 
     def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's q and k projections of ``(rows, hidden)`` vectors, ``(heads, rows, head_dim)`` each (keys
@@ -146,7 +167,7 @@ class RetrofitAttention:
 
 
 class RetrofitBertSelfAttention(RetrofitAttention):
-    def project(self, hidden_states):
+    def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
         return tuple(layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.query, self.key, self.value))
 
@@ -155,7 +176,7 @@ class RetrofitBertSelfAttention(RetrofitAttention):
 
 
 class RetrofitGPT2Attention(RetrofitAttention):
-    def project(self, hidden_states):
+    def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         return tuple(t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.split_size, dim=2))
 
@@ -167,7 +188,11 @@ class RetrofitGPT2Attention(RetrofitAttention):
 
 
 class RetrofitLlamaAttention(RetrofitAttention):
-    def project(self, hidden_states):
+    """Llama-like attention (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 3, gpt-oss): ``q_proj``, ``k_proj``, ``v_proj``
+    (Qwen3's and Gemma 3's ``q_norm``/``k_norm`` are per head: :meth:`RetrofitAttention.project`). The scaling is
+    the module's own (Gemma 3: ``query_pre_attn_scalar ** -0.5``)."""
+
+    def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         return tuple(
             layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
@@ -178,6 +203,30 @@ class RetrofitLlamaAttention(RetrofitAttention):
             hidden_states, kwargs, scaling=self.scaling, dropout=self.attention_dropout, causal=True
         )
         return self.o_proj(output), weights
+
+
+class RetrofitOlmo3Attention(RetrofitLlamaAttention):
+    """OLMo 3's attention: its ``q_norm``/``k_norm`` are RMSNorms of the whole projections (``num_heads * head_dim``
+    features, not per head), applied before the split into heads, as ``Olmo3Attention``."""
+
+    def project(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        return tuple(t.view(shape).transpose(1, 2) for t in (query, key, value))
+
+
+class RetrofitGptOssAttention(RetrofitLlamaAttention):
+    """gpt-oss's attention: its per-head ``sinks`` are the ``softmax`` normalizer's learned ``sink`` (``e^b / (e^c +
+    sum_j e^b)``, as ``eager_attention_forward``'s extra column). The stock parameter is moved into the normalizer
+    (``normalizer.sink``); ``sinks`` reads it there (the stock ``_init_weights`` initialises it by that name), an
+    empty tensor under a normalizer without a learned sink."""
+
+    @property
+    def sinks(self) -> torch.Tensor:
+        sink = getattr(self.normalizer, "sink", None)
+        return sink if sink is not None else torch.empty(0)
 
 
 class RetrofitBertEmbeddings:
@@ -227,6 +276,8 @@ class StockFamily:
     attention_classes: tuple[str, ...]
     attention_mixin: type
     peft_model_type: str  # whose PEFT default targets a saved model type of the family gets if its own has none
+    qk_norm: str | None = None  # the family's own QK-norm: "head" (Qwen3, Gemma 3), "projection" (OLMo 3), None
+    sinks: bool = False  # whether the attention has gpt-oss's per-head ``sinks``
 
     def layers(self, base: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
@@ -260,6 +311,11 @@ class StockFamily:
                 "(position_encoding=...)."
             )
         return {"type": "learned"}
+
+    def own_normalizer(self, config) -> str | dict[str, Any]:
+        """The normalizer under which the patched model computes what the stock model computes: ``softmax``, with
+        gpt-oss's learned sinks (``sink="learned"``) where the family has them."""
+        return {"type": "softmax", "sink": "learned"} if self.sinks else "softmax"
 
     def remove_stock_positions(self, base: nn.Module) -> None:
         """Take the input-side positions out of the stock forward (the scheme's ``embed`` replaces them)."""
@@ -350,7 +406,40 @@ class GPT2Family(StockFamily):
         base.wpe = NoStockPositions()
 
 
+def rope_spec_of(parameters: dict[str, Any], max_position_embeddings: int, fraction: float = 1.0) -> dict[str, Any]:
+    """hf_posenc's ``rope`` spec of a Transformers ``rope_parameters`` dict (one layer type's): ``rope_theta``, the
+    ``partial_rotary_factor`` (in the dict, else the config's ``fraction``) and, for a ``rope_type`` other than
+    ``default``, the scaling under the same names (:func:`resolve_rope_scaling` reads ``rope_type`` and
+    ``original_max_position_embeddings``). A scaling with no ``factor`` takes Transformers' rule,
+    ``max_position_embeddings / original_max_position_embeddings``. A ``rope_type`` hf_posenc has not:
+    ``ValueError``."""
+    kind = parameters.get("rope_type", "default")
+    fraction = parameters.get("partial_rotary_factor") or fraction
+    spec = {"type": "rope", "theta": float(parameters["rope_theta"]), "rotary_fraction": float(fraction)}
+    if kind == "default":
+        return spec
+    if kind not in ROPE_SCALING_OPTIONS:
+        raise ValueError(
+            f"retrofit(): rope_type={kind!r} has no hf_posenc scaling (valid: {list(ROPE_SCALING_OPTIONS)}); name "
+            "the scheme to switch to (position_encoding=...)."
+        )
+    names = {TRANSFORMERS_SCALING_KEYS.get(key, key): value for key, value in parameters.items()}
+    scaling = {"type": kind}
+    scaling.update(
+        {key: value for key, value in names.items() if key in ROPE_SCALING_OPTIONS[kind] and value is not None}
+    )
+    if scaling.get("factor") is None and names.get("original_max_positions"):
+        scaling["factor"] = max_position_embeddings / names["original_max_positions"]
+    spec["scaling"] = scaling
+    return spec
+
+
 class LlamaFamily(StockFamily):
+    """Llama-like decoders: ``base.layers``, ``layer.self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``,
+    the rotary parameters in ``config.rope_parameters`` (one dict, or one per layer type: Gemma 3, OLMo 3), the layer
+    types and windows in ``config.layer_types`` / ``sliding_window`` (read by the masks and caches as the stock model
+    reads them)."""
+
     def layers(self, base):
         return list(base.layers)
 
@@ -361,25 +450,26 @@ class LlamaFamily(StockFamily):
         return config.attention_dropout
 
     def own_scheme(self, config):
+        """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
+        type (Gemma 3's local and global bases, OLMo 3's YaRN on the full layers) or where SmolLM3 leaves a layer
+        without (``no_rope_layers[i] == 0``: ``none``)."""
         rope = config.rope_parameters
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"retrofit(): this {config.model_type} model scales its rotary frequencies "
-                f"(rope_type={rope['rope_type']!r}), which hf_posenc's 'rope' does not do yet; name the scheme to "
-                "switch to (position_encoding=...)."
-            )
         fraction = getattr(config, "partial_rotary_factor", None) or 1.0
-        return {"type": "rope", "theta": float(rope["rope_theta"]), "rotary_fraction": float(fraction)}
+        layer_types = config_layer_types(config)
+        if "rope_theta" in rope:
+            specs = [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
+        else:
+            specs = [rope_spec_of(rope[kind], config.max_position_embeddings, fraction) for kind in layer_types]
+        keeps_rope = getattr(config, "no_rope_layers", None) or [1] * len(specs)
+        specs = [spec if keep else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
+        return specs[0] if all(spec == specs[0] for spec in specs) else specs
 
     def check(self, config):
         super().check(config)
-        sliding = getattr(config, "sliding_window", None) is not None and (
-            config.model_type == "mistral" or "sliding_attention" in (getattr(config, "layer_types", None) or ())
-        )
-        if sliding:
+        if getattr(config, "use_bidirectional_attention", False):
             raise ValueError(
-                f"retrofit(): this {config.model_type} model uses sliding-window attention, which hf_posenc does not "
-                "compose; set config.sliding_window = None (full attention) before retrofitting."
+                f"retrofit(): this {config.model_type} model sets use_bidirectional_attention=True (an encoder built "
+                "from a decoder, as EmbeddingGemma); retrofit() keeps Llama-like models causal."
             )
 
 
@@ -399,11 +489,21 @@ FAMILIES = (
     ),
     GPT2Family("GPT-2 (GPT2*)", ("GPT2Attention",), RetrofitGPT2Attention, "gpt2"),
     LlamaFamily(
-        "Llama family (Llama*, Mistral*, Qwen2*)",
-        ("LlamaAttention", "MistralAttention", "Qwen2Attention"),
+        "Llama family (Llama*, Mistral*, Qwen2*, SmolLM3*)",
+        ("LlamaAttention", "MistralAttention", "Qwen2Attention", "SmolLM3Attention"),
         RetrofitLlamaAttention,
         "llama",
     ),
+    LlamaFamily("Qwen3 (Qwen3*)", ("Qwen3Attention",), RetrofitLlamaAttention, "llama", qk_norm="head"),
+    LlamaFamily(
+        "Gemma 3 text (Gemma3ForCausalLM, Gemma3TextModel)",
+        ("Gemma3Attention",),
+        RetrofitLlamaAttention,
+        "llama",
+        qk_norm="head",
+    ),
+    LlamaFamily("OLMo 3 (Olmo3*)", ("Olmo3Attention",), RetrofitOlmo3Attention, "llama", qk_norm="projection"),
+    LlamaFamily("gpt-oss (GptOss*)", ("GptOssAttention",), RetrofitGptOssAttention, "llama", sinks=True),
 )
 
 
@@ -488,8 +588,11 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
 
 def retrofit(
     model: PreTrainedModel,
-    position_encoding: str | dict[str, Any] | None = None,
-    attention_normalizer: str | dict[str, Any] = "softmax",
+    position_encoding: str | dict[str, Any] | list[dict[str, Any]] | None = None,
+    attention_normalizer: str | dict[str, Any] | None = None,
+    *,
+    layers: list[int] | None = None,
+    use_qk_norm: bool | None = None,
     **options: Any,
 ) -> PreTrainedModel:
     """Switch a stock model's position encoding and attention normalizer in place; returns the model.
@@ -497,10 +600,18 @@ def retrofit(
     Args:
         model: a stock Transformers model of a supported family (see the module docstring), any head, or a path or
             Hub id (loaded with the class its config names).
-        position_encoding: a scheme name or ``{"type": name, **options}`` (``hf_posenc.list_position_encodings()``);
-            None keeps the model's own: ``learned`` (BERT, GPT-2: the stock table), ``rope`` with the model's
-            ``rope_theta`` (Llama). With the model's own scheme and ``softmax`` the model computes what it did.
-        attention_normalizer: a name or ``{"type": name, **options}`` (``hf_posenc.list_attention_normalizers()``).
+        position_encoding: a scheme name or ``{"type": name, **options}`` (``hf_posenc.list_position_encodings()``),
+            or one per attention layer (a list); None keeps the model's own: ``learned`` (BERT, GPT-2: the stock
+            table), ``rope`` with the model's rotary parameters (Llama-like: base, partial rotation and scaling, per
+            layer type where they differ, ``none`` on SmolLM3's NoPE layers). With the model's own scheme and
+            normalizer the model computes what it did.
+        attention_normalizer: a name or ``{"type": name, **options}`` (``hf_posenc.list_attention_normalizers()``);
+            None keeps the model's own (``softmax``; gpt-oss: ``softmax`` with its learned sinks).
+        layers: the attention layers ``position_encoding`` goes to; the others keep the model's own scheme (None:
+            every layer).
+        use_qk_norm: per-head RMSNorm of q and k before the position encoding (``q_norm``/``k_norm``, weights 1 at
+            first); None keeps the model's own (Qwen3, Gemma 3, OLMo 3 have one; OLMo 3's normalizes the whole
+            projection), False removes it.
         **options: options of the position encoding (``retrofit(model, "t5", num_buckets=64)``).
 
     Every pretrained weight is kept. The stock position table becomes the ``learned`` scheme's table (RoBERTa: its
@@ -508,36 +619,59 @@ def retrofit(
     embeddings, a normalizer's gate) get the model family's own init, ``_init_weights``: normal(0,
     ``initializer_range``) for linear and embedding weights, so a position bias starts close to zero and the patched
     model starts from what the stock layers compute without their old positions. A normalizer's smaller W_V/W_O init
-    (``value_init_scale``) is for fresh models; pretrained projections are kept.
+    (``value_init_scale``) is for fresh models; pretrained projections are kept. gpt-oss's sinks become the learned
+    sink of a normalizer that has one, and are dropped under any other.
     """
     if isinstance(model, (str, Path)):
         model = load_stock_model(model)
     family = stock_family(model)
-    family.check(model.config)
+    config = model.config
+    family.check(config)
     base = model.base_model
     offset = family.position_offset(base)
     table = family.stock_table(base)
+    causal = family.causal(config)
+    num_layers = config.num_hidden_layers
+    own = family.own_scheme(config)
     if position_encoding is None:
-        position_encoding = family.own_scheme(model.config)
-    if isinstance(position_encoding, (list, tuple)):
-        raise ValueError(
-            "retrofit() gives every layer one position_encoding (a name or a dict); a per-layer list is a PosEnc "
-            "model's config (PosEncBertConfig / PosEncGPT2Config, or hf_posenc.convert)."
-        )
+        position_encoding = own
     if isinstance(position_encoding, str):
         position_encoding = {"type": position_encoding}
-    position_encoding = {**position_encoding, **options}
-    max_positions = table.num_embeddings - offset if table is not None else model.config.max_position_embeddings
-    spec = resolve_position_encoding(
-        position_encoding, max_positions, family.causal(model.config), model.config.hidden_size
-    )
-    if spec["type"] == "learned" and table is not None and spec["max_positions"] > max_positions:
+    if options:
+        if isinstance(position_encoding, (list, tuple)):
+            raise ValueError(
+                f"retrofit(): options {sorted(options)} go to one scheme; with a per-layer position_encoding give "
+                "each layer's options in its dict."
+            )
+        position_encoding = {**position_encoding, **options}
+    if layers is not None:
+        position_encoding = layer_switch(own, position_encoding, layers, num_layers)
+    max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
+    spec = resolve_position_layout(position_encoding, num_layers, max_positions, causal, config.hidden_size)
+    if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
+        spec = spec[0]
+    first = layer_position_specs(spec, num_layers)[0]
+    if first["type"] == "learned" and table is not None and first["max_positions"] > max_positions:
         raise ValueError(
             f"retrofit(): the stock position table has {max_positions} positions; got max_positions="
-            f"{spec['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
+            f"{first['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
         )
-    model.config.position_encoding = spec
-    model.config.attention_normalizer = resolve_attention_normalizer(attention_normalizer, family.causal(model.config))
+    if use_qk_norm is None:
+        use_qk_norm = family.qk_norm is not None
+    if not isinstance(use_qk_norm, bool):
+        raise ValueError(
+            f"retrofit(): use_qk_norm must be True, False or None (the model's own); got {use_qk_norm!r}."
+        )
+    if attention_normalizer is None:
+        attention_normalizer = family.own_normalizer(config)
+    config.position_encoding = spec
+    config.attention_normalizer = resolve_attention_normalizer(
+        attention_normalizer, causal, config.num_attention_heads
+    )
+    config.use_qk_norm = use_qk_norm
+    stock_sinks = []
+    if family.sinks:
+        stock_sinks = [family.attention(layer).sinks.detach().clone() for layer in family.layers(base)]
     new_modules = patch(model, family)
     for module in new_modules:
         submodules = list(module.modules())
@@ -545,27 +679,57 @@ def retrofit(
             model._init_weights(submodule)
         for submodule in submodules:  # the scheme's own init after its submodules' family init, as in PosEnc models
             if isinstance(submodule, (PositionEncoding, LayerPositionTerm, AttentionNormalizer)):
-                submodule.init_weights(getattr(model.config, "initializer_range", 0.02))
-    if spec["type"] == "learned" and table is not None:
-        with torch.no_grad():
-            base.position_encoding.table.weight.copy_(table.weight[offset : offset + spec["max_positions"]])
+                submodule.init_weights(getattr(config, "initializer_range", 0.02))
+    with torch.no_grad():
+        if first["type"] == "learned" and table is not None:
+            base.position_encoding.table.weight.copy_(table.weight[offset : offset + first["max_positions"]])
+        for layer, sinks in zip(family.layers(base), stock_sinks, strict=False):
+            sink = getattr(family.attention(layer).normalizer, "sink", None)
+            if sink is not None:
+                sink.copy_(sinks)
     return model
 
 
+def layer_switch(
+    own: dict[str, Any] | list[dict[str, Any]], switched: Any, layers: list[int], num_layers: int
+) -> list[dict[str, Any]]:
+    """The per-layer list of ``switched`` on ``layers`` and the model's ``own`` scheme elsewhere; ``ValueError`` for
+    a layer index out of range or a per-layer ``switched``."""
+    if isinstance(switched, (list, tuple)):
+        raise ValueError("retrofit(): layers= takes one position_encoding (a name or a dict), not a per-layer list.")
+    bad = [idx for idx in layers if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < num_layers]
+    if bad or not layers:
+        raise ValueError(
+            f"retrofit(): layers must be a non-empty list of attention layer indices in 0 .. {num_layers - 1}; "
+            f"got {layers!r}."
+        )
+    own_specs = layer_position_specs(own, num_layers)
+    return [switched if idx in layers else own_specs[idx] for idx in range(num_layers)]
+
+
 def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
-    """Patch ``model`` per ``config.position_encoding`` and ``config.attention_normalizer`` (full specs); return the
-    modules it added. Also what the saved ``modeling_retrofit.py`` calls after building the stock model."""
+    """Patch ``model`` per ``config.position_encoding``, ``config.attention_normalizer`` (full specs) and
+    ``config.use_qk_norm``; return the modules it added. Also what the saved ``modeling_retrofit.py`` calls after
+    building the stock model."""
     config, base = model.config, model.base_model
     causal = family.causal(config)
     reference = base.get_input_embeddings().weight
     new_modules = [build_position_encoding(config, causal).to(reference.device, reference.dtype)]
     base.position_encoding = new_modules[0]
     family.remove_stock_positions(base)
+    use_qk_norm = getattr(config, "use_qk_norm", False)
+    eps = next(
+        getattr(config, name)
+        for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+        if hasattr(config, name)
+    )
     for layer_idx, layer in enumerate(family.layers(base)):
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         weight = next(attention.parameters())
+        if family.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
+            del attention.sinks
         attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
         attention.normalizer = build_attention_normalizer(config, causal, layer_idx).to(weight.device, weight.dtype)
         attention.position_term = build_layer_position_term(config, causal, layer_idx)
@@ -573,6 +737,18 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
             new_modules.append(attention.position_term)
+        has_qk_norm = getattr(attention, "q_norm", None) is not None
+        if has_qk_norm and not use_qk_norm:
+            del attention.q_norm, attention.k_norm
+        if not has_qk_norm or not use_qk_norm:
+            attention.q_norm, attention.k_norm = build_query_key_norms(
+                config, attention_dims(config, causal).head_dim, eps
+            )
+        if attention.q_norm is not None and not has_qk_norm:
+            new_modules += [
+                attention.q_norm.to(weight.device, weight.dtype),
+                attention.k_norm.to(weight.device, weight.dtype),
+            ]
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)

@@ -4,6 +4,7 @@ themselves (identity), against their own cached / unpadded runs, and through sav
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import subprocess
 import sys
@@ -473,8 +474,6 @@ def test_unsupported_models_raise_naming_the_supported_families():
 
 
 def test_bad_retrofit_requests_raise(saved_stock):
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        hf_posenc.retrofit(transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, sliding_window=16)))
     with pytest.raises(ValueError, match=r"has 40 positions; got max_positions=80.*extend_positions"):
         hf_posenc.retrofit(load_stock(saved_stock, "roberta", "RobertaModel"), "learned", max_positions=80)
     with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'; valid choices"):
@@ -482,6 +481,259 @@ def test_bad_retrofit_requests_raise(saved_stock):
     with pytest.raises(ValueError, match="has no cross-attention; got encoder_hidden_states"):
         patched = hf_posenc.retrofit(load_stock(saved_stock, "gpt2", "GPT2Model"))
         patched(random_ids(1, 4), encoder_hidden_states=torch.zeros(1, 4, 32))
+
+
+# The 2026 families and the Llama family's scaled RoPE and sliding windows: tiny random configs of the stock classes,
+# four layers so that every layer pattern (Gemma 3's local/global, OLMo 3's 3:1, SmolLM3's NoPE layer) shows.
+
+LAYERED = dict(DECODER, num_hidden_layers=4, intermediate_size=32)
+FAMILY_CASES = {
+    "llama-llama3": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            )
+        ),
+    ),
+    "llama-yarn": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16)),
+    ),
+    "llama-linear": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    ),
+    "llama-dynamic": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+    ),
+    "mistral-window": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=4)),
+    "qwen2-window": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    ),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=8)),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(no_rope_layer_interval=4)),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            head_dim=8,
+            query_pre_attn_scalar=16,  # scaling 1/4, not head_dim ** -0.5
+            sliding_window=4,
+            sliding_window_pattern=2,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+                sliding_attention=dict(rope_type="default", rope_theta=1e4),
+            ),
+        ),
+    ),
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        "Olmo3Config",
+        dict(
+            sliding_window=4,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="yarn", rope_theta=5e5, factor=4.0, original_max_position_embeddings=16),
+                sliding_attention=dict(rope_type="default", rope_theta=5e5),
+            ),
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
+}
+EAGER_ONLY = {"gpt_oss"}  # Transformers refuses SDPA for stock gpt-oss (its sinks)
+
+
+def stock_class(name: str) -> type:
+    """A Transformers class, or a skip naming the installed version that lacks it (CI's oldest pass, 5.15)."""
+    if not hasattr(transformers, name):
+        pytest.skip(f"{name} is not in Transformers {transformers.__version__}")
+    return getattr(transformers, name)
+
+
+def family_model(case: str, attn: str = "eager", **overrides) -> transformers.PreTrainedModel:
+    """The stock model of ``case``, randomly initialised from seed 0 (gpt-oss's sinks N(0, 1), so they matter)."""
+    class_name, config_name, extra = FAMILY_CASES[case]
+    config = stock_class(config_name)(**{**LAYERED, **extra, **overrides})
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = stock_class(class_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                param.normal_(0.0, 1.0)
+    return model
+
+
+def left_padded_batch() -> dict[str, torch.Tensor]:
+    ids = random_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_identity_retrofit_of_a_family_gives_the_stock_logits_and_tokens(case, attn, tmp_path):
+    """With the model's own scheme, normalizer and QK-norm the retrofitted model gives the stock logits (float32,
+    1e-5), the stock greedy tokens from cached generate with the dynamic cache (its sliding layers from the config)
+    and with the static cache, and the same after save and reload as remote code. gpt-oss's stock model runs eager
+    only; its retrofit also runs the library's SDPA, checked against the stock eager logits."""
+    stock = family_model(case, "eager" if case in EAGER_ONLY else attn)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    if case in EAGER_ONLY:
+        patched.config._attn_implementation_internal = attn
+    batch = left_padded_batch()
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = stock(**batch, position_ids=positions).logits
+        torch.testing.assert_close(
+            patched(**batch, position_ids=positions).logits[real], expected[real], atol=1e-5, rtol=0
+        )
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    for cache in (None, "static"):
+        tokens = stock.generate(**batch, cache_implementation=cache, **kwargs)
+        assert torch.equal(patched.generate(**batch, cache_implementation=cache, **kwargs), tokens), cache
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    reloaded.config._attn_implementation_internal = attn
+    assert type(reloaded).__name__ == f"Retrofit{type(stock).__name__}"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(**batch, position_ids=positions).logits[real], expected[real], atol=1e-5, rtol=0
+        )
+
+
+def test_identity_retrofit_describes_each_family_in_the_spec_names():
+    """The own layout as the config says it: Gemma 3's local/global bases per layer type (its linear scaling on the
+    global layers), OLMo 3's YaRN on the full layers only, SmolLM3's NoPE every 4th layer, gpt-oss's sinks as the
+    softmax normalizer's learned sink, QK-norm where the model has one."""
+    gemma = hf_posenc.retrofit(family_model("gemma3")).config
+    assert [spec["theta"] for spec in gemma.position_encoding] == [1e4, 1e6, 1e4, 1e6]
+    assert [spec["scaling"] and spec["scaling"]["type"] for spec in gemma.position_encoding] == [None, "linear"] * 2
+    assert gemma.use_qk_norm
+    olmo = hf_posenc.retrofit(family_model("olmo3")).config
+    assert [spec["scaling"] and spec["scaling"]["type"] for spec in olmo.position_encoding] == [
+        None,
+        None,
+        None,
+        "yarn",
+    ]
+    smollm = hf_posenc.retrofit(family_model("smollm3")).config
+    assert [spec["type"] for spec in smollm.position_encoding] == ["rope", "rope", "rope", "none"]
+    assert not smollm.use_qk_norm
+    oss = hf_posenc.retrofit(family_model("gpt_oss"))
+    assert oss.config.attention_normalizer["sink"] == "learned"
+    stock = family_model("gpt_oss")
+    torch.testing.assert_close(oss.model.layers[1].self_attn.normalizer.sink, stock.model.layers[1].self_attn.sinks)
+    assert not any(name.endswith("self_attn.sinks") for name, _ in oss.named_parameters())
+    llama = hf_posenc.retrofit(family_model("llama-llama3")).config.position_encoding
+    assert llama["scaling"] == {
+        "type": "llama3",
+        "factor": 8.0,
+        "original_max_positions": 16,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+
+
+SWITCHES = [
+    ("none", {}),
+    ("none", {"use_qk_norm": True}),
+    ({"type": "rope", "kept_frequency_fraction": 0.5}, {}),
+    ("alibi", {}),
+    ({"type": "rope", "theta": 500.0, "scaling": {"type": "linear", "factor": 2.0}}, {}),
+    ("none", {"layers": [0, 3]}),
+]
+
+
+@pytest.mark.parametrize("case", ["qwen3", "smollm3", "gemma3", "olmo3", "gpt_oss", "qwen2-window"])
+@pytest.mark.parametrize(("scheme", "extra"), SWITCHES)
+def test_switched_family_generates_the_same_with_each_cache(case, scheme, extra):
+    """A switched model (all layers or the layers named; with or without QK-norm) generates the same tokens without
+    a cache, with the dynamic cache and with the static cache, and its config says what it is."""
+    patched = hf_posenc.retrofit(family_model(case), scheme, **extra)
+    perturb_position_parameters(patched)
+    specs = patched.config.position_encoding
+    specs = specs if isinstance(specs, list) else [specs] * 4
+    name = scheme if isinstance(scheme, str) else scheme["type"]
+    switched = extra.get("layers", range(4))
+    assert all(specs[idx]["type"] == name for idx in switched)
+    if "use_qk_norm" in extra:
+        assert patched.config.use_qk_norm and patched.model.layers[0].self_attn.q_norm is not None
+    batch = left_padded_batch()
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    uncached = patched.generate(**batch, use_cache=False, **kwargs)
+    for cache in (None, "static"):
+        assert torch.equal(patched.generate(**batch, cache_implementation=cache, **kwargs), uncached), cache
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3"])
+def test_switch_without_the_families_qk_norm_removes_it(case):
+    """use_qk_norm=False drops the model's own q_norm/k_norm: the layer then computes q.k of the raw projections."""
+    stock = family_model(case)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "none", use_qk_norm=False)
+    attention = patched.model.layers[0].self_attn
+    assert attention.q_norm is None and not any("q_norm" in name for name, _ in patched.named_parameters())
+    hidden = torch.randn(1, 5, 32)
+    query, key, _ = attention.project(hidden)
+    torch.testing.assert_close(query, stock.model.layers[0].self_attn.q_proj(hidden).view(1, 5, -1, 8).transpose(1, 2))
+    torch.testing.assert_close(key, stock.model.layers[0].self_attn.k_proj(hidden).view(1, 5, -1, 8).transpose(1, 2))
+
+
+def test_added_qk_norm_is_per_head_rmsnorm_before_the_rotation():
+    """use_qk_norm=True on Llama adds q_norm/k_norm (weights 1): each head's q and k divided by their RMS."""
+    stock = family_model("llama-yarn")
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), use_qk_norm=True)
+    attention = patched.model.layers[0].self_attn
+    hidden = torch.randn(1, 5, 32)
+    query, key, _ = attention.project(hidden)
+    raw = stock.model.layers[0].self_attn.q_proj(hidden).view(1, 5, 4, 8).transpose(1, 2)
+    torch.testing.assert_close(query, raw / raw.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), atol=1e-6, rtol=1e-5)
+    assert key.shape == (1, 2, 5, 8)
+
+
+def test_bad_family_requests_raise():
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        hf_posenc.retrofit(family_model("gemma3", use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"layers must be a non-empty list of attention layer indices in 0 \.\. 3"):
+        hf_posenc.retrofit(family_model("qwen3"), "none", layers=[4])
+    with pytest.raises(ValueError, match="use_qk_norm must be True, False or None"):
+        hf_posenc.retrofit(family_model("qwen3"), "none", use_qk_norm="yes")
+    with pytest.raises(ValueError, match="rope_type='proportional' has no hf_posenc scaling"):
+        importlib.import_module("hf_posenc.retrofit").rope_spec_of(
+            {"rope_type": "proportional", "rope_theta": 1e4}, 64
+        )
 
 
 # The real MiniLM checkpoint (BERT, 6 layers, 512 positions).
