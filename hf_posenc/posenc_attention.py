@@ -552,6 +552,50 @@ def band_scores(
     return scores.masked_fill(~visible, float("-inf"))
 
 
+def _block_lists(num_blocks: torch.Tensor, indices: torch.Tensor, columns: int) -> torch.Tensor:
+    """A BlockMask's ordered block lists (``(..., rows)`` counts, ``(..., rows, columns)`` indices) as a dense
+    ``(..., rows, columns)`` boolean."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+    dense = torch.zeros(*indices.shape[:-1], columns + 1, dtype=torch.bool, device=indices.device)
+    return dense.scatter_(-1, torch.where(listed, indices.long(), columns), True)[..., :columns]
+
+
+def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense ``(..., rows, columns)`` boolean as BlockMask's ordered lists: counts and indices (listed first)."""
+    order = torch.argsort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
+    return dense.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def left_tail_block_mask(block_mask: BlockMask | None, length: int, reach: int, device: torch.device) -> BlockMask:
+    """``block_mask`` (None: every key of ``length``) without its tiles that hold no pair ``j <= i - reach``: a
+    tile of queries ``a .. a'`` and keys ``c .. c'`` is kept when ``c <= min(a', length - 1) - reach``. Only whole
+    tiles go (the kept ones keep their mask_mod and, full or partial, their kind), so the scores the kernel computes
+    are the same: the encoder's left-tail pass of Shaw's value term visits about half the tiles."""
+    if block_mask is None:
+        q_block = kv_block = 128
+        blocks = -(-length // 128)
+        full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=device)
+        partial, mask_mod = torch.zeros_like(full), None
+    else:
+        q_block, kv_block = block_mask.BLOCK_SIZE
+        blocks = block_mask.kv_indices.shape[-1]
+        partial = _block_lists(block_mask.kv_num_blocks, block_mask.kv_indices, blocks)
+        full = torch.zeros_like(partial)
+        if block_mask.full_kv_num_blocks is not None:
+            full = _block_lists(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, blocks)
+        mask_mod = block_mask.mask_mod
+    last_query = ((torch.arange(partial.shape[-2], device=device) + 1) * q_block - 1).clamp(max=length - 1)
+    first_key = torch.arange(partial.shape[-1], device=device) * kv_block
+    holds_tail = first_key[None, :] <= last_query[:, None] - reach
+    return BlockMask.from_kv_blocks(
+        *_ordered_blocks(partial & holds_tail),
+        *_ordered_blocks(full & holds_tail),
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod,
+        seq_lengths=(length, length),
+    )
+
+
 def clipped_value_rows_term(
     attend: Callable,
     query: torch.Tensor,
@@ -571,7 +615,8 @@ def clipped_value_rows_term(
     A key inside the clip, ``|j - i| < k``, has a row of its own, weighted ``a_ij = exp(s_ij - lse_i)`` from the band
     of scores (:func:`band_scores`). The keys clipped to row 0 (``j <= i - k``) and row ``2k`` share the rest of the
     row's mass, ``1 - sum of the band``: a causal layer (its mask hides every key after the query) gives it all to
-    row 0; otherwise a second FlexAttention pass over the keys ``j <= i - k`` gives row 0's share,
+    row 0; otherwise a second FlexAttention pass over the keys ``j <= i - k`` (the other keys' scores at
+    ``finfo.min``, the tiles of none of them skipped, :func:`left_tail_block_mask`) gives row 0's share,
     ``exp(lse_left_i - lse_i)``, and row ``2k`` the remainder (with ``k >= n`` both tails are empty: no pass). Rows
     that see no key (``lse = -inf``) get 0."""
     k = value_rows.max_distance
@@ -595,7 +640,8 @@ def clipped_value_rows_term(
             # (the compiled kernel's base-2 scaling makes it -inf, which its masked-row handling covers)
             return torch.where(kv_idx <= q_idx - k, score, torch.finfo(score.dtype).min)
 
-        _, left_lse = flex_pass(attend, query, key, value, left_tail_score_mod, block_mask, scale, pass_name="tail")
+        tail_mask = left_tail_block_mask(block_mask, query.shape[-2], k, query.device)
+        _, left_lse = flex_pass(attend, query, key, value, left_tail_score_mod, tail_mask, scale, pass_name="tail")
         left = torch.exp(torch.where(has_key, left_lse, float("-inf")) - finite_lse[..., 0]).to(band.dtype)
         right = rest - left
     per_row = torch.cat((left[..., None], band, right[..., None]), dim=-1)

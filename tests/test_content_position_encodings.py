@@ -7,6 +7,7 @@ remote code."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -24,7 +25,7 @@ from conftest import (
 )
 from safetensors.torch import save_file
 from torch.nn import functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention, noop_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
@@ -618,6 +619,45 @@ def test_clipped_value_rows_term_equals_the_formula_under_any_mask(k):
     torch.testing.assert_close(term, expected)
     assert term[:, :, 4].abs().max() == 0
     assert tail_passes == (["tail"] if k < n else [])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding"])
+@pytest.mark.parametrize("reach", [3, 150, 400])
+def test_left_tail_block_mask_drops_only_the_tiles_with_no_tail_pair(padded, reach):
+    """The tail pass's BlockMask: every tile of the given mask (None: all of them, full) that holds a pair ``j <= i -
+    reach`` inside the sequence, with its kind (full or partial) and mask_mod; the others gone. 300 tokens in tiles of
+    128, the second row padded after 200 keys; reach 150 leaves the first row of tiles empty, 400 every tile."""
+    from hf_posenc.posenc_attention import left_tail_block_mask
+
+    n, lengths = 300, torch.tensor([300, 200])
+
+    def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx < lengths[batch_idx]
+
+    given = create_block_mask(mask_mod, 2, 1, n, n, device="cpu") if padded else None
+    tail = left_tail_block_mask(given, n, reach, torch.device("cpu"))
+    assert tail.BLOCK_SIZE == (128, 128) and tail.seq_lengths == (n, n)
+    assert tail.mask_mod is (given.mask_mod if padded else noop_mask)
+
+    def tiles(num_blocks, indices):
+        dense = torch.zeros(*num_blocks.shape, 3, dtype=torch.bool)
+        for position in itertools.product(*(range(size) for size in num_blocks.shape)):
+            for column in indices[position][: num_blocks[position]].tolist():
+                dense[position + (column,)] = True
+        return dense
+
+    holds_tail = torch.tensor(
+        [[any(j <= i - reach for i in range(128 * a, min(128 * a + 128, n)) for j in range(128 * c, 128 * c + 128))
+          for c in range(3)] for a in range(3)]
+    )  # fmt: skip
+    if padded:
+        expected_partial = tiles(given.kv_num_blocks, given.kv_indices) & holds_tail
+        expected_full = tiles(given.full_kv_num_blocks, given.full_kv_indices) & holds_tail
+    else:
+        expected_full, expected_partial = holds_tail[None, None], torch.zeros(1, 1, 3, 3, dtype=torch.bool)
+    assert torch.equal(tiles(tail.kv_num_blocks, tail.kv_indices), expected_partial)
+    assert torch.equal(tiles(tail.full_kv_num_blocks, tail.full_kv_indices), expected_full)
+    assert torch.equal(tail.to_dense().bool(), (expected_partial | expected_full).expand_as(tail.to_dense()))
 
 
 def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypatch):
