@@ -1,8 +1,12 @@
 """``retrofit``: switch the position encoding and attention normalizer of a stock Transformers model, in place.
 
 Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
-CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, and the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``), all heads.
-The model keeps its class; its modules are patched:
+CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
+any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
+``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads. The model's own layout is kept by
+default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
+masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
+patched:
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
@@ -60,11 +64,13 @@ from .configuration_posenc import (
     resolve_position_layout,
 )
 from .modeling_posenc_common import (
+    SEQUENCE_PARALLEL_ATTENTION,
     attention_dims,
     build_attention_normalizer,
     build_layer_position_term,
     build_position_encoding,
     build_query_key_norms,
+    parallelism_refusals,
     prepare_attention,
     register_peft_default_targets,
     resolve_position_ids,
@@ -227,6 +233,21 @@ class RetrofitGptOssAttention(RetrofitLlamaAttention):
     def sinks(self) -> torch.Tensor:
         sink = getattr(self.normalizer, "sink", None)
         return sink if sink is not None else torch.empty(0)
+
+
+class RetrofitModernBertAttention(RetrofitAttention):
+    """ModernBERT's attention: q, k, v from the fused ``Wqkv``, scaling ``head_dim ** -0.5``, bidirectional (local
+    layers: the window of ``local_attention`` tokens from the layer types' masks), then ``Wo`` and ``out_drop``."""
+
+    def project_heads(self, hidden_states):
+        qkv = self.Wqkv(hidden_states).view(*hidden_states.shape[:-1], 3, -1, self.head_dim)
+        return tuple(t.transpose(1, 2) for t in qkv.unbind(dim=-3))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        output, weights = self.attend(
+            hidden_states, kwargs, scaling=self.head_dim**-0.5, dropout=self.attention_dropout, causal=False
+        )
+        return self.out_drop(self.Wo(output)), weights
 
 
 class RetrofitBertEmbeddings:
@@ -473,6 +494,32 @@ class LlamaFamily(StockFamily):
             )
 
 
+class ModernBertFamily(StockFamily):
+    """ModernBERT: ``base.layers``, ``layer.attn``, no position table (its embeddings module, run by the stock
+    forward on the scheme's ``inputs_embeds``, applies its LayerNorm and dropout), RoPE with a base per layer type
+    (global and local, ``config.rope_parameters``) and local layers attending within ``local_attention`` tokens
+    (``config.layer_types``, ``sliding_window = local_attention // 2``)."""
+
+    def layers(self, base):
+        return list(base.layers)
+
+    def attention(self, layer):
+        return layer.attn
+
+    def causal(self, config):
+        return False
+
+    def attention_dropout(self, config):
+        return config.attention_dropout
+
+    def own_scheme(self, config):
+        specs = [
+            rope_spec_of(config.rope_parameters[kind], config.max_position_embeddings)
+            for kind in config_layer_types(config)
+        ]
+        return specs[0] if all(spec == specs[0] for spec in specs) else specs
+
+
 FAMILIES = (
     BertFamily(
         "BERT family (Bert*, Roberta*, XLMRoberta*, Camembert*, Electra*, Data2VecText*)",
@@ -504,6 +551,7 @@ FAMILIES = (
     ),
     LlamaFamily("OLMo 3 (Olmo3*)", ("Olmo3Attention",), RetrofitOlmo3Attention, "llama", qk_norm="projection"),
     LlamaFamily("gpt-oss (GptOss*)", ("GptOssAttention",), RetrofitGptOssAttention, "llama", sinks=True),
+    ModernBertFamily("ModernBERT (ModernBert*)", ("ModernBertAttention",), RetrofitModernBertAttention, "modernbert"),
 )
 
 
@@ -707,6 +755,24 @@ def layer_switch(
     return [switched if idx in layers else own_specs[idx] for idx in range(num_layers)]
 
 
+def check_retrofit_parallelism(model: PreTrainedModel, parallelism: str) -> None:
+    """Raise ``ValueError`` with every reason the retrofitted model cannot train under ``parallelism``
+    (``modeling_posenc_common.parallelism_refusals``): its scheme's and normalizer's, and Ulysses' (the attention is
+    the library's composition). Tensor parallelism keeps the stock plan (Llama's q/k/v by rows, o by columns), and the
+    attention reads its head count from q and k."""
+    reasons = parallelism_refusals(model.config, parallelism, {"sequence": SEQUENCE_PARALLEL_ATTENTION})
+    if reasons:
+        raise ValueError(f"{type(model).__name__} cannot train under {parallelism} parallelism: {'; '.join(reasons)}.")
+
+
+def refuse_tensor_parallel_plans(model: PreTrainedModel, distributed_config):
+    """The stock ``_resolve_parallel_plans``, after refusing a tensor-parallel run the switched scheme or normalizer
+    cannot take, by name and before any weight is sharded."""
+    if distributed_config.tp_size > 1:
+        check_retrofit_parallelism(model, "tensor")
+    return type(model)._resolve_parallel_plans(model, distributed_config)
+
+
 def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     """Patch ``model`` per ``config.position_encoding``, ``config.attention_normalizer`` (full specs) and
     ``config.use_qk_norm``; return the modules it added. Also what the saved ``modeling_retrofit.py`` calls after
@@ -755,6 +821,10 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
     model.create_masks_for_generate = keep_attention_mask_for_generate
+    # a model loaded tensor-parallel, or one that will be (Transformers resolves its plans after building it)
+    if (getattr(model, "_tp_size", None) or 1) > 1:
+        check_retrofit_parallelism(model, "tensor")
+    model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
     register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))

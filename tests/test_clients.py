@@ -29,12 +29,25 @@ def stock_bert(vocab_size: int) -> transformers.BertModel:
     return transformers.BertModel(config)
 
 
+def stock_modernbert(vocab_size: int) -> transformers.ModernBertModel:
+    """Local layers of 8 tokens (a window shorter than the sentences) between global ones."""
+    config = transformers.ModernBertConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, local_attention=8, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=1, cls_token_id=1, sep_token_id=1,
+    )  # fmt: skip
+    return transformers.ModernBertModel(config)
+
+
 def saved_bert(kind: str, folder) -> str:
-    """A tiny BERT encoder with the byte tokenizer, saved: PosEnc (``t5``) or a retrofitted stock BERT (``alibi``)."""
+    """A tiny encoder with the byte tokenizer, saved: PosEnc BERT (``t5``), a retrofitted stock BERT (``alibi``) or a
+    retrofitted stock ModernBERT switched to ``none`` on its global layer (its local layers keep RoPE)."""
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
     if kind == "posenc":
         model = hf_posenc.PosEncBertModel(make_config("bert", "t5", vocab_size=len(tokenizer), pad_token_id=0))
+    elif kind == "retrofit-modernbert":
+        model = hf_posenc.retrofit(stock_modernbert(len(tokenizer)), "none", layers=[0])
     else:
         model = hf_posenc.retrofit(stock_bert(len(tokenizer)), "alibi")
     model.save_pretrained(folder)
@@ -51,7 +64,7 @@ def mean_pooled(model: torch.nn.Module, sentences: list[str]) -> torch.Tensor:
     return (hidden * mask).sum(1) / mask.sum(1)
 
 
-@pytest.mark.parametrize("kind", ["posenc", "retrofit"])
+@pytest.mark.parametrize("kind", ["posenc", "retrofit", "retrofit-modernbert"])
 def test_sentence_transformers_encodes_trains_saves_and_reloads(kind, tmp_path):
     """sentence-transformers calls the Transformers model's ``forward`` directly (no module hooks): the mean-pooled
     embeddings are those of the model's own outputs, three training steps move the weights, and the saved model
@@ -62,7 +75,8 @@ def test_sentence_transformers_encodes_trains_saves_and_reloads(kind, tmp_path):
 
     model = st.SentenceTransformer(saved_bert(kind, tmp_path / "base"), device="cpu", trust_remote_code=True)
     encoder = model[0].model
-    assert isinstance(encoder, transformers.BertModel if kind == "retrofit" else hf_posenc.PosEncBertModel)
+    expected_class = {"posenc": hf_posenc.PosEncBertModel, "retrofit": transformers.BertModel}
+    assert isinstance(encoder, expected_class.get(kind, transformers.ModernBertModel))
     embeddings = model.encode(SENTENCES, convert_to_tensor=True)
     torch.testing.assert_close(embeddings, mean_pooled(encoder.eval(), SENTENCES), atol=1e-5, rtol=1e-5)
 
@@ -78,7 +92,9 @@ def test_sentence_transformers_encodes_trains_saves_and_reloads(kind, tmp_path):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     moved = {name for name, param in encoder.named_parameters() if not torch.equal(param, before[name])}
-    assert "encoder.layer.0.attention.self.query.weight" in moved
+    assert (
+        "layers.0.attn.Wqkv.weight" if kind == "retrofit-modernbert" else "encoder.layer.0.attention.self.query.weight"
+    ) in moved
     if kind == "posenc":  # the T5 bias table is trained too
         assert "position_encoding.relative_attention_steps.weight" in moved
 
@@ -90,15 +106,22 @@ def test_sentence_transformers_encodes_trains_saves_and_reloads(kind, tmp_path):
 
 
 def tiny_gpt2(kind: str, vocab_size: int) -> transformers.PreTrainedModel:
-    """A tiny GPT-2 LM: PosEnc (``rope``) or a retrofitted stock GPT-2 (``alibi``)."""
+    """A tiny LM: PosEnc GPT-2 (``rope``), a retrofitted stock GPT-2 (``alibi``) or a retrofitted stock Qwen3 dropped
+    to ``none`` on every layer (DroPE), its QK-norm kept."""
     torch.manual_seed(0)
     sizes = dict(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, eos_token_id=1)
     if kind == "posenc":
         return hf_posenc.PosEncGPT2LMHeadModel(make_config("gpt2", "rope", **sizes))
+    if kind == "retrofit-qwen3":
+        config = transformers.Qwen3Config(
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=48, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        return hf_posenc.retrofit(transformers.Qwen3ForCausalLM(config), "none")
     return hf_posenc.retrofit(transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes, bos_token_id=1)), "alibi")
 
 
-@pytest.mark.parametrize("kind", ["posenc", "retrofit"])
+@pytest.mark.parametrize("kind", ["posenc", "retrofit", "retrofit-qwen3"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_trl_sft_trainer_trains_a_gpt2(kind, lora, tmp_path, request):
     """TRL's ``SFTTrainer`` on plain text, two steps: the loss is finite; full fine-tuning moves the model's weights,
@@ -135,7 +158,8 @@ def test_trl_sft_trainer_trains_a_gpt2(kind, lora, tmp_path, request):
     assert bool(adapters) == lora
     moved = [not torch.equal(param, value) for param, value in before]
     if lora:
-        assert {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters} == {"c_attn"}
+        targets = {"q_proj", "v_proj"} if kind == "retrofit-qwen3" else {"c_attn"}  # PEFT's defaults of the stock type
+        assert {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters} == targets
         assert any(param.abs().sum() > 0 for name, param in adapters.items() if "lora_B" in name)  # B starts at 0
         assert not any(moved)
     else:

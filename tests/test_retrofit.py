@@ -723,6 +723,69 @@ def test_added_qk_norm_is_per_head_rmsnorm_before_the_rotation():
     assert key.shape == (1, 2, 5, 8)
 
 
+def modernbert(attn: str = "eager") -> transformers.PreTrainedModel:
+    """A stock ModernBERT MLM: a global layer, then two local ones attending within 4 tokens (2 either side), the
+    local RoPE base 100 and the global 160000."""
+    config = stock_class("ModernBertConfig")(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, local_attention=4, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    )  # fmt: skip
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return stock_class("ModernBertForMaskedLM")(config).eval()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_identity_retrofit_of_modernbert_gives_the_stock_logits(attn, tmp_path):
+    """ModernBERT's own global and local bases and local window: the stock logits of the real tokens of a
+    right-padded batch, also after save and reload as remote code."""
+    stock = modernbert(attn)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert [spec["theta"] for spec in patched.config.position_encoding] == [160000.0, 100.0, 100.0]
+    ids = random_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        expected = stock(ids, attention_mask=mask).logits[real]
+        torch.testing.assert_close(patched(ids, attention_mask=mask).logits[real], expected, atol=1e-5, rtol=0)
+        switched = hf_posenc.retrofit(copy.deepcopy(stock), "none")(ids, attention_mask=mask).logits[real]
+    assert (switched - expected).abs().max() > 1e-2  # the positions matter in this model
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    reloaded.config._attn_implementation_internal = attn
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits[real], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "extra"),
+    [
+        ("none", {}),
+        ("none", {"use_qk_norm": True}),
+        ("alibi", {}),
+        ("t5", {}),
+        ("rope", {"layers": [0], "theta": 1e4}),
+    ],
+)
+def test_switched_modernbert_ignores_right_padding(scheme, extra):
+    """A switched ModernBERT (every layer or its global one) gives a right-padded row the outputs of the row alone."""
+    patched = hf_posenc.retrofit(modernbert(), scheme, **extra)
+    perturb_position_parameters(patched)
+    ids = random_ids(1, 9)
+    padded = torch.cat((ids, torch.zeros(1, 3, dtype=torch.long)), dim=1)
+    mask = (torch.arange(12) < 9).long()[None]
+    with torch.no_grad():
+        alone = patched(ids).logits
+        in_batch = patched(padded, attention_mask=mask).logits[:, :9]
+    torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
+
+
 def test_bad_family_requests_raise():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         hf_posenc.retrofit(family_model("gemma3", use_bidirectional_attention=True))
