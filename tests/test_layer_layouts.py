@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3C
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
-from hf_posenc import posenc_attention
+from hf_posenc import attention_backends
 from hf_posenc.absolute_encodings import attention_temperature
 from hf_posenc.configuration_posenc import PER_LAYER_CACHE_WINDOWS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -261,10 +261,13 @@ def test_temperature_makes_none_absolute_and_a_shift_changes_it():
         assert (shifted - model(ids, position_ids=torch.arange(9)[None]).logits).abs().max() > 1e-3
 
 
-def test_retrofit_refuses_a_per_layer_list():
+def test_retrofit_takes_a_per_layer_list():
+    """A per-layer list gives each layer its scheme; options of one scheme cannot go with it."""
     stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=40))
-    with pytest.raises(ValueError, match=r"retrofit\(\) gives every layer one position_encoding"):
-        hf_posenc.retrofit(stock, ["rope", "none"])
+    patched = hf_posenc.retrofit(stock, ["rope", "none"]).eval()
+    assert [spec["type"] for spec in patched.config.position_encoding] == ["rope", "none"]
+    with pytest.raises(ValueError, match="options \\['theta'\\] go to one scheme"):
+        hf_posenc.retrofit(GPT2LMHeadModel(stock.config), ["rope", "none"], theta=500.0)
 
 
 def test_convert_gives_a_stock_gpt2_a_per_layer_layout_and_keeps_its_table_on_every_layer():
@@ -378,15 +381,15 @@ def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
 def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
     """The flex path (a sliding ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, as in
     ``test_flex_path_of_every_combination_equals_eager``; padding included."""
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
     calls = []
 
     def uncompiled_flex(*args, **kwargs):
         calls.append(kwargs["block_mask"])
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
     monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
@@ -578,15 +581,15 @@ def test_chunked_sliding_and_full_layers_keep_one_key_slot_per_window(cache):
 def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
     """The flex path (a chunked ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, padding
     included (right padding; a BERT decoder)."""
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
     calls = []
 
     def uncompiled_flex(*args, **kwargs):
         calls.append(kwargs["block_mask"])
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
     monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
