@@ -14,6 +14,7 @@ import transformers
 from conftest import make_config, make_model, random_ids
 
 import hf_posenc
+from hf_posenc import absolute_encodings
 from hf_posenc.absolute_encodings import sinusoidal_table
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -128,6 +129,65 @@ def test_recurrent_table_and_gradients_equal_a_python_loop_of_torch_cells(cell):
     torch.testing.assert_close(encoding.initial.grad, initial.grad)
     torch.testing.assert_close(encoding.transition.weight.grad, reference.weight_hh.grad)
     torch.testing.assert_close(encoding.transition.bias.grad, reference.bias_hh.grad)
+
+
+class ReplayedLoop(absolute_encodings.CapturedLoop):
+    """A CUDA graph's semantics on the CPU: captured once into fixed output tensors, each replay recomputes the
+    function from the kept inputs and writes those same tensors (as a graph's kernels rewrite its memory)."""
+
+    replays = 0
+
+    def capture(self, function):
+        self.function = function
+        return function(*self.inputs)
+
+    def replay(self):
+        ReplayedLoop.replays += 1
+        for kept, fresh in zip(self.outputs, self.function(*self.inputs), strict=True):
+            kept.copy_(fresh)
+
+
+@pytest.mark.parametrize("cell", ["gru", "tanh"])
+def test_recurrent_loop_replayed_as_a_captured_graph_gives_the_loops_numbers(cell, monkeypatch):
+    """The CUDA path (``run_loop``: the forward and the backward each captured once per length, then replayed into
+    the same memory) with a CPU stand-in for the graph: two tables of two lengths each generated twice, from two
+    different ``p_0`` before one backward, equal the uncaptured loop's exactly, table and gradients (the outputs
+    are copied out of the graph's memory, so a later replay overwrites nothing autograd kept); one capture per
+    function and length, at most ``CAPTURED_LOOPS_KEPT`` kept."""
+    encoding = scheme_module("gpt2", {"type": "recurrent", "cell": cell})
+    weight, bias = encoding.transition.weight, encoding.transition.bias
+    starts = [encoding.initial.detach() + shift for shift in (0.0, 0.3)]
+    results = {}
+    for captured in (False, True):
+        if captured:
+            monkeypatch.setattr(absolute_encodings, "captures_loops", lambda tensor: True)
+            monkeypatch.setattr(absolute_encodings, "CapturedLoop", ReplayedLoop)
+            monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS", {})
+        inputs = [start.clone().requires_grad_() for start in starts]
+        tables = [
+            absolute_encodings.UnrolledRecurrence.apply(start, weight, bias, length, cell)
+            for length in (9, 12)
+            for start in inputs
+        ]
+        sum((table * torch.linspace(-1, 1, table.numel()).view_as(table)).sum() for table in tables).backward()
+        results[captured] = [*tables, *(start.grad for start in inputs), weight.grad.clone(), bias.grad.clone()]
+        weight.grad = bias.grad = None
+    for got, want in zip(results[True], results[False], strict=True):
+        assert torch.equal(got, want)
+    assert len(absolute_encodings.CAPTURED_LOOPS) == 4  # rows and gradients at 9 and 12 tokens
+    assert ReplayedLoop.replays >= 8
+    monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS_KEPT", 2)
+    for length in (5, 6, 7):
+        absolute_encodings.UnrolledRecurrence.apply(starts[0], weight.detach(), bias.detach(), length, cell)
+    assert [key[1] for key in absolute_encodings.CAPTURED_LOOPS] == [(("cell", cell), ("length", 6))] + [
+        (("cell", cell), ("length", 7))
+    ]
+
+
+def test_loops_are_captured_on_real_cuda_tensors_only():
+    assert not absolute_encodings.captures_loops(torch.zeros(1))
+    with torch._subclasses.FakeTensorMode():
+        assert not absolute_encodings.captures_loops(torch.empty(1, device="cuda"))
 
 
 def rotation_generator_by_hand(frequencies: list[float]) -> torch.Tensor:
