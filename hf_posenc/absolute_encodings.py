@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .options import Option
+from .options import ALONG_THE_SEQUENCE, UNDECLARED_PARALLELISM, Option
 from .position_interface import EmbeddingInputs, PositionEncoding
 
 
@@ -48,6 +48,7 @@ class LearnedAbsolute(PositionEncoding):
     ``(max_positions, hidden)``. Positions at or past ``max_positions`` raise a ``ValueError``."""
 
     name = "learned"
+    parallel_refusals = {}
     description = "trainable absolute position table added to the input (BERT/GPT-2 default)"
     options = {
         "max_positions": Option(
@@ -83,6 +84,7 @@ class SinusoidalAbsolute(PositionEncoding):
     """Fixed sin/cos table added to the input (Vaswani et al. 2017, "Attention Is All You Need"); no length limit."""
 
     name = "sinusoidal"
+    parallel_refusals = {}
     description = "fixed sin/cos absolute table added to the input (Vaswani et al. 2017)"
     options = {"base": Option(10000.0, (float, int), "wavelength base", lambda v: v > 1, "a number > 1")}
 
@@ -108,6 +110,7 @@ class NoPosition(PositionEncoding):
     padding (as every scheme here does). Off by default: ``none`` is NoPE, shift-invariant."""
 
     name = "none"
+    parallel_refusals = {}
     description = "no position information (NoPE); optionally Llama 4's query temperature"
     relative = True
     relative_unless = "attn_temperature_tuning"
@@ -148,6 +151,7 @@ class MultiplicativeAbsolute(PositionEncoding):
     """
 
     name = "multiplicative"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "x_k * p_k (elementwise) instead of x_k + p_k; p learned (init near 1) or 1 + sin/cos"
     options = {
         "table": Option(
@@ -217,6 +221,7 @@ class HierarchicalAbsolute(PositionEncoding):
     ``(max_positions, hidden)``, initialised ``N(0, initializer_range)`` like BERT's table."""
 
     name = "hierarchical"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "learned table read past its length n (up to n^2) by hierarchical decomposition (kexue 7947)"
     options = {
         "max_positions": Option(
@@ -274,6 +279,7 @@ class ComplexOrder(PositionEncoding):
     """
 
     name = "complex_order"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "Complex Order: per-word amplitude, frequency, phase; r*e^{i(omega*k+theta)} as real and imaginary"
     base = 10000.0
 
@@ -349,6 +355,10 @@ class ConvAbsolute(PositionEncoding):
     """
 
     name = "conv"
+    parallel_refusals = {
+        "context": f"its convolution: {ALONG_THE_SEQUENCE}",
+        "sequence": f"its convolution: {ALONG_THE_SEQUENCE}",
+    }
     description = "x + depthwise convolution with zero padding: position leaks from the padding (causal in a decoder)"
     options = {"kernel_size": Option(3, (int,), "convolution width", lambda v: v >= 2, "an int >= 2")}
     cache_states = ("conv_inputs",)
@@ -590,6 +600,7 @@ class RecurrentAbsolute(GeneratedTable):
     """
 
     name = "recurrent"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "p_{k+1} = f(p_k) from a learned p_0, f a small recurrent cell (GRU or tanh), added to the input"
     options = {"cell": Option("gru", (str,), "recurrent cell", lambda v: v in RECURRENT_CELLS, "gru, tanh")}
 
@@ -659,6 +670,7 @@ class Floater(GeneratedTable):
     """
 
     name = "floater"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "FLOATER: dp/dt = h(p, t) solved at integer positions with torchdiffeq, added to the input"
     options = {
         "dynamics": Option(

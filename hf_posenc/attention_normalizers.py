@@ -29,7 +29,15 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from transformers import initialization as init
 
-from .options import CatalogueEntry, Option
+from .options import (
+    ALONG_THE_SEQUENCE,
+    NOT_SLICED_BY_RANK,
+    PARTIAL_GRADIENT,
+    RING_ATTENTION_ONLY,
+    ULYSSES_KERNEL_ONLY,
+    CatalogueEntry,
+    Option,
+)
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
 
 
@@ -135,6 +143,19 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     def check_heads(cls, spec: dict[str, Any], num_heads: int) -> None:
         """Raise ``ValueError`` if the normalizer cannot run with ``num_heads`` attention heads; run when the config
         is built, and again when the model is."""
+
+    @classmethod
+    def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
+        """The gates first: the Toeplitz gate has a row per head and reads the weights at each query's distance to
+        each key; the output gate is a projection of every head's output, kept whole on each rank."""
+        refusal = super().parallelism_refusal(spec, parallelism)
+        if spec["toeplitz_gate"] and parallelism in ("tensor", "sequence"):
+            return f"its Toeplitz gate: {NOT_SLICED_BY_RANK}"
+        if spec["toeplitz_gate"] and parallelism == "context":
+            return f"its Toeplitz gate reads the weights; {RING_ATTENTION_ONLY}"
+        if spec["output_gate"] is not None and parallelism == "tensor":
+            return "its output gate projects to every head's output and is not sharded with the heads"
+        return refusal
 
     @classmethod
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
@@ -451,6 +472,7 @@ class Softmax(AttentionNormalizer):
     """
 
     name = "softmax"
+    parallel_refusals = {}
     description = (
         "e^b / sum_j e^b (rows sum to 1); sink: e^b / (e^c + sum_j e^b), c learned per head or fixed (rows sum "
         "to less than 1); W_V, W_O init unchanged"
@@ -485,6 +507,15 @@ class Softmax(AttentionNormalizer):
         super().init_weights(initializer_range)
         if self.sink is not None:
             init.normal_(self.sink, mean=0.0, std=initializer_range)
+
+    @classmethod
+    def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
+        """Plain softmax runs under every parallelism; its sink, a logit per head appended to every row, under none."""
+        if spec["sink"] is None:
+            return super().parallelism_refusal(spec, parallelism)
+        if parallelism == "context":
+            return f"its sink is a column of every row's normalisation; {RING_ATTENTION_ONLY}"
+        return f"its sink: {NOT_SLICED_BY_RANK}"
 
     def sink_logits(self, device: torch.device) -> torch.Tensor | None:
         """``c_h`` ``(heads,)`` in float32, or None without a sink."""
@@ -535,6 +566,7 @@ class L2(AttentionNormalizer):
     """
 
     name = "l2"
+    parallel_refusals = {"context": f"l2 is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "e^b / sqrt(sum_j e^(2b)) (rows have unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
     backends = ("eager", "flex_attention")
     flex_needs_lse = True
@@ -572,6 +604,7 @@ class Exp(AttentionNormalizer):
     """
 
     name = "exp"
+    parallel_refusals = {"context": f"exp is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = (
         "e^b, no denominator (raises OverflowError past b = 88.7 in float32); W_V, W_O init x max_positions^(-1/2)"
     )
@@ -620,6 +653,7 @@ class ReLU2(AttentionNormalizer):
     """
 
     name = "relu2"
+    parallel_refusals = {"context": f"relu2 is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "relu(b)^2 / n, n the visible keys of the row (GAU); W_V, W_O init unchanged"
     backends = ("eager", "flex_attention")
     flex_needs_lse = True
@@ -656,6 +690,7 @@ class SwishL2(AttentionNormalizer):
     """
 
     name = "swish_l2"
+    parallel_refusals = {"context": f"swish_l2 is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "swish(b) / sqrt(sum_j swish(b)^2) (signed, unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
     backends = ("eager", "flex_attention")
     flex_needs_lse = True
@@ -697,6 +732,7 @@ class Sigmoid(AttentionNormalizer):
     """
 
     name = "sigmoid"
+    parallel_refusals = {"context": f"sigmoid is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "sigmoid(b + beta), beta = -log(max_position_embeddings) or option bias (no row normalisation)"
     options = {
         "bias": Option(
@@ -749,6 +785,11 @@ class ScalableSoftmax(AttentionNormalizer):
     """
 
     name = "ssmax"
+    parallel_refusals = {
+        "tensor": f"its scale s: {NOT_SLICED_BY_RANK}",
+        "context": f"ssmax scales by log n, n the keys a rank sees; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = (
         "softmax(s_h log(n_i) b), s_h learned per head and layer, n_i the keys row i sees; W_V, W_O init unchanged"
     )
@@ -851,6 +892,7 @@ class Softpick(AttentionNormalizer):
     """
 
     name = "softpick"
+    parallel_refusals = {"context": f"softpick is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = (
         "relu(e^b - 1) / (sum_j |e^b - 1| + eps) (rows sum to less than 1, may be all 0); W_V, W_O init unchanged"
     )
@@ -906,6 +948,10 @@ class StickBreaking(AttentionNormalizer):
     """
 
     name = "stick_breaking"
+    parallel_refusals = {
+        "context": f"stick-breaking runs along the keys: {ALONG_THE_SEQUENCE}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = (
         "sigmoid(b_ij) prod_{j<k<i} (1 - sigmoid(b_ik)), nearest earlier keys first (rows sum to < 1); decoder only"
     )
@@ -962,6 +1008,11 @@ class Differential(AttentionNormalizer):
     """
 
     name = "differential"
+    parallel_refusals = {
+        "tensor": f"its head pairs and lambda vectors {PARTIAL_GRADIENT}",
+        "context": f"differential is two softmaxes subtracted; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = (
         "(softmax(Q1 K1^T) - lambda softmax(Q2 K2^T)) [V1, V2] over head pairs, per-pair RMS norm x (1 - lambda_init)"
         " (Ye et al. 2025, diffllama); W_V, W_O init unchanged"

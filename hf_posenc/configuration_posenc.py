@@ -437,6 +437,16 @@ class PosEncBertConfig(BertConfig):
 
     model_type = "posenc_bert"
     _auto_class = "AutoConfig"
+    # tensor parallelism: each rank computes a share of the heads (q, k, v by rows, the output projection by
+    # columns) and of the feed-forward width; the attention reads its head count from q and k
+    base_model_tp_plan = {
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    }
 
     position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .options import Option
+from .options import ALONG_THE_SEQUENCE, PARTIAL_GRADIENT, RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
 from .position_interface import (
     AttentionDims,
     AttentionInputs,
@@ -133,6 +133,11 @@ class Shaw(PositionEncoding):
     """
 
     name = "shaw"
+    parallel_refusals = {
+        "tensor": f"its distance tables {PARTIAL_GRADIENT}",
+        "context": f"its term reads queries and keys at their distance; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "Shaw et al. 2018: q.R^K and sum_j a_ij R^V of clip(j-i); NEZHA with table='sinusoidal'"
     relative = True
     has_layer_term = True
@@ -262,6 +267,11 @@ class TransformerXL(PositionEncoding):
     """
 
     name = "xlnet"
+    parallel_refusals = {
+        "tensor": f"its biases u, v and its position projection {PARTIAL_GRADIENT}",
+        "context": f"its term reads queries against relative positions; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "Transformer-XL/XLNet: q.k + q.W_KR R_(i-j) + u.k + v.W_KR R_(i-j), sinusoidal R, u, v per layer"
     relative = True
     has_layer_term = True
@@ -472,6 +482,11 @@ class DeBERTa(PositionEncoding):
     """
 
     name = "deberta"
+    parallel_refusals = {
+        "tensor": f"its position projections {PARTIAL_GRADIENT}",
+        "context": f"its terms read content against relative positions; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "DeBERTa-v2/v3 disentangled attention: c2p + p2c over log-bucketed relative embeddings"
     relative = True
     has_layer_term = True
@@ -569,6 +584,11 @@ class TUPE(PositionEncoding):
     """
 
     name = "tupe"
+    parallel_refusals = {
+        "tensor": f"its position projections U_Q, U_K {PARTIAL_GRADIENT}",
+        "context": f"its position scores are added to the content scores; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "TUPE-R: untied (p_i U_Q)(p_j U_K) shared by all layers + T5-bucketed bias; [CLS] untying"
     backends = ("eager", "sdpa", "flex_attention")
     flex_compiles_on_cpu = False  # the (q, k) untied table's read: C++ compile error at a second length (torch 2.13)
@@ -809,6 +829,11 @@ class CoPE(PositionEncoding):
     """
 
     name = "cope"
+    parallel_refusals = {
+        "tensor": f"its position table {PARTIAL_GRADIENT}",
+        "context": f"its gates are summed over the keys: {ALONG_THE_SEQUENCE}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "CoPE (decoder): gates sigmoid(q_i.k_j), positions p_ij = sum_{t=j..i} g_it, interpolated q.e[p_ij]"
     relative = True
     families = ("decoder",)
@@ -909,6 +934,11 @@ class RelativeKey(PositionEncoding):
     """
 
     name = "relative_key"
+    parallel_refusals = {
+        "tensor": f"its distance table {PARTIAL_GRADIENT}",
+        "context": f"its term reads queries and keys at their distance; {RING_ATTENTION_ONLY}",
+        "sequence": ULYSSES_KERNEL_ONLY,
+    }
     description = "BERT 4.x relative_key(_query): q.r_(i-j) (+ k.r_(i-j)) over a learned per-layer distance table"
     relative = True
     has_layer_term = True

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .options import Option
+from .options import ALONG_THE_SEQUENCE, NOT_SLICED_BY_RANK, Option
 from .position_interface import AttentionDims, LayerPositionTerm, PositionEncoding
 
 
@@ -86,6 +86,11 @@ class FoX(PositionEncoding):
     """
 
     name = "fox"
+    parallel_refusals = {
+        "tensor": f"its forget-gate projection: {NOT_SLICED_BY_RANK}",
+        "context": f"its forget gates are summed along the sequence: {ALONG_THE_SEQUENCE}",
+        "sequence": f"its forget gates: {ALONG_THE_SEQUENCE}",
+    }
     description = "Forgetting Transformer (decoder): forget gates f = sigmoid(w.x + b), bias sum_{l=j+1..i} log f_l"
     relative = True
     families = ("decoder",)
@@ -319,6 +324,11 @@ class PaTH(PositionEncoding):
     """
 
     name = "path"
+    parallel_refusals = {
+        "tensor": f"its direction and strength projections: {NOT_SLICED_BY_RANK}",
+        "context": f"its Householder products run along the sequence: {ALONG_THE_SEQUENCE}",
+        "sequence": f"its Householder products: {ALONG_THE_SEQUENCE}",
+    }
     description = "PaTH (decoder): q_i^T H_i...H_(j+1) k_j, H_t = I - beta_t w_t w_t^T from the input; PaTH-FoX option"
     relative = True
     families = ("decoder",)

@@ -21,6 +21,7 @@ from .configuration_posenc import (
     resolve_position_layout,
     training_length,
 )
+from .options import PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import (
     QueryKeyRMSNorm,
     build_attention_mask,
@@ -327,6 +328,40 @@ def built_class(model: torch.nn.Module) -> type:
     return type(model)
 
 
+SEQUENCE_PARALLEL_ATTENTION = (
+    "the attention is hf_posenc's own composition, which Ulysses does not wrap (it replaces a Transformers attention "
+    "function registered by name), so each rank would attend only its share of the sequence"
+)
+
+
+def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, str]) -> list[str]:
+    """Every reason a model with this config cannot train under ``parallelism`` (a key of ``options.PARALLELISMS``),
+    each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding
+    and normalizer (:meth:`CatalogueEntry.parallelism_refusal`), and for context parallelism any layer whose mask is
+    not full or causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
+    if parallelism not in PARALLELISMS:
+        raise ValueError(f"Unknown parallelism {parallelism!r}; valid choices: {list(PARALLELISMS)}.")
+    described = PARALLELISMS[parallelism]
+    reasons = (
+        [f"the model refuses {described}: {family_refusals[parallelism]}"] if parallelism in family_refusals else []
+    )
+    specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
+    entries = [(POSITION_ENCODINGS, spec) for spec in specs] + [(ATTENTION_NORMALIZERS, config.attention_normalizer)]
+    seen = []
+    for registry, spec in entries:
+        if spec in seen:
+            continue
+        seen.append(spec)
+        entry = registry[spec["type"]]
+        refusal = entry.parallelism_refusal(spec, parallelism)
+        if refusal is not None:
+            reasons.append(f"{entry.kind} {spec['type']!r} refuses {described}: {refusal}")
+    windowed = sorted({kind for kind in config_layer_types(config) if kind != "full_attention"})
+    if parallelism == "context" and windowed:
+        reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")
+    return reasons
+
+
 class PosEncPreTrainedMixin:
     """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
     (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
@@ -335,6 +370,8 @@ class PosEncPreTrainedMixin:
     forward)."""
 
     family_auto_map: dict[str, str] = {}
+    family_parallel_refusals: dict[str, str] = {"sequence": SEQUENCE_PARALLEL_ATTENTION}
+    """Why the family cannot train under a parallelism of ``options.PARALLELISMS``, whatever its schemes."""
     peft_stock_types: tuple[str, ...] = ()  # the stock model types whose PEFT default targets the family takes
 
     def post_init(self):
@@ -343,6 +380,31 @@ class PosEncPreTrainedMixin:
         than when the module is imported, so that ``import hf_posenc`` loads no optional package."""
         super().post_init()
         register_peft_default_targets(self.config.model_type, self.peft_stock_types)
+
+    def check_parallelism(self, parallelism: str) -> None:
+        """Raise ``ValueError`` with every reason (:func:`parallelism_refusals`) this model cannot train under
+        ``parallelism`` (``"tensor"``, ``"context"`` or ``"sequence"``); run by ``from_pretrained`` with a
+        tensor-parallel plan and by the recipes before accelerate prepares the model."""
+        reasons = parallelism_refusals(self.config, parallelism, self.family_parallel_refusals)
+        if reasons:
+            raise ValueError(
+                f"{type(self).__name__} cannot train under {parallelism} parallelism: " + "; ".join(reasons) + "."
+            )
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        """Transformers' check (no sliding or chunked layer), and no scheme, normalizer or layer that refuses context
+        parallelism (:meth:`check_parallelism`): RoPE, no position encoding and the absolute tables, with softmax."""
+        return super().supports_context_parallel and not parallelism_refusals(
+            self.config, "context", self.family_parallel_refusals
+        )
+
+    def _resolve_parallel_plans(self, distributed_config):
+        """Transformers' plans, after refusing (by name, before any weight is sharded) a tensor-parallel run that
+        a scheme, a normalizer or the family cannot take."""
+        if distributed_config.tp_size > 1:
+            self.check_parallelism("tensor")
+        return super()._resolve_parallel_plans(distributed_config)
 
     @torch.no_grad()
     def _init_weights(self, module):

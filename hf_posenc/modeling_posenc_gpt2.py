@@ -148,6 +148,11 @@ class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _no_split_modules = ["PosEncGPT2Block"]
     _skip_keys_device_placement = [CACHE_NAME]
     peft_stock_types = ("gpt2",)  # LoRA targets as in stock GPT-2: c_attn
+    family_parallel_refusals = {
+        **PosEncPreTrainedMixin.family_parallel_refusals,
+        "tensor": "GPT-2's q/k/v projection c_attn is one fused Conv1D, for which Transformers 5.24 has no "
+        "tensor-parallel style (its colwise and packed styles shard nn.Linear weights)",
+    }
     _can_record_outputs = {
         "hidden_states": PosEncGPT2Block,
         "attentions": OutputRecorder(PosEncGPT2Attention, index=1),

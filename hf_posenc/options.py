@@ -12,6 +12,27 @@ from dataclasses import dataclass
 from typing import Any
 
 
+PARALLELISMS = {
+    "tensor": "tensor parallelism (each rank computes a share of the heads)",
+    "context": "context parallelism (each rank holds a share of the sequence; torch's ring attention)",
+    "sequence": "sequence parallelism (Ulysses: each rank embeds a share of the sequence, then attends a share of "
+    "the heads over all of it)",
+}
+"""The parallelisms a catalogue entry answers for (:meth:`CatalogueEntry.parallelism_refusal`): what each splits."""
+
+UNDECLARED_PARALLELISM = "it does not declare that its formula holds when the work is split this way"
+RING_ATTENTION_ONLY = (
+    "torch's ring attention runs plain SDPA on each block of keys (softmax of q.k, causal or full; no bias, mask or "
+    "other term)"
+)
+ULYSSES_KERNEL_ONLY = "Ulysses wraps a Transformers attention kernel (SDPA, flash), which computes softmax of q.k only"
+ALONG_THE_SEQUENCE = "it is computed along the sequence, so a rank holding a share of the sequence computes another"
+NOT_SLICED_BY_RANK = "one row per head, built for every head and not sliced by rank"
+PARTIAL_GRADIENT = (
+    "are trained inside the heads, so each rank's gradient covers its own heads and is not summed over the ranks"
+)
+
+
 @dataclass(frozen=True)
 class Option:
     """One option of a scheme: its default, accepted types, a range check and a one-line description."""
@@ -52,6 +73,9 @@ class CatalogueEntry:
     families: tuple[str, ...] = ("encoder", "decoder")
     family_reason: str = ""
     """Why the entry has no form for a family it leaves out of ``families`` (said by :meth:`check_family`)."""
+    parallel_refusals: Mapping[str, str] = dict.fromkeys(PARALLELISMS, UNDECLARED_PARALLELISM)
+    """Why the entry cannot run under each parallelism of :data:`PARALLELISMS` it refuses; a parallelism left out runs
+    it as one process would. Declared beside each formula; an entry that declares nothing is refused all three."""
 
     @classmethod
     def check_family(cls, spec: dict[str, Any], causal: bool) -> None:
@@ -63,6 +87,14 @@ class CatalogueEntry:
                 f"{cls.kind} {spec['type']!r} has no {family} form{reason}; it runs in: {list(cls.families)} "
                 "(posenc_gpt2, or PosEncBertConfig(is_decoder=True), for a decoder)."
             )
+
+    @classmethod
+    def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
+        """Why the entry with these options (a resolved spec) cannot run under ``parallelism`` (a key of
+        :data:`PARALLELISMS`), or None where it can."""
+        if parallelism not in PARALLELISMS:
+            raise ValueError(f"Unknown parallelism {parallelism!r}; valid choices: {list(PARALLELISMS)}.")
+        return cls.parallel_refusals.get(parallelism)
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> None:

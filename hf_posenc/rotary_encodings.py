@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers import initialization as init
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .options import Option
+from .options import NOT_SLICED_BY_RANK, UNDECLARED_PARALLELISM, Option
 from .position_interface import PositionEncoding
 
 
@@ -237,6 +237,7 @@ class RoPE(PositionEncoding):
     """
 
     name = "rope"
+    parallel_refusals = {}
     description = "rotary: rotate q and k by position (Su et al. 2021)"
     relative = True
     relative_unless = "apply_to_value, or scaling of type 'dynamic' or 'longrope'"
@@ -395,6 +396,7 @@ class XPos(PositionEncoding):
     """
 
     name = "xpos"
+    parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "xPos: rotary with an exponential decay (scale on q, inverse on k), decoder (Sun et al. 2022)"
     relative = True
     families = ("decoder",)
@@ -459,6 +461,11 @@ class PoPE(PositionEncoding):
     """
 
     name = "pope"
+    parallel_refusals = {
+        "tensor": f"its phase bias: {NOT_SLICED_BY_RANK}",
+        "context": UNDECLARED_PARALLELISM,
+        "sequence": UNDECLARED_PARALLELISM,
+    }
     description = "PoPE: softplus magnitudes from the content, phases from position, learned key phase bias"
     relative = True
     options = {

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .options import Option
+from .options import NOT_SLICED_BY_RANK, RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
 from .position_interface import (
     RelativeScoreBias,
     flex_compiles_length_sized_tables,
@@ -139,6 +139,11 @@ class T5Bias(RelativeScoreBias):
     """
 
     name = "t5"
+    parallel_refusals = {
+        "tensor": f"its bucket table: {NOT_SLICED_BY_RANK}",
+        "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
+        "sequence": f"its bucket table: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
+    }
     description = "T5 bucketed scalar bias per head (bidirectional in the encoder, causal in the decoder)"
     options = {
         "num_buckets": Option(32, (int,), "number of buckets", lambda v: v >= 4 and v % 2 == 0, "an even int >= 4"),
@@ -234,6 +239,11 @@ class ALiBi(RelativeScoreBias):
     """
 
     name = "alibi"
+    parallel_refusals = {
+        "tensor": f"its slopes: {NOT_SLICED_BY_RANK}",
+        "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
+        "sequence": f"its slopes: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
+    }
     description = "linear bias -m_h*|i-j| with geometric head slopes (no parameters)"
 
     def bias_table(self, device):
@@ -264,6 +274,11 @@ class KERPLE(RelativeScoreBias):
     """
 
     name = "kerple"
+    parallel_refusals = {
+        "tensor": f"its parameters r1, r2: {NOT_SLICED_BY_RANK}",
+        "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
+        "sequence": f"its parameters: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
+    }
     description = "KERPLE kernel bias: -r1*log(1+r2*|i-j|) (log) or -r1*|i-j|^r2 (power), r1, r2 learned per head"
     options = {
         "variant": Option("log", (str,), "kernel", lambda v: v in ("log", "power"), "'log' or 'power'"),
@@ -418,6 +433,11 @@ class FIRE(RelativeScoreBias):
     """
 
     name = "fire"
+    parallel_refusals = {
+        "tensor": f"its MLP's output: {NOT_SLICED_BY_RANK}",
+        "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
+        "sequence": f"its MLP's output: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
+    }
     description = "FIRE: MLP of log-distance normalised by log(max(L, position)), learned c, L (Li et al. 2024)"
     relative = False
     options = {

@@ -1,0 +1,265 @@
+"""Tensor, context and sequence parallelism: each catalogue entry runs under it or is refused by name, before any
+training; tensor parallelism through Transformers' own plan on two CPU processes over gloo.
+
+The sets below state, independently of the code, which entries the catalogue declares able to run under each
+parallelism (``docs/guide.md``'s table says why): tensor parallelism splits the heads, so an entry runs under it when
+nothing it holds or builds has a row per head or is trained inside the heads (the input-side schemes run before the
+heads are split, and the sharded projections sum their gradients); context parallelism is torch's ring attention,
+plain SDPA of softmax(q.k) on blocks of keys, so only the schemes that change q, k or the input (RoPE, the absolute
+tables, none) with softmax; sequence parallelism (Ulysses) wraps a Transformers attention function by name, which the
+families' own composition is not, so every model refuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from conftest import make_model
+from transformers.distributed import DistributedConfig
+
+import hf_posenc
+from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
+from hf_posenc.options import PARALLELISMS, resolve_spec
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+
+
+INPUT_SIDE = {
+    "learned",
+    "sinusoidal",
+    "recurrent",
+    "floater",
+    "multiplicative",
+    "hierarchical",
+    "complex_order",
+    "conv",
+}
+SUPPORTED = {
+    "position_encoding": {
+        "tensor": INPUT_SIDE | {"none", "rope", "xpos"},
+        "context": {"learned", "sinusoidal", "none", "rope"},
+        "sequence": {"learned", "sinusoidal", "none", "rope"},
+    },
+    "attention_normalizer": {
+        "tensor": {"softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "softpick", "stick_breaking"},
+        "context": {"softmax"},
+        "sequence": {"softmax"},
+    },
+}
+REGISTRIES = {"position_encoding": POSITION_ENCODINGS, "attention_normalizer": ATTENTION_NORMALIZERS}
+ENTRIES = [(kind, name) for kind, registry in REGISTRIES.items() for name in registry]
+
+
+def model_with(kind: str, name: str) -> transformers.PreTrainedModel:
+    """A small PosEnc BERT with the entry (a decoder where it has no encoder form), softmax or RoPE beside it."""
+    entry = REGISTRIES[kind][name]
+    scheme, normalizer = (name, "softmax") if kind == "position_encoding" else ("rope", name)
+    return make_model("bert", scheme, normalizer, is_decoder="encoder" not in entry.families)
+
+
+@pytest.mark.parametrize("parallelism", list(PARALLELISMS))
+@pytest.mark.parametrize(("kind", "name"), ENTRIES)
+def test_every_catalogue_entry_runs_or_is_refused_by_name(kind, name, parallelism):
+    """The entry's own answer, then the model's: a refusal names the entry, the parallelism and the reason."""
+    entry = REGISTRIES[kind][name]
+    refusal = entry.parallelism_refusal(resolve_spec(kind, name, REGISTRIES[kind]), parallelism)
+    supported = name in SUPPORTED[kind][parallelism]
+    assert (refusal is None) == supported, refusal
+    model = model_with(kind, name)
+    if parallelism == "sequence":  # the family refuses it whatever the entry, and says the entry's reason too
+        with pytest.raises(ValueError, match="Ulysses does not wrap") as raised:
+            model.check_parallelism(parallelism)
+    elif supported:
+        model.check_parallelism(parallelism)
+        return
+    else:
+        with pytest.raises(ValueError, match=f"cannot train under {parallelism} parallelism") as raised:
+            model.check_parallelism(parallelism)
+    if refusal is not None:
+        assert f"{kind} {name!r} refuses {PARALLELISMS[parallelism]}: {refusal}" in str(raised.value)
+    if parallelism == "context":
+        assert model.supports_context_parallel == supported
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "refused"),
+    [
+        ({"type": "softmax", "sink": "learned"}, {"tensor": "its sink", "context": "its sink"}),
+        ({"type": "softmax", "sink": 0.0}, {"tensor": "its sink", "context": "its sink"}),
+        ({"type": "softmax", "toeplitz_gate": True}, {"tensor": "Toeplitz gate", "context": "Toeplitz gate"}),
+        ({"type": "softmax", "output_gate": "headwise"}, {"tensor": "output gate"}),
+        ({"type": "l2", "output_gate": "elementwise"}, {"tensor": "output gate", "context": "l2 is not softmax"}),
+    ],
+)
+def test_sinks_and_gates_are_refused_where_they_cannot_run(normalizer, refused):
+    model = make_model("bert", "rope", normalizer)
+    for parallelism in ("tensor", "context"):
+        if parallelism in refused:
+            with pytest.raises(ValueError, match=refused[parallelism]):
+                model.check_parallelism(parallelism)
+        else:
+            model.check_parallelism(parallelism)
+    assert model.supports_context_parallel == ("context" not in refused)
+
+
+def test_context_parallelism_refuses_windowed_layers_as_transformers_does():
+    """Transformers' own check (``PreTrainedModel.supports_context_parallel``) and the library's agree: a sliding
+    layer refuses context parallelism, whatever its scheme."""
+    model = make_model("gpt2", "rope", layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    assert not model.supports_context_parallel
+    with pytest.raises(ValueError, match=r"layers of type \['sliding_attention'\]"):
+        model.check_parallelism("context")
+    assert make_model("gpt2", "rope").supports_context_parallel
+
+
+def test_unknown_parallelism_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"Unknown parallelism 'pipeline'; valid choices: \['tensor', 'context'"):
+        make_model("bert", "rope").check_parallelism("pipeline")
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple", "fox", "shaw"])
+def test_tensor_parallel_plans_are_refused_before_sharding(scheme):
+    """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))`` resolves the plans before it shards
+    any weight: the refusal comes from there, naming the scheme."""
+    model = make_model("bert", scheme, is_decoder=scheme == "fox")
+    with pytest.raises(ValueError, match=f"position_encoding '{scheme}' refuses tensor parallelism"):
+        model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "message"),
+    [({"type": "softmax", "sink": "learned"}, "its sink"), ("differential", "head pairs")],
+)
+def test_tensor_parallel_plans_refuse_per_head_normalizers(normalizer, message):
+    model = make_model("bert", "rope", normalizer)
+    with pytest.raises(ValueError, match=message):
+        model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+
+
+def test_gpt2_family_refuses_tensor_parallelism_by_its_fused_projection():
+    with pytest.raises(ValueError, match="c_attn is one fused Conv1D"):
+        make_model("gpt2", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))
+
+
+def test_bert_family_plan_shards_every_projection_of_the_heads_and_feed_forward():
+    tp_plan = make_model("bert", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+    layer = "bert.encoder.layer.1."
+    expected = {
+        "attention.self.query": "colwise",
+        "attention.self.key": "colwise",
+        "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise",
+        "intermediate.dense": "colwise",
+        "output.dense": "rowwise",
+    }
+    assert {name: tp_plan[layer + name] for name in expected} == expected
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
+    """Llama's stock plan shards the heads; ALiBi's slopes are built for every head, so the retrofitted model is
+    refused when its plans are resolved, and at once when it is already sharded."""
+    model = hf_posenc.retrofit(tiny_llama(), position_encoding="alibi")
+    with pytest.raises(ValueError, match="LlamaForCausalLM cannot train under tensor parallelism: position_encoding"):
+        model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    sharded = tiny_llama()
+    sharded._tp_size = 2
+    with pytest.raises(ValueError, match="'alibi' refuses tensor parallelism"):
+        hf_posenc.retrofit(sharded, position_encoding="alibi")
+    rope = hf_posenc.retrofit(tiny_llama(), position_encoding="rope")
+    assert "model.layers.0.self_attn.q_proj" in rope._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+
+
+# Tensor parallelism on two processes: (name, the saved model's builder, its Auto class). The BERT family's masked LM
+# and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters;
+# and a retrofitted Llama with RoPE under Llama's stock plan.
+TP_CASES = {
+    "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
+    "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
+    "bert_decoder-none-stick_breaking": (
+        lambda: make_model("bert", "none", "stick_breaking", is_decoder=True),
+        transformers.AutoModelForCausalLM,
+    ),
+    "llama-retrofit-rope": (
+        lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="rope"),
+        transformers.AutoModelForCausalLM,
+    ),
+}
+BATCH = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(5))
+QUERY_WEIGHTS = ("0.attention.self.query.weight", "0.self_attn.q_proj.weight")
+
+
+def forward_backward(model: transformers.PreTrainedModel) -> dict:
+    """One training step's loss, logits and every parameter's gradient (whole tensors, gathered from the shards)."""
+    output = model(input_ids=BATCH, labels=BATCH)
+    output.loss.backward()
+    grads = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
+    return {"loss": output.loss.detach(), "logits": output.logits.detach(), "grads": grads}
+
+
+def run_tensor_parallel(rank: int, port: int, root: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    results = {}
+    for name, (_, auto) in TP_CASES.items():
+        config = DistributedConfig(tp_size=2)
+        model = auto.from_pretrained(root / name, distributed_config=config, trust_remote_code=True)
+        query = next(parameter for key, parameter in model.named_parameters() if key.endswith(QUERY_WEIGHTS))
+        results[name] = {**forward_backward(model.train()), "local_rows": query.to_local().shape[0]}
+    if rank == 0:
+        torch.save(results, root / "results.pt")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory) -> dict:
+    """Every case saved once, loaded by two processes with ``DistributedConfig(tp_size=2)``; rank 0's results."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    for name, (build, _) in TP_CASES.items():
+        build().save_pretrained(root / name)
+    mp.spawn(run_tensor_parallel, args=(free_port(), root), nprocs=2)
+    return {"root": root, **torch.load(root / "results.pt")}
+
+
+@pytest.mark.parametrize("name", TP_CASES)
+def test_tensor_parallel_step_equals_one_process(tensor_parallel, name):
+    """Logits, loss and every gradient of a training step equal one process's; each rank held half the heads."""
+    folder = tensor_parallel["root"] / name
+    result = tensor_parallel[name]
+    one = TP_CASES[name][1].from_pretrained(folder, trust_remote_code=True)
+    expected = forward_backward(one.train())
+    heads = one.config.num_attention_heads
+    assert result["local_rows"] == one.config.hidden_size // 2 and heads % 2 == 0
+    torch.testing.assert_close(result["logits"], expected["logits"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(result["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
+    assert result["grads"].keys() == expected["grads"].keys()
+    for key, grad in expected["grads"].items():
+        torch.testing.assert_close(
+            result["grads"][key], grad, atol=1e-5, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}"
+        )
