@@ -846,6 +846,44 @@ def test_bad_arguments_stop_with_a_message_naming_them(main, argv, message, caps
     assert message in capsys.readouterr().err + str(stopped.value.code)
 
 
+def test_retrofit_drope_recalibrates_a_pretrained_rope_decoder_and_reports_each_length(tmp_path):
+    """``hf-posenc retrofit --drope`` on a RoPE decoder the installed ``pretrain`` trained: exit 0, the loss at
+    1x-8x of the model, dropped, recalibrated for half its 20 pretraining steps and continued with RoPE as long; the
+    recalibrated model saved with ``none`` and QK-norm, and its reloaded loss the one reported."""
+    lm = tmp_path / "rope-lm"
+    argv = ["pretrain", *TINY, "--max_train_steps", "20", "--position_encoding", "rope", "--output_dir", str(lm)]
+    assert run_command([console_script(), *argv], tmp_path, timeout=600).returncode == 0
+    out = tmp_path / "drope"
+    argv = ["retrofit", "--drope", "--model_name_or_path", str(lm), "--recalibration_fraction", "0.5", "--qk_norm"]
+    argv += ["--eval_tokens", "600", "--factors", "1", "2", "4", "8", "--save_models", "--output_dir", str(out)]
+    result = run_command([console_script(), *argv], tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["model"], r["steps"]) for r in results] == [
+        ("stock", 0), ("dropped", 0), ("recalibrated", 10), ("continued", 10),
+    ]  # fmt: skip
+    assert all(isinstance(r[f"{factor}x"], float) for r in results for factor in (1, 2, 4, 8))
+    assert results[0]["1x"] != results[1]["1x"]  # the positions were dropped
+    assert (out / "drope.md").read_text().startswith("| model | steps | 1x | 2x | 4x | 8x |")
+    recalibrated = transformers.AutoModelForCausalLM.from_pretrained(out / "recalibrated").eval()
+    assert recalibrated.config.position_encoding["type"] == "none" and recalibrated.config.use_qk_norm
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "recalibrated")
+    ids = extrapolate.evaluation_ids(tokenizer, None, 5, 600)
+    row = extrapolate.extrapolation_row(recalibrated, ids, 16, (1,), batch_size=8)
+    assert row["1x"] == pytest.approx(results[2]["1x"], abs=1e-5)
+
+
+def test_drope_keeps_a_stock_decoders_own_scheme_on_the_layers_not_named():
+    """A stock decoder (a Hub id's path): ``none`` on the layers named, the model's own RoPE elsewhere."""
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    switched = retrofit_recipe.dropped(transformers.Qwen3ForCausalLM(config), [1], qk_norm=False)
+    assert [spec["type"] for spec in switched.config.position_encoding] == ["rope", "none", "rope"]
+    assert switched.config.use_qk_norm  # Qwen3's own
+
+
 def test_retrofit_recipe_reports_each_scheme_before_and_after(tmp_path, monkeypatch):
     """A tiny headless BERT with MiniLM's tokenizer: the head is fitted first, then each scheme is patched in,
     scored, trained and scored again on the same masked blocks; each model is saved and pushed to its repository."""

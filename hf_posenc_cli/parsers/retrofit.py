@@ -29,7 +29,41 @@ scheme. Writes results.json and retrofit.png to --output_dir.
   hf-posenc retrofit                                 # the offline MiniLM, Emma ch. 1-4, learned rope alibi t5 ...
   hf-posenc retrofit --model_name_or_path roberta-base --schemes rope t5 --normalizers softmax l2 \\
       --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
+
+--drope warm-starts a causal LM instead (DroPE, Sakana AI 2026): the position encoding of every layer (or of
+--drope_layers) is dropped to none, optionally with QK-norm added (--qk_norm), the model recalibrated with the
+next-token loss for --recalibration_fraction of its pretraining steps (a model `hf-posenc pretrain` wrote: its
+training_args.json) or --max_train_steps, and the held-out loss measured at 1x-8x the training length (the extrapolate
+measurement) before the drop, right after it and after recalibrating; beside it the same model trained as many
+steps with its position encoding kept. Writes results.json and drope.md.
+
+  hf-posenc pretrain --position_encoding rope --output_dir rope-lm
+  hf-posenc retrofit --drope --model_name_or_path rope-lm --recalibration_fraction 0.05
+  hf-posenc retrofit --drope --model_name_or_path Qwen/Qwen3-0.6B --qk_norm --max_seq_length 1024 \\
+      --max_train_steps 200 --train_file my_corpus.txt
 """,
+    )
+    parser.add_argument(
+        "--drope",
+        action="store_true",
+        help="DroPE: drop a causal LM's position encoding to none, recalibrate, report the loss at 1x-8x",
+    )
+    parser.add_argument(
+        "--drope_layers", nargs="+", type=int, default=None, help="with --drope: the layers dropped (default: all)"
+    )
+    parser.add_argument("--qk_norm", action="store_true", help="with --drope: add per-head QK-norm (use_qk_norm)")
+    parser.add_argument(
+        "--recalibration_fraction",
+        type=float,
+        default=None,
+        help="with --drope: recalibrate for this fraction of the pretraining steps (training_args.json of a "
+        "pretrain folder); None: --max_train_steps",
+    )
+    parser.add_argument(
+        "--factors", nargs="+", type=int, default=[1, 2, 4, 8], help="with --drope: lengths, x the training length"
+    )
+    parser.add_argument(
+        "--eval_tokens", type=int, default=None, help="with --drope: at most this many held-out tokens scored"
     )
     parser.add_argument(
         "--model_name_or_path", default=None, help="folder or Hub id (when None: the offline MiniLM, if installed)"

@@ -12,6 +12,17 @@ stock encoder (``--head_steps``), once, shared by every scheme. Results: a table
     hf-posenc retrofit                              # MiniLM, Emma ch. 1-4, learned rope alibi t5 (+ shaw, deberta)
     accelerate launch -m hf_posenc_cli retrofit --model_name_or_path roberta-base --schemes rope t5 \\
         --normalizers softmax l2 --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
+
+``--drope`` warm-starts a causal LM instead, by DroPE's protocol (Gelberg et al., Sakana AI 2026: "drop the
+position embeddings after pretraining, recalibrate briefly"): the position encoding of every layer (or of
+``--drope_layers``) becomes ``none``, optionally with QK-norm added, the model is recalibrated with the next-token
+loss for ``--recalibration_fraction`` of its pretraining steps (or ``--max_train_steps``), and the held-out loss is
+measured at 1x-8x the training length (``extrapolate``'s sliding windows) before the drop, right after it and after
+recalibrating, beside the undropped model trained for as many steps. A PosEnc model (``hf-posenc pretrain``) is
+rebuilt from its config with the new layout and its weights; a stock one is retrofitted (``hf_posenc.retrofit``).
+
+    hf-posenc pretrain --position_encoding rope --output_dir rope-lm
+    hf-posenc retrofit --drope --model_name_or_path rope-lm --recalibration_fraction 0.05
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from .common import (
     upload_folder,
     write_model_card,
 )
-from .pretrain import embedded_corpus_file
+from .pretrain import embedded_corpus_file, load_text_datasets, tokenize_and_pack
 
 
 # The stock scheme (the baseline), then rope, alibi and t5; the content-position ones once they are registered.
@@ -61,6 +72,8 @@ def default_model() -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = retrofit_parser()
     args = parser.parse_args(argv)
+    if args.drope:
+        check_drope_args(parser, args)
     args.model_name_or_path = args.model_name_or_path or default_model()
     args.schemes = args.schemes or DEFAULT_SCHEMES
     if args.model_name_or_path is None:
@@ -76,6 +89,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load_tokenizer = partial(transformers.AutoTokenizer.from_pretrained, **remote)
     checked_input(parser, flag, args.tokenizer_name or args.model_name_or_path, load_tokenizer)
     return args
+
+
+def check_drope_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--drope``'s flags: a model named, a fraction in (0, 1], factors and layers that count from 1 and 0."""
+    if args.model_name_or_path is None:
+        parser.error("--drope needs --model_name_or_path (a causal LM: a pretrain output folder or a Hub id)")
+    if args.recalibration_fraction is not None and not 0 < args.recalibration_fraction <= 1:
+        parser.error(f"--recalibration_fraction must be in (0, 1], got {args.recalibration_fraction}")
+    if any(factor < 1 for factor in args.factors):
+        parser.error(f"--factors must be integers >= 1, got {args.factors}")
+    if args.drope_layers is not None and any(layer < 0 for layer in args.drope_layers):
+        parser.error(f"--drope_layers are layer indices >= 0, got {args.drope_layers}")
 
 
 def token_blocks(train_file: Path, tokenizer, seq_len: int, eval_blocks: int, seed: int):
@@ -206,7 +231,7 @@ def save_model(args, model: transformers.PreTrainedModel, tokenizer, result: dic
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     with torch_threads(args.threads):
-        return warm_start(args)
+        return drope(args) if args.drope else warm_start(args)
 
 
 def warm_start(args: argparse.Namespace) -> list[dict]:
@@ -270,6 +295,134 @@ def warm_start(args: argparse.Namespace) -> list[dict]:
         print(f"\nresults: {args.output_dir / 'results.json'}; plot: {args.output_dir / 'retrofit.png'}")
     if args.with_tracking:
         accelerator.end_training()
+    accelerator.wait_for_everyone()
+    return results
+
+
+# DroPE: drop a causal LM's position encoding, recalibrate, measure at 1x-8x the training length.
+
+
+class NextTokenLoss(torch.nn.Module):
+    """A causal LM's mean next-token loss on a batch of blocks (the model's own ``labels`` loss)."""
+
+    def __init__(self, model: transformers.PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+
+def dropped(
+    model: transformers.PreTrainedModel, layers: list[int] | None, qk_norm: bool
+) -> transformers.PreTrainedModel:
+    """``model`` with ``none`` on ``layers`` (None: every layer) and QK-norm added where ``qk_norm``: a PosEnc model
+    rebuilt from its config with the new layout and loaded with its weights (the new ``q_norm``/``k_norm`` at 1, a
+    dropped scheme's parameters left out), a stock model retrofitted (its own scheme kept on the other layers)."""
+    if not model.config.model_type.startswith("posenc_"):
+        return hf_posenc.retrofit(model, "none", layers=layers, use_qk_norm=True if qk_norm else None)
+    config = copy.deepcopy(model.config)
+    num_layers = config.num_hidden_layers
+    specs = config.position_encoding if isinstance(config.position_encoding, list) else [config.position_encoding]
+    specs = specs * (num_layers // len(specs))
+    if layers is not None and any(layer >= num_layers for layer in layers):
+        raise ValueError(f"--drope_layers must be layer indices below {num_layers}; got {layers}.")
+    specs = [{"type": "none"} if layers is None or idx in layers else spec for idx, spec in enumerate(specs)]
+    config.position_encoding = specs[0] if all(spec == specs[0] for spec in specs) else specs
+    config.use_qk_norm = qk_norm or config.use_qk_norm
+    switched = type(model)(config)
+    missing, unexpected = switched.load_state_dict(model.state_dict(), strict=False)
+    kept_out = [key for key in missing if not key.endswith(("q_norm.weight", "k_norm.weight"))]
+    if kept_out:
+        raise ValueError(f"Dropping the position encoding left weights without a value: {kept_out}.")
+    return switched.to(next(model.parameters()).device)
+
+
+def pretraining_record(folder: str) -> tuple[dict, dict]:
+    """``training_args.json`` and ``results.json`` of a pretrain output folder, or empty dicts (a Hub id)."""
+    records = []
+    for name in ("training_args.json", "results.json"):
+        path = Path(folder) / name
+        records.append(json.loads(path.read_text()) if path.is_file() else {})
+    return records[0], records[1]
+
+
+def drope(args: argparse.Namespace) -> list[dict]:
+    """DroPE on ``args.model_name_or_path``: the loss at each length factor of the model as it is ("stock"), with its
+    position encoding dropped ("dropped"), after recalibrating ("recalibrated"), and of the model trained as many
+    steps with its position encoding ("continued")."""
+    from .extrapolate import evaluation_ids, extrapolation_row
+
+    accelerator = recipe_accelerator(args)
+    set_seed(args.seed)
+    remote = {"trust_remote_code": args.trust_remote_code}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path, **remote)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **remote)
+    pretraining, pretrained = pretraining_record(args.model_name_or_path)
+    block_size = pretraining.get("block_size", args.max_seq_length)
+    if args.recalibration_fraction is not None:
+        if "steps" not in pretrained:
+            raise ValueError(
+                f"--recalibration_fraction needs the pretraining steps (results.json of a pretrain folder); "
+                f"{args.model_name_or_path} has none: give --max_train_steps."
+            )
+        steps = max(1, round(args.recalibration_fraction * pretrained["steps"]))
+    else:
+        steps = args.max_train_steps
+    held_out = pretraining.get("validation_split_percentage", 5)
+    data_args = argparse.Namespace(
+        dataset_name=None,
+        dataset_config_name=None,
+        train_file=args.train_file,
+        validation_file=None,
+        text_column_name="text",
+        validation_split_percentage=held_out,
+        preprocessing_num_workers=None,
+        overwrite_cache=False,
+        block_size=block_size,
+    )
+    blocks = tokenize_and_pack(load_text_datasets(data_args), tokenizer, data_args, accelerator)["train"]
+    loader = torch.utils.data.DataLoader(
+        blocks.with_format("torch"), args.per_device_train_batch_size, shuffle=True, drop_last=True
+    )
+    eval_ids = evaluation_ids(tokenizer, args.train_file, held_out, args.eval_tokens)
+    factors = tuple(args.factors)
+    accelerator.print(
+        f"DroPE: {len(blocks)} train blocks of {block_size} tokens, {steps} recalibration steps, {len(eval_ids)} "
+        f"held-out tokens scored at {', '.join(f'{factor}x' for factor in factors)}"
+    )
+
+    def row(name: str, model: transformers.PreTrainedModel) -> dict:
+        model.eval()
+        losses = extrapolation_row(model, eval_ids, block_size, factors, args.per_device_eval_batch_size)
+        return {"model": name, "steps": 0 if name in ("stock", "dropped") else steps, **losses}
+
+    results = [row("stock", stock)]
+    model = dropped(copy.deepcopy(stock), args.drope_layers, args.qk_norm)
+    results.append(row("dropped", model))
+    set_seed(args.seed)
+    model = train(NextTokenLoss(model), loader, steps, args.learning_rate, accelerator, "recalibrating").model
+    results.append(row("recalibrated", model))
+    set_seed(args.seed)
+    continued = train(NextTokenLoss(stock), loader, steps, args.learning_rate, accelerator, "continuing").model
+    results.append(row("continued", continued))
+    if accelerator.is_main_process:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        header = " | ".join(f"{factor}x" for factor in factors)
+        lines = [f"| model | steps | {header} |", "|---|---:|" + "---:|" * len(factors)]
+        for result in results:
+            cells = " | ".join(
+                f"{result[f'{factor}x']:.3f}" if isinstance(result[f"{factor}x"], float) else result[f"{factor}x"]
+                for factor in factors
+            )
+            lines.append(f"| {result['model']} | {result['steps']} | {cells} |")
+        table = "\n".join(lines) + "\n"
+        (args.output_dir / "drope.md").write_text(table)
+        print("\n" + table + f"\nresults: {args.output_dir / 'results.json'}")
+        if args.save_models:
+            model.save_pretrained(args.output_dir / "recalibrated")
+            tokenizer.save_pretrained(args.output_dir / "recalibrated")
     accelerator.wait_for_everyone()
     return results
 
