@@ -16,6 +16,7 @@ from .common import (
     new_parser,
     output_folder,
 )
+from .tasks import add_task_flags
 
 
 DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
@@ -37,6 +38,11 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
   hf-posenc compare --schemes rope none --layouts smollm3 rnope_swa --sliding_window 32 --num_hidden_layers 4 \\
       --seeds 0 1 2
   hf-posenc compare --schemes rope --layouts irope --attention_chunk_size 32 --num_hidden_layers 4
+
+With --task mqar, copy or passkey each model trains on that task instead (examples drawn from the seed, the loss on
+the answers) and the report gives its accuracy at each length (passkey's also by depth of the needle):
+  hf-posenc compare --task mqar --output_dir out/mqar        # 6 schemes at the defaults: under 20 min on 2 CPU cores
+  hf-posenc compare --task passkey --schemes rope pope fox alibi t5 none --seeds 0 1 2 --output_dir out/passkey
 """,
     )
     parser.add_argument(
@@ -94,6 +100,7 @@ tokens/s. Writes compare.md, compare.json and compare.png to --output_dir and th
     parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
     add_threads_flag(parser)
+    add_task_flags(parser, "train each model on the task")
     add_tracking_flags(parser)
     add_hub_flags(
         parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"

@@ -10,7 +10,9 @@ from .common import (
     add_threads_flag,
     new_parser,
     output_folder,
+    positive_int,
 )
+from .tasks import add_task_flags
 
 
 def extrapolate_parser() -> argparse.ArgumentParser:
@@ -25,7 +27,14 @@ Writes extrapolation.md, extrapolation.json and extrapolation.png to --output_di
   hf-posenc extrapolate --model_name_or_path out/rope out/alibi out/learned --output_dir out/extrapolation
   hf-posenc extrapolate --model_name_or_path compare-output/models/*/seed_* --output_dir out/extrapolation
 Models whose training_args.json differ only in the seed (the seeds of one compare --seeds run) are one row: mean ±
-standard deviation.
+standard deviation. A decoder's loss at each position of a window of the longest length (binned) follows the table,
+its curve in extrapolation_positions.png.
+
+With --task mqar, copy or passkey each decoder is scored on that task instead: its accuracy at each length
+(passkey's also by depth), on the same examples for every model. Passkey is text in the model's own tokenizer, so a
+model trained on language (a compare run, a retrofitted checkpoint) is scored zero-shot:
+  hf-posenc extrapolate --task mqar --model_name_or_path out/mqar/models/*/ --output_dir out/mqar-again
+  hf-posenc extrapolate --task passkey --model_name_or_path compare-output/models/* --output_dir out/passkey-zero-shot
 """,
     )
     parser.add_argument("--model_name_or_path", nargs="+", required=True, help="saved models (folders or Hub names)")
@@ -57,4 +66,11 @@ standard deviation.
         "--output_dir", type=output_folder, default="extrapolation-output", help="the table, the JSON file, the plot"
     )
     add_threads_flag(parser)
+    parser.add_argument(
+        "--position_bins",
+        type=positive_int,
+        default=16,
+        help="the bins of the loss by position (over a window of the longest --factors length)",
+    )
+    add_task_flags(parser, "score each decoder on the task")
     return parser

@@ -9,8 +9,6 @@ from .common import int_at_least, positive_int
 
 
 TASKS = ("lm", "mqar", "copy", "passkey")
-DEFAULT_TASK_STEPS = {"lm": 600, "mqar": 1000, "copy": 600, "passkey": 600}
-"""``compare --max_train_steps`` when not given, by ``--task``."""
 PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
 PASSKEY_QUESTION_BYTES = len(" The pass key is ")
 
@@ -37,13 +35,13 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
         "length (hf_posenc_cli.recipes.tasks)",
     )
     group.add_argument(
-        "--mqar_pairs", type=positive_int, default=8, help="mqar: key-value pairs per example (Zoology's num_kv_pairs)"
+        "--mqar_pairs", type=positive_int, default=4, help="mqar: key-value pairs per example (Zoology's num_kv_pairs)"
     )
-    group.add_argument("--mqar_queries", type=positive_int, default=8, help="mqar: keys asked per example (<= pairs)")
+    group.add_argument("--mqar_queries", type=positive_int, default=4, help="mqar: keys asked per example (<= pairs)")
     group.add_argument(
         "--mqar_vocab",
         type=int_at_least(2),
-        default=128,
+        default=64,
         help="mqar: bytes the keys (first half) and values (second half) are drawn from; the other bytes fill",
     )
     group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")

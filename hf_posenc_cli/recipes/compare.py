@@ -37,7 +37,7 @@ import hf_posenc
 from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme
 from ..parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
 from ..parsers.pretrain import pretrain_parser
-from . import pretrain
+from . import long_context, pretrain
 from .common import checked_input, hub_repository, recipe_accelerator, torch_threads, warn_short_schedule
 from .extrapolate import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
 
@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     check_layout_sizes(parser, args)
+    long_context.check_compare_task(parser, args)
     chunked = [name for name in args.layouts if hf_posenc.LAYOUT_PRESETS[name].chunks]
     if chunked and args.encoders:
         parser.error(
@@ -308,6 +309,8 @@ def eval_curve(log_path: Path) -> list[tuple[int, float]]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.task != "lm":
+        return long_context.compare_task(args)
     tasks = ["clm", "mlm"] if args.encoders else ["clm"]
     seeds = args.seeds if args.seeds is not None else [args.seed]
     entries = [*args.schemes, *args.layouts]

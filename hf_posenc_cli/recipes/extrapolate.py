@@ -29,6 +29,7 @@ from hf_posenc.configuration_posenc import layout_name
 
 from ..parsers.common import DEFAULT_FACTORS
 from ..parsers.extrapolate import extrapolate_parser
+from . import long_context
 from .common import checked_input, progress_bar_off, recipe_accelerator, torch_threads
 from .pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
 
@@ -39,8 +40,11 @@ def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
 
 
 def is_decoder(config: transformers.PretrainedConfig) -> bool:
-    """Decoders are scored on the next token, encoders on masked tokens."""
-    return config.model_type in ("posenc_gpt2", "gpt2") or bool(getattr(config, "is_decoder", False))
+    """Decoders are scored on the next token, encoders on masked tokens. A decoder: a GPT-2 type, a config that says
+    so, or a causal-LM architecture (``...ForCausalLM``, ``...LMHeadModel``: a retrofitted checkpoint's config names
+    its stock class)."""
+    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in config.architectures or [])
+    return config.model_type in ("posenc_gpt2", "gpt2") or causal or bool(getattr(config, "is_decoder", False))
 
 
 def training_length(model_dir: str | Path, config: transformers.PretrainedConfig) -> int:
@@ -319,7 +323,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     args.factors = tuple(sorted(set(args.factors)))
     models = [(name, *checked_model(parser, args, name)) for name in args.model_name_or_path]
+    long_context.check_extrapolate_task(parser, args, models)
     with torch_threads(args.threads):
+        if args.task != "lm":
+            return long_context.score_task_models(args, models)
         return score_models(args, models)
 
 
@@ -356,6 +363,10 @@ def score_models(args: argparse.Namespace, models: list[tuple]) -> list[dict[str
             "model": str(name), "label": label, "train_length": train_length, **row, "draws": draws,
             "recipe": training_recipe(name),
         })  # fmt: skip
+        if decoder:
+            rows[-1]["loss_by_position"] = long_context.position_row(
+                model, ids, train_length, args.factors[-1], args.position_bins, args.per_device_eval_batch_size
+            )
         accelerator.print(f"{name} ({label}): " + ", ".join(f"{k} {format_cell(v)}" for k, v in row.items()))
     summary = summarize_models(rows, args.factors)
     labels = unique_labels([entry["label"] for entry in summary], [entry["models"][0] for entry in summary])
@@ -363,11 +374,12 @@ def score_models(args: argparse.Namespace, models: list[tuple]) -> list[dict[str
         entry["label"] = label
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        table = markdown_table(summary, args.factors)
+        table = markdown_table(summary, args.factors) + long_context.position_table(rows, args.factors[-1])
         (args.output_dir / "extrapolation.md").write_text(table)
         document = {"rows": rows, "summary": summary}
         (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))
         plot_rows(summary, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
+        long_context.plot_positions(rows, args.factors[-1], args.output_dir / "extrapolation_positions.png")
         print(table)
     accelerator.wait_for_everyone()
     return rows

@@ -48,8 +48,8 @@ def byte_ids(data: bytes | Sequence[int]) -> torch.Tensor:
 
 
 def mqar_batch(
-    generator: torch.Generator, batch_size: int, length: int, num_pairs: int = 8, num_queries: int = 8,
-    vocab_size: int = 128,
+    generator: torch.Generator, batch_size: int, length: int, num_pairs: int = 4, num_queries: int = 4,
+    vocab_size: int = 64,
 ) -> TaskBatch:  # fmt: skip
     """Multi-query associative recall as Zoology's ``multiquery_ar`` writes it (Arora et al. 2023): ``num_pairs``
     key-value pairs ``k_1 v_1 k_2 v_2 ...`` open the row, keys distinct bytes of ``[0, vocab_size / 2)``, values
@@ -153,9 +153,9 @@ class TaskSpec:
     texts, ``{"train": ..., "eval": ...}`` (:func:`passkey_texts`)."""
 
     name: str
-    mqar_pairs: int = 8
-    mqar_queries: int = 8
-    mqar_vocab: int = 128
+    mqar_pairs: int = 4
+    mqar_queries: int = 4
+    mqar_vocab: int = 64
     passkey_digits: int = 5
     passkey: dict[str, PasskeyText] | None = None
 

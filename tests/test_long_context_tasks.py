@@ -1,0 +1,419 @@
+"""The long-context tasks (``hf_posenc_cli.recipes.tasks``: mqar, copy, passkey), their accuracy metric, ``compare
+--task`` end to end, ``extrapolate``'s task scores and loss by position, and RULER's offline tasks through lm-eval.
+
+Generators are checked against examples built by hand from the format (the answer positions, the filler, the query
+format); the metric against an oracle that is right by construction and models that are wrong; the loss by position
+against the cross-entropy computed position by position with ``math``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hf_posenc
+from hf_posenc_cli.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
+from hf_posenc_cli.recipes import compare, extrapolate, long_context
+from hf_posenc_cli.recipes.pretrain import IGNORE_INDEX, byte_tokenizer
+from hf_posenc_cli.recipes.tasks import (
+    BYTE_OFFSET,
+    PasskeyText,
+    TaskSpec,
+    answer_accuracy,
+    copy_batch,
+    mqar_batch,
+    passkey_batch,
+    passkey_texts,
+    task_accuracy,
+    task_row,
+)
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def as_bytes(ids: torch.Tensor) -> list[int]:
+    return [int(token) - BYTE_OFFSET for token in ids]
+
+
+# --- mqar ---
+
+
+def test_mqar_smallest_example_is_its_pairs_then_both_queries():
+    """vocab 4, 2 pairs, 2 queries, length 8: keys {0, 1}, values {2, 3}, and the two query slots both asked, so the
+    example is ``ka va kb vb kx vx ky vy`` with {ka, kb} = {0, 1}, {va, vb} = {2, 3}, each query followed by the
+    value its key had; the answers are positions 5 and 7."""
+    batch = mqar_batch(generator(), 16, 8, num_pairs=2, num_queries=2, vocab_size=4)
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        ka, va, kb, vb, kx, vx, ky, vy = as_bytes(row)
+        assert {ka, kb} == {0, 1} and {va, vb} == {2, 3}
+        pairs = {ka: va, kb: vb}
+        assert {kx, ky} == {0, 1} and vx == pairs[kx] and vy == pairs[ky]
+        expected = [IGNORE_INDEX] * 8
+        expected[5], expected[7] = row[5].item(), row[7].item()
+        assert labels.tolist() == expected
+
+
+def test_mqar_queries_fill_even_slots_and_the_rest_is_filler():
+    """8 pairs, 3 queries, vocab 32, length 40: keys of [0, 16), values of [16, 32), all distinct; after the 16
+    context tokens, 3 keys come back at even offsets, each followed by its value (the only labels); every other byte
+    is filler, of [32, 256)."""
+    batch = mqar_batch(generator(1), 32, 40, num_pairs=8, num_queries=3, vocab_size=32)
+    fillers = set()
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        data = as_bytes(row)
+        keys, values = data[0:16:2], data[1:16:2]
+        assert len(set(keys)) == 8 and all(0 <= key < 16 for key in keys)
+        assert len(set(values)) == 8 and all(16 <= value < 32 for value in values)
+        pairs = dict(zip(keys, values, strict=True))
+        queries = [place for place in range(16, 40) if data[place] < 16]
+        assert len(queries) == 3 and len({data[place] for place in queries}) == 3
+        assert all((place - 16) % 2 == 0 for place in queries)
+        answers = [place + 1 for place in queries]
+        assert [data[place] for place in answers] == [pairs[data[place]] for place in queries]
+        assert [place for place in range(40) if labels[place] != IGNORE_INDEX] == answers
+        assert all(labels[place] == row[place] for place in answers)
+        rest = [data[place] for place in range(16, 40) if place not in queries and place not in answers]
+        assert all(32 <= byte < 256 for byte in rest)
+        fillers.update(rest)
+    assert len(fillers) > 150  # drawn over the whole filler range
+
+
+def test_mqar_is_the_same_for_the_same_seed_and_refuses_what_cannot_fit():
+    first, again = mqar_batch(generator(5), 4, 64), mqar_batch(generator(5), 4, 64)
+    assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.labels, again.labels)
+    with pytest.raises(ValueError, match="--mqar_pairs 8 and --mqar_queries 8 take 32 tokens"):
+        mqar_batch(generator(), 1, 30, num_pairs=8, num_queries=8)
+    with pytest.raises(ValueError, match="--mqar_vocab must be even"):
+        mqar_batch(generator(), 1, 64, vocab_size=255)
+    with pytest.raises(ValueError, match=r"--mqar_queries must be in 1..4"):
+        mqar_batch(generator(), 1, 64, num_pairs=4, num_queries=5)
+
+
+# --- copy ---
+
+
+@pytest.mark.parametrize("length", [7, 8])
+def test_copy_is_a_string_the_separator_and_the_string_again(length):
+    """``n = (length - 1) // 2`` letters, ``|``, the same letters (the answers), and a pad where the length is even."""
+    batch = copy_batch(generator(2), 8, length)
+    size = (length - 1) // 2
+    assert batch.input_ids.shape == (8, length)
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        text = bytes(as_bytes(row[: 2 * size + 1])).decode()
+        letters, separator, copied = text[:size], text[size], text[size + 1 :]
+        assert separator == "|" and copied == letters and set(letters) <= set("abcdefghijklmnopqrstuvwxyz")
+        assert row[2 * size + 1 :].tolist() == [0] * (length - 2 * size - 1)  # the tokenizer's pad
+        assert labels.tolist() == [IGNORE_INDEX] * (size + 1) + row[size + 1 : 2 * size + 1].tolist() + [
+            IGNORE_INDEX
+        ] * (length - 2 * size - 1)
+
+
+# --- passkey ---
+
+
+FILLER = "abcdefghijklmnopqrstuvwxyz" * 4
+
+
+def letters_text() -> PasskeyText:
+    return PasskeyText(torch.tensor(list(FILLER.encode())) + BYTE_OFFSET, lambda text: [b + 3 for b in text.encode()])
+
+
+@pytest.mark.parametrize(("depth", "cut"), [(0.0, 0), (0.5, 5), (1.0, 10)])
+def test_passkey_hides_the_needle_at_its_depth_and_asks_at_the_end(depth, cut):
+    """Length 56 with a 5-digit key: needle (24 bytes), question (17) and key (5) leave 10 bytes of filler, a
+    contiguous excerpt of the text; the needle sits after ``round(depth * 10)`` of them; the key's digits are the
+    last 5 tokens and the only labels."""
+    length = 56
+    batch = passkey_batch(generator(3), 6, length, letters_text(), digits=5, depth=depth)
+    assert batch.per_example
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        text = bytes(as_bytes(row)).decode()
+        key = text[-5:]
+        assert key.isdigit() and key[0] != "0"
+        needle = f" The pass key is {key}. "
+        excerpt = text[:cut] + text[cut + len(needle) : -len(" The pass key is ") - 5]
+        assert len(excerpt) == 10 and excerpt in FILLER
+        assert text == excerpt[:cut] + needle + excerpt[cut:] + " The pass key is " + key
+        assert labels[:-5].tolist() == [IGNORE_INDEX] * (length - 5) and labels[-5:].tolist() == row[-5:].tolist()
+
+
+def test_passkey_sizes_agree_with_the_parser_and_the_byte_tokenizer():
+    """The parser's byte count of needle and question (checked before torch) is the generator's; the byte
+    tokenizer's ids of the texts are the bytes + 3, so a byte model's passkey is the text itself."""
+    tokenizer = byte_tokenizer()
+    texts = passkey_texts(tokenizer)
+    length = PASSKEY_NEEDLE_BYTES + PASSKEY_QUESTION_BYTES + 2 * 5
+    batch = passkey_batch(generator(), 2, length, texts["eval"], digits=5, depth=0.5)  # no filler at all
+    text = tokenizer.decode(batch.input_ids[0])
+    assert text.startswith(" The pass key is ") and text.count(text[-5:]) == 2
+    with pytest.raises(ValueError, match="more than the length"):
+        passkey_batch(generator(), 1, length - 1, texts["eval"])
+    assert texts["eval"].encode("The pass key") == [b + 3 for b in b"The pass key"]
+    # the held-out filler is the corpus' first 5 % of lines, the training filler the rest: no overlap in the middle
+    assert len(texts["train"].filler) > 15 * len(texts["eval"].filler)
+
+
+# --- the accuracy metric ---
+
+
+class Peeking(torch.nn.Module):
+    """Predicts the token that comes next by reading it (right by construction), or, with ``shift``, that token
+    plus ``shift`` (wrong at every position); ``wrong_last``: right except at the last answer of each row."""
+
+    def __init__(self, vocab_size: int, shift: int = 0, wrong_last: torch.Tensor | None = None):
+        super().__init__()
+        self.vocab_size, self.shift, self.wrong_last = vocab_size, shift, wrong_last
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor):
+        following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        following = (following + self.shift) % self.vocab_size
+        if self.wrong_last is not None:
+            following = following.clone()
+            rows = torch.arange(len(input_ids))
+            following[rows, self.wrong_last - 1] = (following[rows, self.wrong_last - 1] + 1) % self.vocab_size
+        return argparse.Namespace(logits=torch.nn.functional.one_hot(following, self.vocab_size).float())
+
+
+class MqarSolver(torch.nn.Module):
+    """Answers mqar from the tokens before each answer only: after a key seen among the context's pairs, the value
+    that followed it there."""
+
+    def __init__(self, num_pairs: int, vocab_size: int = 384):
+        super().__init__()
+        self.num_pairs, self.vocab_size = num_pairs, vocab_size
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor):
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        for row, ids in enumerate(input_ids.tolist()):
+            pairs = dict(zip(ids[0 : 2 * self.num_pairs : 2], ids[1 : 2 * self.num_pairs : 2], strict=True))
+            for place in range(2 * self.num_pairs, len(ids)):
+                logits[row, place, pairs.get(ids[place], 0)] = 1.0
+        return argparse.Namespace(logits=logits)
+
+
+def test_accuracy_is_one_for_an_oracle_and_zero_for_a_wrong_model():
+    for batch in (
+        mqar_batch(generator(), 8, 64),
+        copy_batch(generator(), 8, 33),
+        passkey_batch(generator(), 8, 80, letters_text()),
+    ):
+        assert answer_accuracy(Peeking(384)(batch.input_ids).logits, batch.labels, batch.per_example) == (
+            (8, 8) if batch.per_example else (int((batch.labels != IGNORE_INDEX).sum()),) * 2
+        )
+        right, total = answer_accuracy(Peeking(384, shift=1)(batch.input_ids).logits, batch.labels, batch.per_example)
+        assert right == 0 and total > 0
+
+
+def test_accuracy_per_answer_and_per_example_when_one_answer_per_row_is_wrong():
+    """Copy of 4 letters per row, the last letter wrong in every row: 3/4 of the answers, none of the examples."""
+    batch = copy_batch(generator(), 5, 9)
+    last = torch.full((5,), 8)
+    logits = Peeking(384, wrong_last=last)(batch.input_ids).logits
+    assert answer_accuracy(logits, batch.labels, per_example=False) == (15, 20)
+    assert answer_accuracy(logits, batch.labels, per_example=True) == (0, 5)
+
+
+def test_task_accuracy_of_a_solver_that_reads_only_the_prefix():
+    """A solver of mqar that never sees an answer before predicting it scores 1 at every length; a model giving
+    the filler byte scores 0; the rows say n/a with the reason where the model refuses a length."""
+    task = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4, mqar_vocab=64)
+    assert task_accuracy(MqarSolver(4), task, 64, 20, 8, seed=0) == 1.0
+    assert task_accuracy(Peeking(384, shift=1), task, 64, 20, 8, seed=0) == 0.0
+    row = task_row(MqarSolver(4), task, 32, (1, 2, 4), 8, 8, seed=0)
+    assert row == {"accuracy": {"1x": 1.0, "2x": 1.0, "4x": 1.0}}
+
+
+def test_passkey_rows_give_each_depth_and_their_mean():
+    task = TaskSpec("passkey", passkey={"eval": letters_text()})
+    row = task_row(Peeking(384), task, 50, (1, 2), 4, 4, seed=0, depths=(0.0, 1.0))
+    assert row["by_depth"] == {"1x": {"0.0": 1.0, "1.0": 1.0}, "2x": {"0.0": 1.0, "1.0": 1.0}}
+    assert row["accuracy"] == {"1x": 1.0, "2x": 1.0}
+
+
+# --- loss by position ---
+
+
+class PositionModel(torch.nn.Module):
+    """Gives the next token the logit ``0.1 t + 0.01 token`` at position ``t`` and every other token 0."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor):
+        following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        positions = torch.arange(input_ids.shape[1], dtype=torch.float32)
+        value = 0.1 * positions + 0.01 * following.float()
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        logits.scatter_(-1, following[..., None], value[..., None])
+        return argparse.Namespace(logits=logits)
+
+
+def test_loss_by_position_against_a_hand_computation():
+    """Windows of 8 over 3 windows' worth of text and 2 tokens more (dropped): the loss at position t is the mean
+    over the windows of ``log(V - 1 + e^c) - c``, ``c = 0.1 (t - 1) + 0.01 token_t``; bins of positions 1..7 in 3:
+    1-3, 4-5, 6-7."""
+    vocab_size, window = 11, 8
+    ids = torch.tensor([(5 * index + 3) % vocab_size for index in range(3 * window + 2)])
+    losses = long_context.loss_by_position(PositionModel(vocab_size), ids, window, batch_size=2)
+    expected = []
+    for position in range(1, window):
+        per_window = []
+        for start in range(0, 3 * window, window):
+            c = 0.1 * (position - 1) + 0.01 * int(ids[start + position])
+            per_window.append(math.log(vocab_size - 1 + math.exp(c)) - c)
+        expected.append(sum(per_window) / 3)
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    bins = long_context.binned_positions(losses, 3)
+    assert [(part["first"], part["last"]) for part in bins] == [(1, 3), (4, 5), (6, 7)]
+    assert [part["loss"] for part in bins] == pytest.approx(
+        [sum(expected[0:3]) / 3, sum(expected[3:5]) / 2, sum(expected[5:7]) / 2], rel=1e-6
+    )
+    with pytest.raises(ValueError, match="fewer than one window of 64"):
+        long_context.loss_by_position(PositionModel(vocab_size), ids, 64)
+
+
+# --- the recipes, end to end ---
+
+
+TINY = [
+    "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--block_size", "32",
+    "--max_train_steps", "3", "--num_warmup_steps", "1", "--eval_steps", "3", "--per_device_train_batch_size", "4",
+    "--task_eval_examples", "4", "--factors", "1", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mqar_compare(tmp_path_factory) -> Path:
+    """``hf-posenc compare --task mqar`` through the installed command on a tiny budget: rope, and learned (which
+    cannot run at 2x)."""
+    output = tmp_path_factory.mktemp("mqar")
+    command = [str(Path(sys.executable).parent / "hf-posenc"), "compare", "--task", "mqar", "--schemes", "rope"]
+    command += ["learned", "--mqar_pairs", "3", "--mqar_queries", "2", *TINY, "--output_dir", str(output)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return output
+
+
+def test_compare_mqar_writes_its_table_json_and_plot(mqar_compare):
+    table = (mqar_compare / "compare.md").read_text()
+    assert table.startswith("### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 64 key")
+    assert "| scheme | normalizer | 1x | 2x | train loss |" in table
+    assert "| learned | softmax |" in table and "| n/a |" in table
+    document = json.loads((mqar_compare / "compare.json").read_text())
+    rows = {row["scheme"]: row for row in document["rows"]}
+    assert set(rows) == {"rope", "learned"}
+    assert 0.0 <= rows["rope"]["accuracy"]["2x"] <= 1.0 and isinstance(rows["learned"]["accuracy"]["2x"], str)
+    assert (mqar_compare / "compare.png").stat().st_size > 10_000
+    saved = json.loads((mqar_compare / "models" / "mqar-rope-softmax" / "training_args.json").read_text())
+    assert saved["block_size"] == 32 and saved["long_context_task"] == {
+        "task": "mqar", "pairs": 3, "queries": 2, "vocab": 64
+    }  # fmt: skip
+
+
+def test_extrapolate_scores_saved_models_on_the_task_and_by_position(mqar_compare, tmp_path):
+    """The compare run's models again through ``extrapolate --task mqar`` (the same accuracy: the same examples),
+    then through ``extrapolate`` (lm): the loss at each length and the loss by position, the learned table's n/a."""
+    models = [str(mqar_compare / "models" / f"mqar-{scheme}-softmax") for scheme in ("rope", "learned")]
+    flags = ["--factors", "1", "2", "--task_eval_examples", "4", "--mqar_pairs", "3", "--mqar_queries", "2"]
+    rows = extrapolate.main(["--task", "mqar", "--model_name_or_path", *models, *flags, "--output_dir", str(tmp_path)])
+    compared = json.loads((mqar_compare / "compare.json").read_text())["rows"]
+    assert [row["accuracy"] for row in rows] == [row["accuracy"] for row in compared]
+    assert "| model | label | 1x | 2x |" in (tmp_path / "extrapolation.md").read_text()
+    lm = tmp_path / "lm"
+    rows = extrapolate.main(["--model_name_or_path", *models, "--max_eval_tokens", "2048", "--factors", "1", "2",
+                             "--position_bins", "4", "--output_dir", str(lm)])  # fmt: skip
+    bins = rows[0]["loss_by_position"]
+    assert [(part["first"], part["last"]) for part in bins] == [(1, 16), (17, 32), (33, 48), (49, 63)]
+    assert isinstance(rows[1]["loss_by_position"], str)  # learned: 32 positions, the window has 64
+    table = (lm / "extrapolation.md").read_text()
+    assert "### Loss by position (a window of 2x the training length)" in table and "| 49-63 |" in table
+    assert (lm / "extrapolation_positions.png").is_file()
+
+
+def test_extrapolate_passkey_zero_shot_on_a_retrofitted_stock_decoder(tmp_path):
+    """A stock GPT-2 retrofitted with alibi and saved with the byte tokenizer is scored on passkey in its own
+    tokenizer, at lengths its position table allows."""
+    tokenizer = byte_tokenizer()
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256)
+    model = hf_posenc.retrofit(transformers.GPT2LMHeadModel(config), "alibi")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    rows = extrapolate.main([
+        "--task", "passkey", "--model_name_or_path", str(tmp_path / "model"), "--trust_remote_code", "--train_length",
+        "64", "--factors",
+        "1", "2", "--task_eval_examples", "2", "--passkey_depths", "0", "1", "--output_dir", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert set(rows[0]["by_depth"]) == {"1x", "2x"} and set(rows[0]["by_depth"]["2x"]) == {"0.0", "1.0"}
+    assert "#### passkey by depth" in (tmp_path / "out" / "extrapolation.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--task", "mqar", "--encoders"], "--task mqar does not take --encoders"),
+        (["--task", "mqar", "--mqar_pairs", "4", "--mqar_queries", "5"], "--mqar_queries must be in 1..4"),
+        (["--task", "mqar", "--block_size", "12"], "take 16 tokens, more than the length 12"),
+        (["--task", "passkey", "--block_size", "40"], "take 46 bytes, more than --block_size 40"),
+        (["--task", "copy", "--train_file", str(Path(__file__).parents[1] / "README.md")], "passkey's filler text"),
+    ],
+)
+def test_compare_task_refuses_bad_flags_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        compare.parse_args(flags)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+# --- RULER's offline tasks through lm-eval ---
+
+
+def test_ruler_niah_single_1_runs_offline_on_a_saved_decoder(tmp_path, monkeypatch):
+    """lm-eval's RULER ``niah_single_1`` end to end on a tiny saved PosEnc decoder with the byte tokenizer, offline:
+    the task sizes its prompts with the model folder's own tokenizer (``--metadata``'s ``max_seq_lengths``), the
+    model answers by greedy generation, and the score at that length is a fraction in [0, 1]."""
+    lm_eval = pytest.importorskip("lm_eval", reason="RULER runs through lm-eval: pip install lm-eval wonderwords")
+    import nltk
+    from lm_eval.tasks import TaskManager
+
+    # prepare_niah asks for nltk's punkt_tab on import; only the essay haystacks (not the six offline tasks) read it
+    monkeypatch.setattr(nltk, "download", lambda *args, **kwargs: False)
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    config = hf_posenc.PosEncGPT2Config(
+        position_encoding="rope", n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=len(tokenizer),
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    folder = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ruler = Path(lm_eval.__file__).parent / "tasks" / "ruler"
+    metadata = {"max_seq_lengths": [1024], "pretrained": str(folder)}
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(folder), "trust_remote_code": True, "max_length": 2048},
+        tasks=["niah_single_1"], task_manager=TaskManager(include_path=str(ruler), include_defaults=False,
+                                                          metadata=metadata),
+        limit=2, batch_size=1, device="cpu", gen_kwargs="max_gen_toks=8", log_samples=True,
+    )  # fmt: skip
+    score = results["results"]["niah_single_1"]["1024,none"]
+    assert 0.0 <= score <= 1.0
+    samples = results["samples"]["niah_single_1"]
+    assert len(samples) == 2
+    for sample in samples:
+        prompt, answer = sample["arguments"][0][0], sample["doc"]["outputs"]
+        assert "special magic number" in prompt and answer[0].isdigit() and answer[0] in prompt
+        assert len(tokenizer(prompt)["input_ids"]) <= 1024
+        assert len(tokenizer(sample["resps"][0][0])["input_ids"]) <= 8
