@@ -30,8 +30,8 @@ scheme. Writes results.json and retrofit.png to --output_dir.
   hf-posenc retrofit --model_name_or_path roberta-base --schemes rope t5 --normalizers softmax l2 \\
       --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
 
---drope warm-starts a causal LM instead (DroPE, Sakana AI 2026): the position encoding of every layer (or of
---drope_layers) is dropped to none, optionally with QK-norm added (--qk_norm), the model recalibrated with the
+With --drope it warm-starts a causal LM instead (DroPE, Sakana AI 2026): the position encoding of every layer (or
+of --drope_layers) is dropped to none, optionally with QK-norm added (--qk_norm), the model recalibrated with the
 next-token loss for --recalibration_fraction of its pretraining steps (a model `hf-posenc pretrain` wrote: its
 training_args.json) or --max_train_steps, and the held-out loss measured at 1x-8x the training length (the extrapolate
 measurement) before the drop, right after it and after recalibrating; beside it the same model trained as many
