@@ -41,7 +41,7 @@ RECIPES = {
         ),
         Recipe(
             "extrapolate",
-            "loss of saved models at 1x, 2x, 4x, 8x their training length",
+            "loss of saved models at 1x, 2x, 4x, 8x their training length and by position, or a task's accuracy",
             "hf_posenc_cli.recipes.extrapolate",
         ),
         Recipe("glue", "fine-tune and evaluate a checkpoint on a GLUE task", "hf_posenc_cli.recipes.glue"),
