@@ -21,6 +21,7 @@ gathered, and the tests compare it with one unsharded process (this one) on the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from datetime import timedelta
@@ -75,11 +76,14 @@ RECIPE_RUNS = {  # state-dict type -> the recipe's model flags and the layer cla
     "SHARDED_STATE_DICT": (["--task", "clm", "--position_encoding", "fox"], "PosEncGPT2Block"),
     "FULL_STATE_DICT": (["--task", "clm", "--position_encoding", "t5"], "PosEncGPT2Block"),
 }
-MLM_RUN = (["--task", "mlm", "--position_encoding", "shaw"], "PosEncBertLayer")
+MLM_RUNS = {  # masked LMs under accelerate's FSDP2: the recipe's flags and the layer class accelerate wraps
+    "posenc_bert-shaw": (["--task", "mlm", "--position_encoding", "shaw"], "PosEncBertLayer"),
+    "retrofit_bert-t5": (["--task", "mlm", "--trust_remote_code"], "RetrofitBertLayer"),  # + --model_name_or_path
+}
+RECIPE_SIZE_FLAGS = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2"]
 RECIPE_FLAGS = [
-    "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--block_size", "16",
-    "--learning_rate", "3e-3", "--num_warmup_steps", "2", "--max_eval_blocks", "8", "--eval_steps", "6",
-    "--max_train_steps", "6",
+    "--block_size", "16", "--learning_rate", "3e-3", "--num_warmup_steps", "2", "--max_eval_blocks", "8",
+    "--eval_steps", "6", "--max_train_steps", "6",
 ]  # fmt: skip
 RECIPE_CHECKPOINT = 3
 
@@ -111,7 +115,8 @@ def shard_per_block(model: transformers.PreTrainedModel) -> None:
     beside the head that shares it: what accelerate does when ``fsdp_transformer_layer_cls_to_wrap`` names the layer
     class alone. accelerate 1.15 then also carves the input embedding, the head and the final norm into one more group
     (the recipe's test runs that); BERT's masked-LM head holds its decoder's bias a second time
-    (``cls.predictions.bias``), which that group splits (``test_accelerate_fsdp2_wraps_a_bert_masked_lm``)."""
+    (``cls.predictions.bias``), which that group would split: the recipe shards a masked LM as here
+    (``shard_masked_lm_for_fsdp2``)."""
     input_embeddings = model.get_input_embeddings()
     tied = input_embeddings.weight is model.get_output_embeddings().weight
     blocks = [
@@ -197,11 +202,8 @@ def fsdp2_recipe_accelerator(args, **kwargs):
     return accelerator
 
 
-def pretrain_under_fsdp2(state_dict_type: str, folder: Path) -> None:
-    """The recipe with checkpoints (``accelerator.save_state``), then resumed from the middle one; ``"mlm"``: the
-    masked LM, sharded checkpoints."""
-    flags, layer_class = MLM_RUN if state_dict_type == "mlm" else RECIPE_RUNS[state_dict_type]
-    state_dict_type = "SHARDED_STATE_DICT" if state_dict_type == "mlm" else state_dict_type
+def pretrain_under_fsdp2(flags: list[str], layer_class: str, state_dict_type: str, folder: Path) -> None:
+    """The recipe with checkpoints (``accelerator.save_state``), then resumed from the middle one."""
     os.environ.update(
         ACCELERATE_USE_FSDP="true",
         FSDP_VERSION="2",
@@ -210,7 +212,8 @@ def pretrain_under_fsdp2(state_dict_type: str, folder: Path) -> None:
         FSDP_STATE_DICT_TYPE=state_dict_type,
         FSDP_RESHARD_AFTER_FORWARD="true",
     )
-    common = [*RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "4"]
+    sizes = [] if "--model_name_or_path" in flags else RECIPE_SIZE_FLAGS  # a checkpoint fixes its sizes
+    common = [*sizes, *RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "4"]
     pretrain_recipe.main(
         [*common, "--checkpointing_steps", str(RECIPE_CHECKPOINT), "--output_dir", str(folder / "whole")]
     )
@@ -235,16 +238,39 @@ def run_worker(rank: int, port: int, root: Path) -> None:
     for name, case in RESUME_CASES.items():
         results["resume"][name] = resume_from_sharded_checkpoint(case, rank, root / "dcp" / name)
     pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
-    for state_dict_type in RECIPE_RUNS:
-        pretrain_under_fsdp2(state_dict_type, root / "recipe" / state_dict_type)
-    try:  # both ranks fail, if at all, in the first forward, before any collective
-        pretrain_under_fsdp2("mlm", root / "recipe" / "mlm")
-        results["mlm_error"] = None
-    except ValueError as error:
-        results["mlm_error"] = str(error)
+    for state_dict_type, (flags, layer_class) in RECIPE_RUNS.items():
+        pretrain_under_fsdp2(flags, layer_class, state_dict_type, root / "recipe" / state_dict_type)
     if rank == 0:
         torch.save(results, root / "results.pt")
     dist.destroy_process_group()
+
+
+def run_masked_lm_worker(rank: int, port: int, root: Path) -> None:
+    """One of the two processes: the recipe's masked LMs under accelerate's FSDP2, sharded checkpoints."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    os.environ.update(LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
+    for name, (flags, layer_class) in MLM_RUNS.items():
+        source = ["--model_name_or_path", str(root / "retrofitted")] if name.startswith("retrofit") else []
+        pretrain_under_fsdp2([*flags, *source], layer_class, "SHARDED_STATE_DICT", root / name)
+    dist.destroy_process_group()
+
+
+def retrofitted_bert_folder(folder: Path) -> None:
+    """A stock ``BertForMaskedLM`` switched to ``t5`` by ``hf_posenc.retrofit``, saved with the recipe's byte
+    tokenizer (and its mask token) for ``--model_name_or_path``."""
+    tokenizer = pretrain_recipe.load_tokenizer(None, "mlm")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    hf_posenc.retrofit(transformers.BertForMaskedLM(config), position_encoding="t5").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def free_port() -> int:
@@ -259,6 +285,15 @@ def sharded(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("fsdp2")
     mp.spawn(run_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
     return root, torch.load(root / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def sharded_masked_lm(tmp_path_factory) -> Path:
+    """The two processes of the masked-LM recipe runs, started once; their folder."""
+    root = tmp_path_factory.mktemp("fsdp2_mlm")
+    retrofitted_bert_folder(root / "retrofitted")
+    mp.spawn(run_masked_lm_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
+    return root
 
 
 def assert_same_weights(actual: dict, expected: dict, **tolerance) -> None:
@@ -341,7 +376,8 @@ def test_pretrain_recipe_saves_and_resumes_under_accelerate_fsdp2(sharded, state
     assert_same_weights(weights[1], weights[0], atol=0, rtol=0)
     flags = RECIPE_RUNS[state_dict_type][0]
     one = pretrain_recipe.main(  # one process on the global batch (2 x 4 blocks), no accelerate FSDP
-        [*RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "8", "--output_dir", str(folder / "one")]
+        [*RECIPE_SIZE_FLAGS, *RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "8"]
+        + ["--output_dir", str(folder / "one")]
     )
     ones = [json.loads(line)["loss"] for line in (folder / "one" / "train_log.jsonl").read_text().splitlines()]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in logs[0]]), torch.tensor(ones), atol=2e-4, rtol=0)
@@ -354,11 +390,34 @@ def test_pretrain_recipe_saves_and_resumes_under_accelerate_fsdp2(sharded, state
     assert_same_weights(saved, weights[0], atol=0, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="accelerate 1.15's fsdp2_prepare_model puts BERT's decoder (the head) in a group of its own while "
-    "cls.predictions.bias, the same parameter as the decoder's bias, stays with the root: FSDP2 (torch 2.13) refuses "
-    "the shared parameter at the first forward. Stock BertForMaskedLM fails the same way.",
-)
-def test_accelerate_fsdp2_wraps_a_bert_masked_lm(sharded):
-    assert sharded[1]["mlm_error"] is None, sharded[1]["mlm_error"]
+@pytest.mark.parametrize("name", list(MLM_RUNS))
+def test_pretrain_recipe_trains_and_resumes_a_masked_lm_under_accelerate_fsdp2(sharded_masked_lm, name):
+    """The recipe shards a masked LM itself (``shard_masked_lm_for_fsdp2``: the layers, then the root with the head,
+    its bias held twice and the tied embedding), which accelerate's FSDP2 preparation then takes as it is: it trains,
+    checkpoints with accelerate's sharded ``save_state`` and resumes to the same losses and weights."""
+    whole, resumed = sharded_masked_lm / name / "whole", sharded_masked_lm / name / "resumed"
+    checkpoint = whole / f"step_{RECIPE_CHECKPOINT}"
+    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (checkpoint / "optimizer_0" / ".metadata").is_file()
+    logs = [
+        [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()] for run in (whole, resumed)
+    ]
+    assert [r["step"] for r in logs[0]] == list(range(1, 7)) and [r["step"] for r in logs[1]] == [4, 5, 6]
+    assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]][RECIPE_CHECKPOINT:]
+    assert all(math.isfinite(r["loss"]) for r in logs[0])
+    weights = [load_file(run / "model.safetensors") for run in (whole, resumed)]
+    assert_same_weights(weights[1], weights[0], atol=0, rtol=0)
+    reloaded = transformers.AutoModelForMaskedLM.from_pretrained(whole, trust_remote_code=True)
+    start = (
+        transformers.AutoModelForMaskedLM.from_pretrained(sharded_masked_lm / "retrofitted", trust_remote_code=True)
+        if name.startswith("retrofit")
+        else None
+    )
+    saved = {key: tensor for key, tensor in reloaded.state_dict().items() if key in weights[0]}
+    assert_same_weights(saved, weights[0], atol=0, rtol=0)
+    head = reloaded.cls.predictions
+    assert head.decoder.bias is head.bias and head.decoder.weight is reloaded.get_input_embeddings().weight
+    if start is not None:  # the retrofitted model trained from its saved weights, and is still the retrofitted class
+        assert type(reloaded).__name__ == type(start).__name__ == "RetrofitBertForMaskedLM"
+        moved = reloaded.state_dict()["cls.predictions.transform.dense.weight"]
+        assert not torch.equal(moved, start.state_dict()["cls.predictions.transform.dense.weight"])

@@ -34,12 +34,13 @@ import tokenizers
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_posenc
 from hf_posenc.configuration_posenc import layout_name
+from hf_posenc.retrofit import retrofit_model_type
 
 from ..parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
 from .common import (
@@ -192,9 +193,11 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
     source = args.model_name_or_path or args.config_name
     if source is not None:
         config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-        if config.model_type != MODEL_TYPE_OF_TASK[args.task]:
+        retrofitted = config.model_type.startswith(retrofit_model_type(""))
+        if config.model_type != MODEL_TYPE_OF_TASK[args.task] and not retrofitted:
             raise ValueError(
-                f"a {config.model_type!r} config; --task {args.task} needs {MODEL_TYPE_OF_TASK[args.task]!r}."
+                f"a {config.model_type!r} config; --task {args.task} needs {MODEL_TYPE_OF_TASK[args.task]!r} or a "
+                "model saved by hf_posenc.retrofit."
             )
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
@@ -353,6 +356,35 @@ def evaluate_model(model, loader, accelerator: Accelerator, args, collator) -> d
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_accuracy": accuracy}
 
 
+def shard_masked_lm_for_fsdp2(accelerator: Accelerator, model: transformers.PreTrainedModel) -> None:
+    """Under accelerate's FSDP2, shard a masked LM before accelerate does: ``fully_shard`` on each module of the
+    classes the FSDP config names (``fsdp_transformer_layer_cls_to_wrap``; else the model's ``_no_split_modules``
+    that do not hold the input embedding), then on the model, with the config's resharding, offload and mixed
+    precision; accelerate then takes the sharded model as it is. Its own wrapping carves the output embedding (BERT's
+    ``cls.predictions.decoder``) into a group of its own, while the decoder's bias, held a second time by the head
+    (``cls.predictions.bias``), stays with the root, and torch 2.13's FSDP2 refuses a parameter two groups manage at
+    the first forward; here the head, its bias and the tied embedding are all in the root's group."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if accelerator.distributed_type != DistributedType.FSDP or not accelerator.is_fsdp2:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)  # resolves the class names now: accelerate cannot find them once sharded
+    input_embeddings = model.get_input_embeddings()
+    names = plugin.transformer_cls_names_to_wrap or model._no_split_modules
+    blocks = [
+        module
+        for module in model.modules()
+        if type(module).__name__ in names and not any(child is input_embeddings for child in module.modules())
+    ]
+    settings = dict(
+        offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=plugin.reshard_after_forward, **settings)
+    fully_shard(model, **settings)
+
+
 def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices only: embedding tables (tokens, positions, biases of schemes), norms and
     biases are not decayed, so no scheme's position parameters are pulled towards zero."""
@@ -425,6 +457,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     eval_loader = torch.utils.data.DataLoader(
         validation, args.per_device_eval_batch_size, generator=torch.Generator().manual_seed(args.seed)
     )
+    if args.task == "mlm":
+        shard_masked_lm_for_fsdp2(accelerator, model)
     optimizer = torch.optim.AdamW(
         optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
     )
