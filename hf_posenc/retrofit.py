@@ -55,6 +55,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
+from transformers.utils import logging
 
 from .attention_normalizers import AttentionNormalizer
 from .configuration_posenc import (
@@ -86,6 +87,8 @@ from .position_interface import (
 )
 from .rotary_encodings import ROPE_SCALING_OPTIONS, TRANSFORMERS_SCALING_KEYS
 
+
+logger = logging.get_logger(__name__)
 
 ATTENTION_INPUTS = "posenc_attention_inputs"
 POSITION_ENCODING = "posenc_position_encoding"
@@ -712,6 +715,13 @@ def retrofit(
         )
     if attention_normalizer is None:
         attention_normalizer = family.own_normalizer(config)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # Gemma 3's config keeps Gemma 2's field, but its attention passes no softcap: the stock model does not cap.
+        logger.warning(
+            f"retrofit(): this {config.model_type} model's attention does not apply its config's "
+            f"attn_logit_softcapping={config.attn_logit_softcapping}; set to None, as the model computes."
+        )
+        config.attn_logit_softcapping = None
     config.position_encoding = spec
     config.attention_normalizer = resolve_attention_normalizer(
         attention_normalizer, causal, config.num_attention_heads

@@ -517,6 +517,20 @@ FAMILY_CASES = {
         "LlamaConfig",
         dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
     ),
+    "llama-longrope": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=1e4,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                short_factor=[1.0, 1.5, 2.0, 3.0],
+                long_factor=[1.0, 2.0, 4.0, 8.0],
+            )
+        ),
+    ),
     "mistral-window": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=4)),
     "qwen2-window": (
         "Qwen2ForCausalLM",
@@ -570,7 +584,10 @@ FAMILY_CASES = {
         ),
     ),
 }
-EAGER_ONLY = {"gpt_oss"}  # Transformers refuses SDPA for stock gpt-oss (its sinks)
+EAGER_ONLY = {"gpt_oss"}
+# Past the original length Transformers' longrope takes the long factors for the whole batch once its longest row is
+# there (max(position_ids) + 1); hf_posenc per token, by its own position (cache = no cache): one row generates.
+BATCH_WIDE_SCALINGS = {"llama-longrope"}  # Transformers refuses SDPA for stock gpt-oss (its sinks)
 
 
 def stock_class(name: str) -> type:
@@ -621,9 +638,10 @@ def test_identity_retrofit_of_a_family_gives_the_stock_logits_and_tokens(case, a
             patched(**batch, position_ids=positions).logits[real], expected[real], atol=1e-5, rtol=0
         )
     kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    prompts = {name: value[:1] for name, value in batch.items()} if case in BATCH_WIDE_SCALINGS else batch
     for cache in (None, "static"):
-        tokens = stock.generate(**batch, cache_implementation=cache, **kwargs)
-        assert torch.equal(patched.generate(**batch, cache_implementation=cache, **kwargs), tokens), cache
+        tokens = stock.generate(**prompts, cache_implementation=cache, **kwargs)
+        assert torch.equal(patched.generate(**prompts, cache_implementation=cache, **kwargs), tokens), cache
     patched.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     reloaded.config._attn_implementation_internal = attn
@@ -632,6 +650,17 @@ def test_identity_retrofit_of_a_family_gives_the_stock_logits_and_tokens(case, a
         torch.testing.assert_close(
             reloaded(**batch, position_ids=positions).logits[real], expected[real], atol=1e-5, rtol=0
         )
+
+
+def test_identity_retrofit_of_gemma3_does_not_cap_as_its_attention_does_not():
+    """Gemma 3's config has ``attn_logit_softcapping`` but ``Gemma3Attention`` passes no softcap (Transformers
+    5.24): the retrofit sets it to None and gives the stock logits."""
+    stock = family_model("gemma3", attn_logit_softcapping=2.0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.attn_logit_softcapping is None
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_identity_retrofit_describes_each_family_in_the_spec_names():
