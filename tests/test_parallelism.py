@@ -13,7 +13,9 @@ families' own composition is not, so every model refuses it.
 from __future__ import annotations
 
 import os
+import re
 import socket
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -263,3 +265,29 @@ def test_tensor_parallel_step_equals_one_process(tensor_parallel, name):
         torch.testing.assert_close(
             result["grads"][key], grad, atol=1e-5, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}"
         )
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme", "sizes", "says"),
+    [
+        ("gpt2", "alibi", {"cp_size": 2}, "position_encoding 'alibi' refuses context parallelism"),
+        ("gpt2", "rope", {"cp_size": 2}, r"set its cp_size to 1\.$"),
+        ("bert", "rope", {"tp_size": 2}, r"set its tp_size to 1\.$"),
+        ("bert", "t5", {"tp_size": 2}, "position_encoding 't5' refuses tensor parallelism"),
+        ("gpt2", "rope", {"sp_size": 2}, "Ulysses does not wrap"),
+    ],
+)
+def test_pretrain_recipe_refuses_model_parallelism_before_any_work(family, scheme, sizes, says):
+    """The recipe trains data-parallel only: accelerate's ParallelismConfig with tensor, context or sequence
+    parallelism is refused by name, with the model's own refusals where it has some."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_posenc_cli.recipes import pretrain as pretrain_recipe
+
+    accelerator = types.SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
+    parallelism = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}[next(iter(sizes))]
+    with pytest.raises(ValueError, match=f"{parallelism} parallelism from accelerate's ParallelismConfig") as raised:
+        pretrain_recipe.refuse_model_parallelism(accelerator, make_model(family, scheme))
+    assert re.search(says, str(raised.value))
+    no_parallelism = types.SimpleNamespace(parallelism_config=None)
+    pretrain_recipe.refuse_model_parallelism(no_parallelism, make_model(family, scheme))

@@ -40,7 +40,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_posenc
 from hf_posenc.configuration_posenc import layout_name
-from hf_posenc.retrofit import retrofit_model_type
+from hf_posenc.retrofit import check_retrofit_parallelism, retrofit_model_type
 
 from ..parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
 from .common import (
@@ -356,6 +356,28 @@ def evaluate_model(model, loader, accelerator: Accelerator, args, collator) -> d
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_accuracy": accuracy}
 
 
+def refuse_model_parallelism(accelerator: Accelerator, model: transformers.PreTrainedModel) -> None:
+    """Raise ``ValueError`` before any work when accelerate's ``ParallelismConfig`` asks for tensor, context or
+    sequence parallelism: the recipe trains data-parallel only (DDP, FSDP2). It builds the model whole (tensor
+    parallelism needs one loaded with ``DistributedConfig(tp_size=...)``) and runs no ``maybe_context_parallel``
+    (context) nor Ulysses (sequence). The message adds the model's own refusals (``check_parallelism``)."""
+    config = accelerator.parallelism_config
+    if config is None:
+        return
+    asked = {"tensor": config.tp_enabled, "context": config.cp_enabled, "sequence": config.sp_enabled}
+    for parallelism in (name for name, enabled in asked.items() if enabled):
+        check = getattr(model, "check_parallelism", None) or partial(check_retrofit_parallelism, model)
+        try:
+            check(parallelism)
+            model_says = ""
+        except ValueError as error:
+            model_says = f" The model itself: {error}"
+        raise ValueError(
+            f"pretrain trains data-parallel only (DDP, FSDP2): {parallelism} parallelism from accelerate's "
+            f"ParallelismConfig is refused; set its {parallelism[0]}p_size to 1.{model_says}"
+        )
+
+
 def shard_masked_lm_for_fsdp2(accelerator: Accelerator, model: transformers.PreTrainedModel) -> None:
     """Under accelerate's FSDP2, shard a masked LM before accelerate does: ``fully_shard`` on each module of the
     classes the FSDP config names (``fsdp_transformer_layer_cls_to_wrap``; else the model's ``_no_split_modules``
@@ -457,6 +479,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     eval_loader = torch.utils.data.DataLoader(
         validation, args.per_device_eval_batch_size, generator=torch.Generator().manual_seed(args.seed)
     )
+    refuse_model_parallelism(accelerator, model)
     if args.task == "mlm":
         shard_masked_lm_for_fsdp2(accelerator, model)
     optimizer = torch.optim.AdamW(
