@@ -226,7 +226,7 @@ def runs_on(model: transformers.PreTrainedModel) -> str:
     config = model.config
     specs = config.position_encoding if isinstance(config.position_encoding, list) else [config.position_encoding]
     backends = {
-        hf_posenc.posenc_attention.choose_backend(
+        hf_posenc.attention_backends.choose_backend(
             "sdpa", spec, config.attention_normalizer, model.device, consecutive=True
         )
         for spec in specs

@@ -9,6 +9,7 @@ vocab 8192, dropout 0), shapes 8 x 2048 and 1 x 8192 (batch x tokens). Rows, per
   picks (``attn_implementation`` left at its default) and on each other backend requested; each row names the
   backends that actually ran (recorded from the model's own backend choice during the timed steps: a request the
   library routes elsewhere shows as ``flex_attention -> sdpa``);
+* with ``--routings new old``, each default row also on the routing before the routing table (:func:`routing`);
 * x-transformers' ``Encoder`` / ``Decoder`` with the same schemes where it has them (absolute, alibi, t5, rope),
   when ``x_transformers`` is importable (otherwise a printed note); flash attention except for its T5 bias, which
   x-transformers does not run with flash.
@@ -34,6 +35,7 @@ this file is one whole session on a lent GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import math
@@ -48,8 +50,9 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc import modeling_posenc_common
-from hf_posenc.posenc_attention import clear_flex_compile_cache
+from hf_posenc import attention_backends, modeling_posenc_common
+from hf_posenc.attention_backends import clear_flex_compile_cache
+from hf_posenc.position_interface import PositionEncoding
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())
@@ -63,6 +66,39 @@ X_TRANSFORMERS_SCHEMES = {
     "t5": {"rel_pos_bias": True},
     "rope": {"rotary_pos_emb": True},
 }
+
+
+ROUTINGS = ["new", "old"]
+OLD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+"""The kernel options of the routing before the per-pass split: 64 x 64 tiles and one stage for both passes."""
+
+
+def old_flex_preference(scheme_class, spec, facts) -> str | None:
+    """The routing before the routing table: on CUDA a scheme went to FlexAttention by default only for a
+    position-only ``score_mod`` whose table takes gradients where they spread (layer terms and fixed or inference-time
+    dense biases stayed on SDPA at every length); a normalizer SDPA cannot compute went there as now."""
+    trained_bias = scheme_class.score_mod is not PositionEncoding.score_mod and facts.position_bias_needs_grad
+    if trained_bias and facts.bias_spreads_gradients:
+        return "its position bias trains in the score_mod's backward (old routing)"
+    return None
+
+
+@contextlib.contextmanager
+def routing(name: str):
+    """``new``: the library as it is; ``old``: :func:`old_flex_preference` and :data:`OLD_KERNEL_OPTIONS` in its
+    place while the row is built and timed (kept here only, to time both side by side)."""
+    if name not in ROUTINGS:
+        raise ValueError(f"routing {name!r}; valid: {ROUTINGS}")
+    if name == "new":
+        yield
+        return
+    saved = attention_backends.flex_preference, attention_backends.FLEX_CUDA_KERNEL_OPTIONS
+    attention_backends.flex_preference = old_flex_preference
+    attention_backends.FLEX_CUDA_KERNEL_OPTIONS = OLD_KERNEL_OPTIONS
+    try:
+        yield
+    finally:
+        attention_backends.flex_preference, attention_backends.FLEX_CUDA_KERNEL_OPTIONS = saved
 
 
 @dataclass(frozen=True)
@@ -194,33 +230,34 @@ def measure(loss_of: Callable, ids: torch.Tensor, device: torch.device, warmup: 
 
 
 class BackendRecorder:
-    """Records the backends the PosEnc models choose (``modeling_posenc_common.choose_backend``) while active."""
+    """Records the backends the PosEnc models choose (``modeling_posenc_common.choose_route``) while active."""
 
     def __init__(self):
         self.seen: set[str] = set()
-        self.choose = modeling_posenc_common.choose_backend
+        self.choose = modeling_posenc_common.choose_route
 
-    def __call__(self, *args, **kwargs) -> str:
-        backend = self.choose(*args, **kwargs)
-        self.seen.add(backend)
-        return backend
+    def __call__(self, *args, **kwargs) -> attention_backends.Route:
+        route = self.choose(*args, **kwargs)
+        self.seen.add(route.backend)
+        return route
 
     def __enter__(self):
         self.seen.clear()
-        modeling_posenc_common.choose_backend = self
+        modeling_posenc_common.choose_route = self
         return self
 
     def __exit__(self, *exc):
-        modeling_posenc_common.choose_backend = self.choose
+        modeling_posenc_common.choose_route = self.choose
 
 
-def run_row(row: Row, build: Callable, ids, device, args) -> Row:
-    """Time one row from a fresh compile state; a PosEnc row's ``runs_on`` becomes the backends that ran."""
+def run_row(row: Row, build: Callable, ids, device, args, routing_name: str = "new") -> Row:
+    """Time one row from a fresh compile state (with ``routing_name``'s routing); a PosEnc row's ``runs_on`` becomes
+    the backends that ran."""
     model = None
     torch._dynamo.reset()
     clear_flex_compile_cache()
     try:
-        with BackendRecorder() as recorder:
+        with routing(routing_name), BackendRecorder() as recorder:
             model, loss_of = build()
             model.to(device).train()
             row.ms, row.peak_gib = measure(loss_of, ids, device, args.warmup, args.repeats)
@@ -247,6 +284,7 @@ class Plan:
     scheme: str = ""
     normalizer: str = "softmax"
     requested: str = "default"
+    routing: str = "new"
 
     @property
     def shape(self) -> str:
@@ -258,7 +296,8 @@ class Plan:
             return "stock"
         if self.kind == "x-transformers":
             return f"x-transformers {self.scheme}"
-        return self.scheme if self.normalizer == "softmax" else f"{self.scheme} + {self.normalizer}"
+        name = self.scheme if self.normalizer == "softmax" else f"{self.scheme} + {self.normalizer}"
+        return name if self.routing == "new" else f"{name} (old routing)"
 
     def row(self) -> Row:
         # x-transformers runs its T5 bias in its own einsum attention ("eager"), everything else on flash
@@ -300,6 +339,8 @@ def plans(args, shapes: list[tuple[int, int]], have_x: bool) -> list[Plan]:
                     continue
                 for requested in ["default", *args.backends]:
                     planned.append(Plan(family, batch, tokens, "posenc", scheme, normalizer, requested))
+                    if requested == "default" and "old" in args.routings:
+                        planned.append(Plan(family, batch, tokens, "posenc", scheme, normalizer, requested, "old"))
             if have_x:
                 xs = [s for s in X_TRANSFORMERS_SCHEMES if s in args.schemes]
                 planned += [Plan(family, batch, tokens, "x-transformers", s) for s in xs]
@@ -318,9 +359,10 @@ def compile_row(plan: Plan, size: Size, max_len: int, device: str) -> str:
     allow_many_recompiles()
     device = torch.device(device)
     try:
-        model, loss_of = plan.build(size, max_len)()
-        model.to(device).train()
-        measure(loss_of, plan.ids(size.vocab, device), device, warmup=1, repeats=0)
+        with routing(plan.routing):
+            model, loss_of = plan.build(size, max_len)()
+            model.to(device).train()
+            measure(loss_of, plan.ids(size.vocab, device), device, warmup=1, repeats=0)
     except Exception as error:
         return f"{plan.model} {plan.shape} {plan.requested}: {type(error).__name__}"
     return ""
@@ -361,8 +403,8 @@ def run_plans(planned: list[Plan], size: Size, max_len: int, device: torch.devic
             row.error = "not run: --time-budget spent"
             rows.append(row)
             continue
-        rows.append(run_row(row, plan.build(size, max_len), plan.ids(size.vocab, device), device, args))
-        if plan.kind == "posenc" and plan.requested == "default":
+        rows.append(run_row(row, plan.build(size, max_len), plan.ids(size.vocab, device), device, args, plan.routing))
+        if plan.kind == "posenc" and plan.requested == "default" and plan.routing == "new":
             default_backend[key] = row.runs_on
     return rows
 
@@ -385,6 +427,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
     parser.add_argument(
         "--backends", nargs="*", choices=BACKENDS, default=BACKENDS, help="explicit requests timed (none: --backends)"
+    )
+    parser.add_argument(
+        "--routings",
+        nargs="+",
+        choices=ROUTINGS,
+        default=["new"],
+        help="the default request's routing: new (the library's) and/or old (before the routing table: layer terms "
+        "and dense biases on SDPA, one 64x64 one-stage flex tile for both passes), each a row",
     )
     parser.add_argument("--no-x-transformers", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)

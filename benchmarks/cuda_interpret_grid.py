@@ -314,12 +314,12 @@ def run_task_on_gpu(task: tuple) -> list[tuple]:
     """The task's two cases on the GPU, as ``run_task``'s ``(name, status, stage, message, seconds)``."""
     import torch
 
-    from hf_posenc import posenc_attention
+    from hf_posenc import attention_backends
 
     results = []
     for name, train in zip(case_names(task), (True, False), strict=True):
         torch._dynamo.reset()
-        posenc_attention.clear_flex_compile_cache()  # each case's first call runs its static kernel, as a user's
+        attention_backends.clear_flex_compile_cache()  # each case's first call runs its static kernel, as a user's
         FLEX_CALLS.clear()
         start = time.time()
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,10 @@ from .options import (
     Option,
 )
 from .position_interface import BACKENDS, AttentionDims, AttentionInputs
+
+
+if TYPE_CHECKING:  # the kernel layer imports this module
+    from .attention_backends import ForwardFacts
 
 
 OUTPUT_GATES = ("elementwise", "headwise")
@@ -161,6 +165,29 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
         """The backends that can run the normalizer with these options: the gate needs the weights (eager)."""
         return ("eager",) if spec["toeplitz_gate"] else cls.backends
+
+    @classmethod
+    def backend_refusals(cls, spec: dict[str, Any], facts: ForwardFacts) -> dict[str, str]:
+        """The backends this normalizer refuses for a forward with ``facts`` (``attention_backends.ForwardFacts``),
+        each with the reason as a sentence: those its options do not run on (:meth:`supported_backends`: a weight
+        no SDPA kernel computes, the Toeplitz gate's read of the weights); SDPA's fused kernel with a logit soft-cap,
+        which it cannot apply to the scores it computes inside (the chunked composition of ``sdpa_in_query_chunks``
+        caps them), and with attention dropout when the values are split in parts (one call per part would draw a
+        dropout mask per part; eager shares one)."""
+        supported = cls.supported_backends(spec)
+        refusals = {}
+        for backend in BACKENDS:
+            if backend not in supported:
+                what = "its Toeplitz gate reads the weights" if spec["toeplitz_gate"] else "no such kernel computes it"
+                refusals[backend] = f"{cls.name} does not run on {backend} ({what})"
+        if "sdpa" not in refusals and facts.logit_softcapping is not None and not cls.sdpa_in_query_chunks:
+            refusals["sdpa"] = (
+                "attn_logit_softcapping caps the scores before the normalizer; SDPA's kernel computes its scores "
+                "inside and cannot cap them"
+            )
+        if "sdpa" not in refusals and facts.attention_dropout and cls.value_parts > 1:
+            refusals["sdpa"] = "one SDPA call per value part would draw a dropout mask per part (eager shares one)"
+        return refusals
 
     @classmethod
     def needs_lse_on_flex(cls, spec: dict[str, Any]) -> bool:

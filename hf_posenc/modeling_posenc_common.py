@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .attention_backends import build_attention_mask, build_dense_mask, choose_route, forward_facts
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
 from .configuration_posenc import (
     config_layer_types,
@@ -22,14 +23,7 @@ from .configuration_posenc import (
     training_length,
 )
 from .options import PARALLELISMS, RING_ATTENTION_ONLY
-from .posenc_attention import (
-    QueryKeyRMSNorm,
-    build_attention_mask,
-    build_dense_mask,
-    choose_backend,
-    flex_gradient_refusal,
-    position_bias_needs_grad,
-)
+from .posenc_attention import QueryKeyRMSNorm
 from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
 from .score_bias_encodings import refuse_old_t5_table
@@ -168,22 +162,18 @@ def prepare_attention(
     def kind_inputs(scheme: PositionEncoding, layer_type: str) -> AttentionInputs:
         keys = key_positions[layer_type]
         consecutive = default_positions and keys.shape[-1] == position_ids.shape[-1]
-        backend = choose_backend(
-            model.config._attn_implementation,
-            scheme.spec,
-            model.config.attention_normalizer,
-            inputs_embeds.device,
-            inputs_embeds.dtype,
+        facts = forward_facts(
+            scheme,
+            inputs_embeds,
+            key_length=keys.shape[-1],
+            given_mask=attention_mask,
             need_weights=output_attentions,
             attention_dropout=model.training and attention_dropout > 0,
-            query_length=inputs_embeds.shape[1],
-            given_mask=attention_mask,
-            head_dim=scheme.dims.head_dim,
-            position_bias_needs_grad=position_bias_needs_grad(scheme),
             consecutive=consecutive,
-            gradient_refusal=flex_gradient_refusal(scheme, consecutive),
             logit_softcapping=logit_softcapping,
         )
+        requested = model.config._attn_implementation
+        backend = choose_route(requested, scheme.spec, model.config.attention_normalizer, facts).backend
         tables = scheme.prepare(position_ids, keys, backend, consecutive=consecutive)
         score_bias = tables.pop("score_bias", None)
         # Nothing masked: a bidirectional layer needs no mask (the bias alone, shared by the batch, is added), nor

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +41,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .options import CatalogueEntry
 from .relative_tables import toeplitz
+
+
+if TYPE_CHECKING:  # the kernel layer imports this module
+    from .attention_backends import ForwardFacts
 
 
 BACKENDS = ("eager", "sdpa", "flex_attention")
@@ -456,6 +460,36 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         return False
 
     @classmethod
+    def backend_refusals(cls, spec: dict[str, Any], facts: ForwardFacts) -> dict[str, str]:
+        """The backends this scheme refuses for a forward with ``facts`` (``attention_backends.ForwardFacts``), each
+        with the reason as a sentence: those its options do not run on (:meth:`supported_backends`); FlexAttention
+        where its ``score_mod`` would train parameters read at a few addresses (``facts.position_bias_needs_grad``
+        without ``facts.bias_spreads_gradients``, :meth:`flex_spreads_gradients`) or where a value term needs the
+        default, consecutive positions its band is read on; SDPA where a value term would read weights SDPA
+        recomputes without its attention dropout. The kernels' own limits are the kernel layer's."""
+        refusals = {
+            backend: f"{cls.name} with these options does not run on {backend}"
+            for backend in BACKENDS
+            if backend not in cls.supported_backends(spec)
+        }
+        if "flex_attention" not in refusals and facts.position_bias_needs_grad and not facts.bias_spreads_gradients:
+            refusals["flex_attention"] = (
+                "training its score_mod with these positions would add one gradient per score onto a few addresses "
+                "(parameters read per head, not per distance or token); SDPA with a dense bias trains it"
+            )
+        value_term = cls.has_value_term(spec)
+        if "flex_attention" not in refusals and value_term and not facts.consecutive:
+            refusals["flex_attention"] = (
+                "the value term on FlexAttention needs the model's default positions and no cached key (given "
+                "position_ids or cached keys run SDPA)"
+            )
+        if "sdpa" not in refusals and value_term and facts.attention_dropout:
+            refusals["sdpa"] = (
+                "its value term reads the attention weights, which SDPA recomputes without its attention dropout"
+            )
+        return refusals
+
+    @classmethod
     def layer_term(cls, spec: dict[str, Any], dims: AttentionDims, layer_idx: int) -> LayerPositionTerm | None:
         """The per-layer module of a scheme that reads the content, or None."""
         return None
@@ -516,7 +550,7 @@ class PositionEncoding(CatalogueEntry, nn.Module):
         per-token or per-pair table computed outside the kernel). Triton adds a captured tensor's gradient with one
         atomic add per score: read at the head alone (a per-head scalar, a few bucket rows) those adds pile onto a
         few addresses, about 4 x 10^8 per layer at 8 x 2048 tokens and 12 heads, so the kernel layer trains such a
-        ``score_mod`` on SDPA with a dense bias instead (``posenc_attention.flex_gradient_refusal``)."""
+        ``score_mod`` on SDPA with a dense bias instead (:meth:`backend_refusals`)."""
         return True
 
     def transform_qkv(

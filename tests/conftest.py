@@ -14,7 +14,7 @@ import transformers
 from torch.nn.attention.flex_attention import flex_attention
 
 import hf_posenc
-from hf_posenc import posenc_attention
+from hf_posenc import attention_backends
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import CACHE_NAME
 
@@ -250,9 +250,9 @@ def uncompiled_flex(monkeypatch):
         calls.append(1)
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: flex)
+    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: flex)
     for scheme_class in POSITION_ENCODINGS.values():
         monkeypatch.setattr(scheme_class, "flex_compiles_on_cpu", True)
     return calls

@@ -22,16 +22,11 @@ from conftest import (
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
-from hf_posenc import posenc_attention, score_bias_encodings
+from hf_posenc import attention_backends, score_bias_encodings
+from hf_posenc.attention_backends import build_dense_mask, choose_backend, flex_attend, position_bias_needs_grad
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import layer_position_specs, resolve_attention_normalizer
-from hf_posenc.posenc_attention import (
-    build_dense_mask,
-    choose_backend,
-    flex_attend,
-    position_bias_needs_grad,
-    positional_attention,
-)
+from hf_posenc.posenc_attention import positional_attention
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
@@ -113,16 +108,18 @@ def test_cuda_rule_table_runs_each_combination_on_its_fastest_exact_backend():
 def test_a_value_term_runs_flex_on_consecutive_positions_with_softmax_only(caplog):
     """Shaw's value term on FlexAttention is read from a band of scores and the log-sum-exp: a flex request runs it on
     the model's default positions (no cached key) with softmax; other positions run SDPA, with the reason logged,
-    other normalizers eager. Without the value term Shaw runs flex on any positions. SDPA stays the default."""
+    other normalizers eager. Without the value term Shaw runs flex on any positions. On CUDA the default (SDPA
+    requested) runs it on flex too (a layer term's score_mod), on CPU SDPA."""
     shaw, without_value = spec("shaw"), {**spec("shaw"), "use_value": False}
-    posenc_attention._log_flex_refusal.cache_clear()
+    attention_backends._log.cache_clear()
     with caplog.at_level("INFO", logger="hf_posenc"):
         assert choose_backend("flex_attention", shaw, SOFTMAX, CUDA, consecutive=True) == "flex_attention"
         assert choose_backend("flex_attention", shaw, SOFTMAX, CUDA) == "sdpa"
     assert "the value term on FlexAttention needs the model's default positions" in caplog.text
     assert choose_backend("flex_attention", without_value, SOFTMAX, CUDA) == "flex_attention"
     assert choose_backend("flex_attention", shaw, L2, CUDA, consecutive=True) == "eager"
-    assert choose_backend("sdpa", shaw, SOFTMAX, CUDA, consecutive=True) == "sdpa"
+    assert choose_backend("sdpa", shaw, SOFTMAX, CUDA, consecutive=True) == "flex_attention"  # the CUDA default
+    assert choose_backend("sdpa", shaw, SOFTMAX, CPU, consecutive=True) == "sdpa"
 
 
 def test_cpu_keeps_sdpa_for_a_trainable_bias_and_eager_for_the_fused_normalizers():
@@ -151,7 +148,7 @@ def test_a_fixed_bias_or_no_score_bias_never_needs_grad(name):
 
 def test_flex_on_cpu_is_refused_below_head_dim_24_with_the_reason_logged(caplog):
     """Compiled CPU FlexAttention (torch 2.13) is wrong for head_dim 8 and 16 with 8 mod 16 keys (AVX2)."""
-    posenc_attention._log_flex_refusal.cache_clear()
+    attention_backends._log.cache_clear()
     t5 = spec("t5")
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="hf_posenc"):
         assert choose_backend("flex_attention", t5, SOFTMAX, CPU, head_dim=8) == "sdpa"
@@ -163,7 +160,7 @@ def test_flex_on_cpu_is_refused_below_head_dim_24_with_the_reason_logged(caplog)
 
 def test_flex_request_with_head_dim_8_on_cpu_gives_eager_numbers(family, caplog):
     """A PosEnc model with 4 heads of 8 and 8 tokens: the compiled CPU kernel gave NaN here; now SDPA runs it."""
-    posenc_attention._log_flex_refusal.cache_clear()
+    attention_backends._log.cache_clear()
     ids = random_ids(2, 8)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 6:] = 0
@@ -249,7 +246,7 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
     FlexAttention refuses gradients at its Python entry, which is bypassed here; the compiled operator underneath
     computes them."""
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_backends, "flex_refusal", lambda *args, **kwargs: [])
     monkeypatch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
     regions = []
 
@@ -259,8 +256,8 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
             flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
         )
 
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", functools.cache(compiled_for))
-    monkeypatch.setattr(posenc_attention, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", functools.cache(compiled_for))
+    monkeypatch.setattr(attention_backends, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
     # dynamo remembers the sizes it saw per function, whatever the backend: forget them, or a later CPU compile of
     # FlexAttention starts with symbolic sizes, which torch 2.13's CPU template cannot compile for some score_mods
     request.addfinalizer(torch._dynamo.reset)
@@ -290,7 +287,7 @@ def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
     """Ten lengths (more than torch's recompile limit of 8): compiled for the first, once more with symbolic sizes
     for the second, then reused; never the unfused path; every output equals eager. Before the compile cache
     (``dynamic=False``) every length compiled and the ninth ran unfused."""
-    posenc_attention.clear_flex_compile_cache()
+    attention_backends.clear_flex_compile_cache()
     flex, eager = wide_head_models("bert")
     compiles = []
     for length in (9, 14, 21, 30, 37, 45, 52, 64, 71, 80):
@@ -307,15 +304,15 @@ def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
     # The first two lengths compile FlexAttention and Transformers' compiled create_block_mask (masking_utils), fewer
     # when an earlier test already made their sizes symbolic (torch keeps that per function); later lengths nothing.
     assert sum(compiles[:2]) <= 4 and compiles[2:] == [0] * 8, compiles
-    assert posenc_attention._warn_unfused_flex.cache_info().currsize == 0
+    assert attention_backends._warn_unfused_flex.cache_info().currsize == 0
 
 
 def test_hitting_the_recompile_limit_warns_and_runs_the_unfused_path(caplog):
     """With the limit at 1, a third head width cannot compile (the first ran the region's static kernel, the second
     compiled its symbolic-size kernel, which a new head width compiles again): FlexAttention runs uncompiled, with a
     warning."""
-    posenc_attention.clear_flex_compile_cache()
-    posenc_attention._warn_unfused_flex.cache_clear()
+    attention_backends.clear_flex_compile_cache()
+    attention_backends._warn_unfused_flex.cache_clear()
     torch.manual_seed(0)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
         for head_dim in (32, 48, 64):
@@ -330,7 +327,7 @@ def test_hitting_the_recompile_limit_warns_and_runs_the_unfused_path(caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")
 def test_train_and_eval_alternating_on_cuda_never_end_on_the_unfused_path(caplog):
     """What Trainer does: training steps and evaluations alternate (grad mode on and off), lengths vary."""
-    posenc_attention._warn_unfused_flex.cache_clear()
+    attention_backends._warn_unfused_flex.cache_clear()
     config = make_config("bert", "t5", "l2", hidden_size=128, num_attention_heads=2, num_hidden_layers=2)
     model = transformers.AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa").cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -345,7 +342,7 @@ def test_train_and_eval_alternating_on_cuda_never_end_on_the_unfused_path(caplog
             with torch.no_grad():
                 assert torch.isfinite(model(ids, labels=ids).loss)
     assert "unfused path" not in caplog.text
-    assert posenc_attention._warn_unfused_flex.cache_info().currsize == 0
+    assert attention_backends._warn_unfused_flex.cache_info().currsize == 0
 
 
 def test_unknown_backend_raises():

@@ -19,10 +19,11 @@ from transformers.models.diffllama.configuration_diffllama import DiffLlamaConfi
 from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, lambda_init_fn
 
 import hf_posenc
-from hf_posenc import posenc_attention, relative_tables
+from hf_posenc import attention_backends, relative_tables
+from hf_posenc.attention_backends import build_dense_mask, choose_backend
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
-from hf_posenc.posenc_attention import build_dense_mask, choose_backend, positional_attention
+from hf_posenc.posenc_attention import positional_attention
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 
@@ -463,9 +464,9 @@ def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeyp
         calls.append(kwargs.get("return_aux"))
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
     ids = random_ids(3, 8)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 5:] = 0
@@ -640,7 +641,7 @@ def test_lse_only_passes_take_a_narrow_zero_value_and_shared_passes_one_call(nam
 def test_fused_flex_path_with_a_t5_bias_and_a_causal_padded_mask_has_eager_gradients(name, monkeypatch):
     """Through ``positional_attention`` with a causal, left-padded mask: the bias table's gradient reaches it through
     the scheme's score_mod in every pass of the normalizer."""
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: differentiable_flex)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: differentiable_flex)
     torch.manual_seed(0)
     dims = AttentionDims(hidden_size=32, num_heads=2, head_dim=16, max_positions=16, causal=True)
     spec = resolve_attention_normalizer(spec_of(name))

@@ -17,7 +17,7 @@ from test_remote_code import LOAD_WITHOUT_HF_POSENC
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.qwen3 import modeling_qwen3
 
-from hf_posenc import posenc_attention
+from hf_posenc import attention_backends
 
 
 HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the conftest models
@@ -137,7 +137,7 @@ def test_sdpa_refuses_a_soft_cap_with_its_reason_and_the_model_runs_eager(caplog
     attention_mask = torch.ones_like(ids)
     attention_mask[1, :3] = 0
     outputs = {}
-    posenc_attention._log_softcapping_off_sdpa.cache_clear()  # logged once per process
+    attention_backends._log.cache_clear()  # logged once per process
     with caplog.at_level(logging.INFO, logger="hf_posenc"):
         for attn in ("eager", "sdpa"):
             model = make_model("gpt2", "t5", attn=attn, attn_logit_softcapping=1.0)
@@ -163,10 +163,10 @@ def test_the_backend_choice_of_a_soft_cap(device, requested, normalizer, expecte
     normalizer_spec = make_config("gpt2", attention_normalizer=normalizer).attention_normalizer
     scheme_spec = make_config("gpt2", "t5").position_encoding
     with torch.no_grad():
-        chosen = posenc_attention.choose_backend(
+        chosen = attention_backends.choose_backend(
             requested, scheme_spec, normalizer_spec, torch.device(device), head_dim=32, logit_softcapping=1.0
         )
-        uncapped = posenc_attention.choose_backend(
+        uncapped = attention_backends.choose_backend(
             requested, scheme_spec, normalizer_spec, torch.device(device), head_dim=32
         )
     assert chosen == expected
@@ -247,13 +247,13 @@ def test_compiled_flex_attention_caps_and_normalises_like_eager(family):
     ids = random_ids(2, 12)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 9:] = 0
-    posenc_attention.clear_flex_compile_cache()
+    attention_backends.clear_flex_compile_cache()
     outputs, regions = {}, []
     for attn in ("eager", "flex_attention"):
         model = make_model(family, "t5", attn=attn, **options)
         with torch.no_grad():
             outputs[attn] = model(ids, attention_mask=attention_mask).logits
-        regions = [name for _, name in posenc_attention._FIRST_SHAPES]
+        regions = [name for _, name in attention_backends._FIRST_SHAPES]
     assert regions == ["t5+softmax+softcap"]
     visible = attention_mask.bool()
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)

@@ -6,6 +6,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from hf_posenc import attention_backends
+from hf_posenc.attention_backends import ForwardFacts, choose_route
+from hf_posenc.configuration_posenc import resolve_attention_normalizer
+from hf_posenc.position_encodings import POSITION_ENCODINGS
+
 
 def load_benchmark(monkeypatch):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
@@ -52,3 +60,51 @@ def test_bench_gpu_compiles_rows_in_worker_processes_and_lists_rows_past_the_tim
         ("stock", None, "not run: --time-budget spent"),
         ("alibi", None, "not run: --time-budget spent"),
     ]
+
+
+def test_the_old_routing_is_selectable_row_by_row_and_restored(monkeypatch):
+    """``--routings new old``: each default row also runs on the routing before the routing table (layer terms and
+    dense biases on SDPA on CUDA, the single 64 x 64 one-stage tile); the library's routing is back afterwards."""
+    bench = load_benchmark(monkeypatch)
+    args = bench.argparse.Namespace(
+        families=["gpt2"], schemes=["shaw"], normalizers=["softmax"], backends=[], routings=["new", "old"]
+    )
+    planned = bench.plans(args, [(8, 2048)], have_x=False)
+    assert [(plan.model, plan.requested) for plan in planned] == [
+        ("stock", "default"),
+        ("shaw", "default"),
+        ("shaw (old routing)", "default"),
+    ]
+    facts = ForwardFacts(torch.device("cuda"), torch.bfloat16, 64, 2048, num_heads=12, consecutive=True)
+    shaw = {"type": "shaw", **{key: option.default for key, option in POSITION_ENCODINGS["shaw"].options.items()}}
+    softmax = resolve_attention_normalizer("softmax")
+    with bench.routing("old"):
+        assert choose_route("sdpa", shaw, softmax, facts).backend == "sdpa"
+        assert attention_backends.FLEX_CUDA_KERNEL_OPTIONS == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+    assert choose_route("sdpa", shaw, softmax, facts).backend == "flex_attention"
+    assert "bwd_num_stages" in attention_backends.FLEX_CUDA_KERNEL_OPTIONS
+    with pytest.raises(ValueError, match="routing 'older'; valid: \\['new', 'old'\\]"), bench.routing("older"):
+        pass
+
+
+def load_sweep(monkeypatch):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_kernel_options.py"
+    spec = importlib.util.spec_from_file_location("flex_kernel_options", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "flex_kernel_options", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernel_option_sweep_lists_its_sets_and_dry_runs_on_cpu(monkeypatch, capsys):
+    """6-8 option sets, the library's and the previous one among them, every name a FlexKernelOptions name (checked
+    with the fwd_/bwd_ prefixes), the per-distance score_mod equal to eager attention with the table added."""
+    sweep = load_sweep(monkeypatch)
+    sweep.main(["--list"])
+    listed = capsys.readouterr().out.splitlines()
+    assert 6 <= len(listed) <= 8 and listed[0].startswith("library: ")
+    assert any(line.startswith("previous (64x64, 1 stage, both passes): ") for line in listed)
+    sweep.main(["--dry-run"])
+    assert "dry run: option names valid" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="kernel option 'fwd_BLOCK_Q' is not a FlexKernelOptions name"):
+        sweep.check_option_names({"fwd_BLOCK_Q": 64})

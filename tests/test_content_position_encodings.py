@@ -31,12 +31,13 @@ from transformers import DebertaV2Config
 from transformers.models.deberta_v2 import modeling_deberta_v2
 
 import hf_posenc
-from hf_posenc import posenc_attention, relative_tables
+from hf_posenc import attention_backends, posenc_attention, relative_tables
+from hf_posenc.attention_backends import build_dense_mask
 from hf_posenc.attention_normalizers import Softmax
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import DeBERTaBuckets, deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
-from hf_posenc.posenc_attention import build_dense_mask, positional_attention, value_rows_term
+from hf_posenc.posenc_attention import positional_attention, value_rows_term
 from hf_posenc.position_interface import ValueRows
 from hf_posenc.score_bias_encodings import t5_relative_bucket
 
@@ -503,9 +504,9 @@ def uncompiled_flex_models(monkeypatch, family: str, calls: list, spec="tupe"):
         calls.append(kwargs["score_mod"])
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_attention, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(posenc_attention, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(posenc_attention, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
+    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
     name = spec if isinstance(spec, str) else spec["type"]
     monkeypatch.setattr(hf_posenc.POSITION_ENCODINGS[name], "flex_compiles_on_cpu", True)
     return make_model(family, spec, attn="eager"), make_model(family, spec, attn="flex_attention")
@@ -663,7 +664,7 @@ def test_left_tail_block_mask_drops_only_the_tiles_with_no_tail_pair(padded, rea
 def test_a_decoder_refuses_a_given_block_mask_with_a_value_term_on_flex(monkeypatch):
     """A decoder's value term on FlexAttention takes the mask to be causal; a BlockMask the user passes is used as
     given, so it is refused with the alternatives named, not trusted."""
-    monkeypatch.setattr(posenc_attention, "flex_refusal", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_backends, "flex_refusal", lambda *args, **kwargs: [])
     model = make_model("gpt2", {"type": "shaw", "max_distance": 2}, attn="flex_attention")
     ids = random_ids(1, 8)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, 8, 8, device="cpu")
@@ -718,16 +719,18 @@ def test_tupe_flex_features_and_score_mod_equal_the_dense_bias_values_and_grads(
 def test_tupe_flex_request_on_cpu_runs_sdpa_with_the_reason(caplog):
     """Compiled CPU FlexAttention cannot compile tupe's score_mod at a second length (torch 2.13): SDPA, logged; CUDA
     keeps flex."""
-    posenc_attention._log_flex_refusal.cache_clear()
+    attention_backends._log.cache_clear()
     spec = make_config("bert", "tupe").position_encoding
     softmax = resolve_attention_normalizer("softmax")
     with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
         assert (
-            posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+            attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
             == "sdpa"
         )
         cuda = torch.device("cuda")
-        assert posenc_attention.choose_backend("flex_attention", spec, softmax, cuda, head_dim=32) == "flex_attention"
+        assert (
+            attention_backends.choose_backend("flex_attention", spec, softmax, cuda, head_dim=32) == "flex_attention"
+        )
     assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
 
 
@@ -737,11 +740,11 @@ def test_content_row_tables_get_the_cuda_kernel_options_for_tables_that_need_gra
     without gradients torch's defaults."""
     _, encoding, attention = scheme_and_term("bert", {"type": "shaw", "use_value": False, "table": "sinusoidal"})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    options = {"kernel_options": posenc_attention.FLEX_CUDA_KERNEL_OPTIONS}
-    assert posenc_attention.flex_kernel_options(cuda, encoding, attention.position_term) == options
-    assert posenc_attention.flex_kernel_options(cpu, encoding, attention.position_term) == {}
+    options = {"kernel_options": attention_backends.FLEX_CUDA_KERNEL_OPTIONS}
+    assert attention_backends.flex_kernel_options(cuda, encoding, attention.position_term) == options
+    assert attention_backends.flex_kernel_options(cpu, encoding, attention.position_term) == {}
     with torch.no_grad():
-        assert posenc_attention.flex_kernel_options(cuda, encoding, attention.position_term) == {}
+        assert attention_backends.flex_kernel_options(cuda, encoding, attention.position_term) == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward runs on CUDA only (torch 2.13)")

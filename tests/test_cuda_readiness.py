@@ -26,7 +26,7 @@ from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from hf_posenc import modeling_posenc_common, posenc_attention, position_interface
+from hf_posenc import attention_backends, modeling_posenc_common, posenc_attention, position_interface
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -78,16 +78,16 @@ def capture_cuda_flex_calls(
     tables compile on Triton), and every call runs FlexAttention uncompiled on CPU. One call per region and pass:
     ``(query, key, value, kwargs)``."""
     calls = {}
-    choose = posenc_attention.choose_backend
+    choose = attention_backends.choose_route
 
-    def choose_on_cuda(requested, position_encoding, attention_normalizer, device, *args, **kwargs):
-        return choose(requested, position_encoding, attention_normalizer, CUDA, *args, **kwargs)
+    def choose_on_cuda(requested, position_encoding, attention_normalizer, facts):
+        return choose(requested, position_encoding, attention_normalizer, dataclasses.replace(facts, device=CUDA))
 
     def record(query, key, value, *, region, pass_name="", **kwargs):
         calls.setdefault(f"{region}/{pass_name}", (query, key, value, kwargs))
         return flex_attention(query, key, value, **kwargs)
 
-    monkeypatch.setattr(modeling_posenc_common, "choose_backend", choose_on_cuda)
+    monkeypatch.setattr(modeling_posenc_common, "choose_route", choose_on_cuda)
     monkeypatch.setattr(position_interface, "flex_compiles_length_sized_tables", lambda device: True)
     monkeypatch.setattr(posenc_attention, "flex_attend", record)
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # CPU flex refuses gradients
@@ -266,16 +266,16 @@ def test_cuda_never_sends_heads_narrower_than_triton_takes_to_flex(request_backe
                     causal = "encoder" not in POSITION_ENCODINGS[scheme].families
                     encoding = resolve_position_encoding(scheme, 64, causal, 64)
                     normalizer_spec = resolve_attention_normalizer(normalizer)
-                    choice = posenc_attention.choose_backend(
+                    choice = attention_backends.choose_backend(
                         request_backend, encoding, normalizer_spec, CUDA, head_dim=head_dim, consecutive=True
                     )
                     assert choice != "flex_attention", (scheme, normalizer, training)
-    wide = posenc_attention.choose_backend(
+    wide = attention_backends.choose_backend(
         "flex_attention",
         resolve_position_encoding("t5", 64, False, 64),
         resolve_attention_normalizer("l2"),
         CUDA,
-        head_dim=posenc_attention.FLEX_CUDA_MIN_HEAD_DIM,
+        head_dim=attention_backends.FLEX_CUDA_MIN_HEAD_DIM,
     )
     assert wide == "flex_attention"
 
@@ -286,37 +286,38 @@ def test_cuda_never_sends_heads_narrower_than_triton_takes_to_flex(request_backe
         ("t5", True, "flex_attention"),  # per-distance table
         ("t5", False, "sdpa"),  # bucket table read per pair at the head: SDPA's dense bias
         ("kerple", False, "sdpa"),
-        ("fire", True, "sdpa"),  # reads c, L and its pieces per pair whatever the positions
+        ("fire", True, "flex_attention"),  # spread tables: per distance, per position, per query
+        ("fire", False, "sdpa"),  # reads c, L and its pieces per pair at the head
     ],
 )
 def test_cuda_trains_a_score_mod_on_flex_only_where_it_spreads_its_gradients(scheme, consecutive, expected):
     causal = scheme == "kerple"
     model = make_model("gpt2" if causal else "bert", scheme).train()
     encoding = model.base_model.position_encoding
-    refusal = posenc_attention.flex_gradient_refusal(encoding, consecutive)
-    choice = posenc_attention.choose_backend(
-        "sdpa",
-        encoding.spec,
-        resolve_attention_normalizer("softmax"),
-        CUDA,
-        head_dim=16,
-        position_bias_needs_grad=posenc_attention.position_bias_needs_grad(encoding),
-        consecutive=consecutive,
-        gradient_refusal=refusal,
+    ids = random_ids(2, 16)
+    facts = attention_backends.forward_facts(
+        encoding, model.get_input_embeddings()(ids), 16, None, False, False, consecutive, None
     )
-    assert choice == expected
+    facts = dataclasses.replace(facts, device=CUDA)
+    route = attention_backends.choose_route("sdpa", encoding.spec, resolve_attention_normalizer("softmax"), facts)
+    assert route.backend == expected
+    if expected == "sdpa":
+        assert "one gradient per score onto a few addresses" in route.refusals["flex_attention"][0]
     with torch.no_grad():  # inference reads the parameters per pair freely: no gradient
-        assert posenc_attention.flex_gradient_refusal(encoding, consecutive) is None
+        facts = attention_backends.forward_facts(
+            encoding, model.get_input_embeddings()(ids), 16, None, False, False, consecutive, None
+        )
+        assert not facts.position_bias_needs_grad
 
 
 def test_attention_dropout_on_cuda_warns_once_naming_the_slower_backend_and_the_fix(caplog):
     """BERT's and GPT-2's default attention dropout (0.1) keeps FlexAttention out of CUDA training: the normalizers
     then run eager, the learned biases SDPA with a dense bias. One WARNING says so."""
-    posenc_attention._warn_attention_dropout.cache_clear()
+    attention_backends._log.cache_clear()
     encoding = resolve_position_encoding("t5", 64, False, 64)
     with caplog.at_level(logging.WARNING, logger="hf_posenc"):
         for _ in range(3):
-            choice = posenc_attention.choose_backend(
+            choice = attention_backends.choose_backend(
                 "sdpa", encoding, resolve_attention_normalizer("l2"), CUDA, head_dim=64, attention_dropout=True
             )
             assert choice == "eager"
@@ -325,7 +326,7 @@ def test_attention_dropout_on_cuda_warns_once_naming_the_slower_backend_and_the_
     assert "eager" in warnings[0] and "attention_probs_dropout_prob=0" in warnings[0] and "attn_pdrop=0" in warnings[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_posenc"):  # CPU never runs flex in training: nothing to say
-        posenc_attention.choose_backend(
+        attention_backends.choose_backend(
             "sdpa",
             encoding,
             resolve_attention_normalizer("l2"),
@@ -340,7 +341,7 @@ def test_each_region_compiles_static_first_whatever_other_regions_saw(monkeypatc
     """Dynamo keeps automatic dynamic shapes per code object, not per region: once one region saw two lengths, a new
     region compiled with ``dynamic=None`` starts symbolic. A region's first shapes compile static here; its second
     length compiles symbolic sizes, which its third length reuses."""
-    posenc_attention.clear_flex_compile_cache()
+    attention_backends.clear_flex_compile_cache()
     torch._dynamo.reset()
     compiled = []  # symbolic sizes?, per compilation
 
@@ -362,7 +363,7 @@ def test_each_region_compiles_static_first_whatever_other_regions_saw(monkeypatc
                 q = torch.randn(1, 2, length, 16)
                 posenc_attention.flex_attend(q, q, q, region=region)
     torch._dynamo.reset()
-    posenc_attention.clear_flex_compile_cache()
+    attention_backends.clear_flex_compile_cache()
     assert compiled == [False, True, False, True]
 
 

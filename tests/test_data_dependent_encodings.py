@@ -13,7 +13,7 @@ from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
-from hf_posenc import posenc_attention
+from hf_posenc import attention_backends
 from hf_posenc.data_dependent_encodings import HouseholderTerm, path_householder_term
 
 
@@ -82,8 +82,8 @@ def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):
     config = make_config("gpt2", "fox")
     spec, softmax = config.position_encoding, config.attention_normalizer
     with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
-        cpu = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
-        cuda = posenc_attention.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
+        cpu = attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cpu"), head_dim=32)
+        cuda = attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
     assert (cpu, cuda) == ("sdpa", "flex_attention")
     assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
 

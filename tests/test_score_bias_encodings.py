@@ -20,8 +20,8 @@ from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hf_posenc.modeling_posenc_common as common
+from hf_posenc.attention_backends import choose_backend
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
-from hf_posenc.posenc_attention import choose_backend
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import AttentionDims
 from hf_posenc.score_bias_encodings import (
