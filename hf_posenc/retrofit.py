@@ -788,6 +788,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     ``config.use_qk_norm``; return the modules it added. Also what the saved ``modeling_retrofit.py`` calls after
     building the stock model."""
     config, base = model.config, model.base_model
+    if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: refused before any module changes
+        check_retrofit_parallelism(model, "tensor")
     causal = family.causal(config)
     reference = base.get_input_embeddings().weight
     new_modules = [build_position_encoding(config, causal).to(reference.device, reference.dtype)]
@@ -831,9 +833,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
     model.create_masks_for_generate = keep_attention_mask_for_generate
-    # a model loaded tensor-parallel, or one that will be (Transformers resolves its plans after building it)
-    if (getattr(model, "_tp_size", None) or 1) > 1:
-        check_retrofit_parallelism(model, "tensor")
+    # one that will be loaded tensor-parallel (Transformers resolves its plans after building it)
     model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type

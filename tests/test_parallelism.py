@@ -175,7 +175,7 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
 
 def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
     """Llama's stock plan shards the heads; ALiBi's slopes are built for every head, so the retrofitted model is
-    refused when its plans are resolved, and at once when it is already sharded."""
+    refused when its plans are resolved, and at once, before any module changes, when it is already sharded."""
     model = hf_posenc.retrofit(tiny_llama(), position_encoding="alibi")
     with pytest.raises(ValueError, match="LlamaForCausalLM cannot train under tensor parallelism: position_encoding"):
         model._resolve_parallel_plans(DistributedConfig(tp_size=2))
@@ -183,6 +183,7 @@ def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
     sharded._tp_size = 2
     with pytest.raises(ValueError, match="'alibi' refuses tensor parallelism"):
         hf_posenc.retrofit(sharded, position_encoding="alibi")
+    assert type(sharded.model.layers[0].self_attn) is transformers.models.llama.modeling_llama.LlamaAttention
     rope = hf_posenc.retrofit(tiny_llama(), position_encoding="rope")
     assert "model.layers.0.self_attn.q_proj" in rope._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
 
