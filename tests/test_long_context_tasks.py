@@ -242,6 +242,26 @@ def test_passkey_rows_give_each_depth_and_their_mean():
     assert row["accuracy"] == {"1x": 1.0, "2x": 1.0}
 
 
+def test_passkey_summary_table_and_plot_over_seeds_with_a_length_a_model_cannot_run(tmp_path):
+    """Two seeds of one scheme: the mean ± sample standard deviation at each depth and length; a length the model
+    refuses is n/a in the table and left blank in the depth map."""
+    rows = [
+        {"by_depth": {"1x": {"0.0": 1.0, "1.0": 0.5}, "2x": "Position 127 is outside"}, "accuracy": {"1x": 0.75,
+         "2x": "Position 127 is outside"}},
+        {"by_depth": {"1x": {"0.0": 0.5, "1.0": 0.5}, "2x": "Position 127 is outside"}, "accuracy": {"1x": 0.5,
+         "2x": "Position 127 is outside"}},
+    ]  # fmt: skip
+    summary = long_context.accuracy_summary(rows, (1, 2), [0.0, 1.0])
+    assert summary["accuracy"]["1x"]["mean"] == 0.625 and summary["accuracy"]["2x"] == "Position 127 is outside"
+    assert summary["by_depth"]["1x"]["0.0"]["std"] == pytest.approx(math.sqrt(0.125))
+    entry = {"label": "learned + softmax", **summary}
+    table = long_context.depth_table([entry], (1, 2), [0.0, 1.0], "label")
+    assert "| learned + softmax | 0 | 0.750 ± 0.354 | n/a |" in table
+    assert "| learned + softmax | 1 | 0.500 ± 0.000 | n/a |" in table
+    long_context.plot_tasks([entry], (1, 2), [0.0, 1.0], tmp_path / "passkey.png", "passkey", curves=False)
+    assert (tmp_path / "passkey.png").stat().st_size > 5_000
+
+
 # --- loss by position ---
 
 

@@ -279,7 +279,7 @@ def accuracy_table(
 
 def depth_table(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float], first: str) -> str:
     """Passkey's accuracy at each depth (rows) and length (columns), for each entry (named by its ``first`` key)."""
-    header = [first, "depth", *[f"{f}x" for f in factors]]
+    header = ["model", "depth", *[f"{f}x" for f in factors]]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * len(factors)]
     for entry in entries:
         for depth in depths:
@@ -304,7 +304,7 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
     passkey = "by_depth" in entries[0]
     columns = max(2 if curves else 1, len(entries) if passkey else 1)
     figure, axes = plt.subplots(2 if passkey else 1, columns, figsize=(5.5 * columns, 4.2 * (2 if passkey else 1)),
-                                squeeze=False)  # fmt: skip
+                                squeeze=False, layout="constrained")  # fmt: skip
     accuracy = axes[0][1] if curves else axes[0][0]
     for entry in entries:
         points = [(f, entry["accuracy"][f"{f}x"]) for f in factors]
@@ -334,7 +334,8 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
         for axis, entry in zip(axes[1], entries, strict=False):
             cells = [entry["by_depth"][f"{f}x"] for f in factors]
             grid = [
-                [cell[str(d)]["mean"] if isinstance(cell, dict) else float("nan") for cell in cells] for d in depths
+                [cell[str(d)]["mean"] if isinstance(cell[str(d)], dict) else float("nan") for cell in cells]
+                for d in depths
             ]
             image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             axis.set_xticks(range(len(factors)), [f"{f}x" for f in factors])
@@ -343,8 +344,6 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
             axis.set_ylabel("depth of the needle")
             axis.set_title(entry["label"], fontsize=9)
         figure.colorbar(image, ax=list(axes[1][: len(entries)]), label="accuracy")
-    if not passkey:
-        figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
