@@ -1,7 +1,7 @@
 """The libraries users pair with Transformers, run for real on tiny models, offline: sentence-transformers (encode,
-train, save, reload) over a saved PosEnc BERT and a saved retrofitted stock BERT, and TRL's ``SFTTrainer`` with and
-without a PEFT LoRA config on a PosEnc and a retrofitted GPT-2. Tokens are bytes (``ByT5Tokenizer``, built without
-files, as the pretraining recipes do)."""
+train, save, reload) over a saved PosEnc BERT and saved retrofitted stock BERT and ModernBERT, and TRL's
+``SFTTrainer`` with and without a PEFT LoRA config on a PosEnc and a retrofitted GPT-2 and a retrofitted Qwen3.
+Tokens are bytes (``ByT5Tokenizer``, built without files, as the pretraining recipes do)."""
 
 from __future__ import annotations
 
