@@ -338,9 +338,9 @@ def plans(args, shapes: list[tuple[int, int]], have_x: bool) -> list[Plan]:
                 if side not in set(families) & set(normalizer_families):
                     continue
                 for requested in ["default", *args.backends]:
-                    planned.append(Plan(family, batch, tokens, "posenc", scheme, normalizer, requested))
-                    if requested == "default" and "old" in args.routings:
-                        planned.append(Plan(family, batch, tokens, "posenc", scheme, normalizer, requested, "old"))
+                    for routing_name in args.routings if requested == "default" else ["new"]:
+                        plan = Plan(family, batch, tokens, "posenc", scheme, normalizer, requested, routing_name)
+                        planned.append(plan)
             if have_x:
                 xs = [s for s in X_TRANSFORMERS_SCHEMES if s in args.schemes]
                 planned += [Plan(family, batch, tokens, "x-transformers", s) for s in xs]
@@ -433,8 +433,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         nargs="+",
         choices=ROUTINGS,
         default=["new"],
-        help="the default request's routing: new (the library's) and/or old (before the routing table: layer terms "
-        "and dense biases on SDPA, one 64x64 one-stage flex tile for both passes), each a row",
+        help="the default request's routings, a row each: new (the library's) and/or old (before the routing table: "
+        "layer terms and dense biases on SDPA, one 64x64 one-stage flex tile for both passes)",
     )
     parser.add_argument("--no-x-transformers", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "inductor's on-disk caches (the rows' kernels are compiled in parallel; the timing stays one row at a time)",
     )
     parser.add_argument("--compile-only", action="store_true", help="with --compile-jobs: compile, time nothing")
+    parser.add_argument("--list-rows", action="store_true", help="print the planned rows and stop")
     parser.add_argument(
         "--time-budget",
         type=float,
@@ -463,6 +464,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     max_len = max(tokens for _, tokens in shapes)
     allow_many_recompiles()
     have_x = importlib.util.find_spec("x_transformers") is not None and not args.no_x_transformers
+    if args.list_rows:
+        for plan in plans(args, shapes, have_x):
+            print(f"{plan.family} {plan.shape} {plan.model} {plan.requested}")
+        return []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
         f"{device_name}; torch {torch.__version__}, transformers {transformers.__version__}; bf16 autocast, forward + "

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float | None, str]]:
     parser.add_argument("--sets", nargs="+", choices=list(OPTION_SETS), default=list(OPTION_SETS))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compile-jobs", type=int, default=0, help="compile each set first in this many processes")
+    parser.add_argument("--compile-only", action="store_true", help="with --compile-jobs: compile, time nothing")
     parser.add_argument("--output", help="also write the markdown table here")
     args = parser.parse_args(argv)
     if args.list:
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float | None, str]]:
         with context.Pool(args.compile_jobs, maxtasksperchild=1) as pool:
             pool.map(partial(time_set, shape=(batch, tokens), repeats=0, device="cuda"), args.sets)
         print(f"compile: {len(args.sets)} sets in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.compile_only:
+        return []
     rows = [time_set(name, (batch, tokens), args.repeats, "cuda") for name in args.sets]
     library = next((ms for name, ms, _ in rows if name == "library"), None)
     table = [

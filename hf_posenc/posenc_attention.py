@@ -17,7 +17,11 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from .attention_backends import flex_attend, flex_kernel_options
+from .attention_backends import (
+    _compiled_flex_attention,  # noqa: F401  (tools clear the compile cache through here)
+    flex_attend,
+    flex_kernel_options,
+)
 from .attention_normalizers import AttentionNormalizer, additive_mask, flex_pass, implicit_visible
 from .fla_kernels import fla_attention
 from .learned_bias_attention import attention_with_learned_bias

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,6 +77,8 @@ def test_the_old_routing_is_selectable_row_by_row_and_restored(monkeypatch):
         ("shaw", "default"),
         ("shaw (old routing)", "default"),
     ]
+    only_old = bench.plans(bench.argparse.Namespace(**{**vars(args), "routings": ["old"]}), [(1, 8192)], False)
+    assert [plan.model for plan in only_old] == ["stock", "shaw (old routing)"]
     facts = ForwardFacts(torch.device("cuda"), torch.bfloat16, 64, 2048, num_heads=12, consecutive=True)
     shaw = {"type": "shaw", **{key: option.default for key, option in POSITION_ENCODINGS["shaw"].options.items()}}
     softmax = resolve_attention_normalizer("softmax")
@@ -108,3 +112,35 @@ def test_the_kernel_option_sweep_lists_its_sets_and_dry_runs_on_cpu(monkeypatch,
     assert "dry run: option names valid" in capsys.readouterr().out
     with pytest.raises(ValueError, match="kernel option 'fwd_BLOCK_Q' is not a FlexKernelOptions name"):
         sweep.check_option_names({"fwd_BLOCK_Q": 64})
+
+
+ISSUE_ROWS = {
+    "bert": ["shaw", "xlnet", "deberta", "relative_key", "recurrent", "floater", "t5", "kerple", "tupe", "fire"]
+    + ["alibi", "learned + swish_l2", "learned + softpick", "learned + sigmoid", "learned + l2"],
+    "gpt2": ["cope", "path", "fox", "learned + stick_breaking"],
+}
+CHANGED_BY_ROUTING = ["shaw", "xlnet", "deberta", "relative_key", "alibi", "fire", "t5", "kerple", "tupe"]
+
+
+def test_run_on_gpu_dry_run_lists_every_row_of_the_table_at_both_shapes_and_both_routings(tmp_path):
+    """``DRY_RUN=1 bash benchmarks/run_on_gpu.sh`` prints its commands and the rows they plan, runs nothing: every row
+    of the GPU-speed table in both families (GPT-2 only for the decoder-only ones) at 8 x 2048 and 1 x 8192 on the
+    new routing, the rows the routing changed also on the old one, stock beside them, and the sweep's sets."""
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # the script calls python3
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "DRY_RUN": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "benchmarks/run_on_gpu.sh"], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = set(done.stdout.splitlines())
+    for shape in ("8x2048", "1x8192"):
+        for family in ("bert", "gpt2"):
+            assert f"{family} {shape} stock default" in rows
+            for model in ISSUE_ROWS["bert"] + (ISSUE_ROWS["gpt2"] if family == "gpt2" else []):
+                assert f"{family} {shape} {model} default" in rows, (family, shape, model)
+            for model in CHANGED_BY_ROUTING + (["fox"] if family == "gpt2" else []):
+                assert f"{family} {shape} {model} (old routing) default" in rows, (family, shape, model)
+    assert any(line.startswith("library: ") for line in rows)
+    assert not (tmp_path / "out").exists()  # nothing ran
