@@ -537,17 +537,21 @@ class Softmax(AttentionNormalizer):
 
     @classmethod
     def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
-        """Plain softmax runs under every parallelism; its sink, a logit per head appended to every row, under none."""
-        if spec["sink"] is None:
+        """Plain softmax runs under every parallelism; its sink, a logit per head appended to every row, under tensor
+        parallelism only when learned (a parameter the plan shards with the heads)."""
+        if spec["sink"] is None or (spec["sink"] == "learned" and parallelism == "tensor"):
             return super().parallelism_refusal(spec, parallelism)
         if parallelism == "context":
             return f"its sink is a column of every row's normalisation; {RING_ATTENTION_ONLY}"
         return f"its sink: {NOT_SLICED_BY_RANK}"
 
     def sink_logits(self, device: torch.device) -> torch.Tensor | None:
-        """``c_h`` ``(heads,)`` in float32, or None without a sink."""
+        """``c_h`` ``(heads,)`` in float32, or None without a sink. Under tensor parallelism the learned sink is a
+        DTensor sharded with the heads (``PosEncBertPreTrainedModel.init_parallel_plans``): this rank's heads' logits
+        only."""
         if self.sink is not None:
-            return self.sink.to(torch.promote_types(self.sink.dtype, torch.float32))
+            sink = self.sink.to_local() if hasattr(self.sink, "to_local") else self.sink
+            return sink.to(torch.promote_types(sink.dtype, torch.float32))
         if self.fixed_sink is not None:
             return torch.full((self.dims.num_heads,), self.fixed_sink, device=device)
         return None

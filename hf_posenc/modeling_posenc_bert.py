@@ -213,6 +213,13 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     peft_stock_types = ("bert",)  # LoRA targets as in stock BERT: query, value
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
+    def init_parallel_plans(self) -> None:
+        """Transformers' plans; with a learned sink, its logits per head sharded with the heads (as Transformers'
+        ``granite_swa`` shards its sinks), each rank reading its own (``Softmax.sink_logits``)."""
+        super().init_parallel_plans()
+        if self.base_model is self and self.config.attention_normalizer.get("sink") == "learned":
+            self._tp_plan["encoder.layer.*.attention.self.normalizer.sink"] = "colwise"
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)

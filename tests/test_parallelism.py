@@ -3,8 +3,9 @@ training; tensor parallelism through Transformers' own plan on two CPU processes
 
 The sets below state, independently of the code, which entries the catalogue declares able to run under each
 parallelism (``docs/guide.md``'s table says why): tensor parallelism splits the heads, so an entry runs under it when
-nothing it holds or builds has a row per head or is trained inside the heads (the input-side schemes run before the
-heads are split, and the sharded projections sum their gradients); context parallelism is torch's ring attention,
+nothing it holds or builds has a row per head (a learned sink's, sharded with the heads, excepted) or is trained inside
+the heads (the input-side schemes run before the heads are split, and the sharded projections sum their gradients);
+context parallelism is torch's ring attention,
 plain SDPA of softmax(q.k) on blocks of keys, so only the schemes that change q, k or the input (RoPE, the absolute
 tables, none) with softmax; sequence parallelism (Ulysses) wraps a Transformers attention function by name, which the
 families' own composition is not, so every model refuses it.
@@ -93,7 +94,7 @@ def test_every_catalogue_entry_runs_or_is_refused_by_name(kind, name, parallelis
 @pytest.mark.parametrize(
     ("normalizer", "refused"),
     [
-        ({"type": "softmax", "sink": "learned"}, {"tensor": "its sink", "context": "its sink"}),
+        ({"type": "softmax", "sink": "learned"}, {"context": "its sink"}),
         ({"type": "softmax", "sink": 0.0}, {"tensor": "its sink", "context": "its sink"}),
         ({"type": "softmax", "toeplitz_gate": True}, {"tensor": "Toeplitz gate", "context": "Toeplitz gate"}),
         ({"type": "softmax", "output_gate": "headwise"}, {"tensor": "output gate"}),
@@ -137,7 +138,7 @@ def test_tensor_parallel_plans_are_refused_before_sharding(scheme):
 
 @pytest.mark.parametrize(
     ("normalizer", "message"),
-    [({"type": "softmax", "sink": "learned"}, "its sink"), ("differential", "head pairs")],
+    [({"type": "softmax", "sink": 0.0}, "its sink"), ("differential", "head pairs")],
 )
 def test_tensor_parallel_plans_refuse_per_head_normalizers(normalizer, message):
     model = make_model("bert", "rope", normalizer)
@@ -148,6 +149,16 @@ def test_tensor_parallel_plans_refuse_per_head_normalizers(normalizer, message):
 def test_gpt2_family_refuses_tensor_parallelism_by_its_fused_projection():
     with pytest.raises(ValueError, match="c_attn is one fused Conv1D"):
         make_model("gpt2", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))
+
+
+def test_a_learned_sink_is_sharded_with_the_heads():
+    """Its logits per head go with the heads they belong to (``colwise``: split along the heads), as Transformers'
+    ``granite_swa`` shards its sinks; without a sink the plan has no such rule."""
+    sink = make_model("bert", "rope", {"type": "softmax", "sink": "learned"})
+    tp_plan = sink._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+    assert tp_plan["bert.encoder.layer.1.attention.self.normalizer.sink"] == "colwise"
+    plain = make_model("bert", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+    assert not any("sink" in name for name in plain)
 
 
 def test_bert_family_plan_shards_every_projection_of_the_heads_and_feed_forward():
@@ -189,11 +200,15 @@ def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
 
 
 # Tensor parallelism on two processes: (name, the saved model's builder, its Auto class). The BERT family's masked LM
-# and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters;
-# and a retrofitted Llama with RoPE under Llama's stock plan.
+# and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters, a
+# learned sink sharded with the heads; and a retrofitted Llama with RoPE under Llama's stock plan.
 TP_CASES = {
     "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
     "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
+    "bert-sinusoidal-softmax_learned_sink": (
+        lambda: make_model("bert", "sinusoidal", {"type": "softmax", "sink": "learned"}),
+        transformers.AutoModelForMaskedLM,
+    ),
     "bert_decoder-none-stick_breaking": (
         lambda: make_model("bert", "none", "stick_breaking", is_decoder=True),
         transformers.AutoModelForCausalLM,
