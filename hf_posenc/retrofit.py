@@ -465,6 +465,11 @@ class LlamaFamily(StockFamily):
     reads them)."""
 
     def layers(self, base):
+        if not hasattr(base, "layers"):  # e.g. Gemma3ForConditionalGeneration: the text model is inside
+            raise ValueError(
+                f"retrofit() patches a text decoder; {type(base).__name__} holds one inside another model. Load its "
+                "text model's class (Gemma 3: Gemma3ForCausalLM.from_pretrained(...) reads the text weights)."
+            )
         return list(base.layers)
 
     def attention(self, layer):
@@ -679,6 +684,7 @@ def retrofit(
     config = model.config
     family.check(config)
     base = model.base_model
+    family.layers(base)  # a decoder held inside another model (Gemma 3's multimodal one) is refused here
     offset = family.position_offset(base)
     table = family.stock_table(base)
     causal = family.causal(config)

@@ -820,6 +820,12 @@ def test_bad_family_requests_raise():
         hf_posenc.retrofit(family_model("gemma3", use_bidirectional_attention=True))
     with pytest.raises(ValueError, match=r"layers must be a non-empty list of attention layer indices in 0 \.\. 3"):
         hf_posenc.retrofit(family_model("qwen3"), "none", layers=[4])
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=16, num_hidden_layers=1)
+    vision.update(num_attention_heads=2, image_size=16, patch_size=8)
+    text = {**LAYERED, **FAMILY_CASES["gemma3"][2]}
+    multimodal = stock_class("Gemma3Config")(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM.from_pretrained"):
+        hf_posenc.retrofit(stock_class("Gemma3ForConditionalGeneration")(multimodal))
     with pytest.raises(ValueError, match="use_qk_norm must be True, False or None"):
         hf_posenc.retrofit(family_model("qwen3"), "none", use_qk_norm="yes")
     with pytest.raises(ValueError, match="rope_type='proportional' has no hf_posenc scaling"):
