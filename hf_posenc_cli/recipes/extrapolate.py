@@ -378,8 +378,8 @@ def score_models(args: argparse.Namespace, models: list[tuple]) -> list[dict[str
         (args.output_dir / "extrapolation.md").write_text(table)
         document = {"rows": rows, "summary": summary}
         (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))
-        plot_rows(summary, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
         long_context.plot_positions(rows, args.factors[-1], args.output_dir / "extrapolation_positions.png")
+        plot_rows(summary, args.factors, args.output_dir / "extrapolation.png", "Length extrapolation")
         print(table)
     accelerator.wait_for_everyone()
     return rows
