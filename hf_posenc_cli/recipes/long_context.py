@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..parsers.tasks import check_task_flags
 from . import extrapolate, pretrain
-from .common import recipe_accelerator, torch_threads, write_model_card
+from .common import progress_bar_off, recipe_accelerator, torch_threads, write_model_card
 from .tasks import BYTE_OFFSET, TaskSpec, passkey_texts, task_accuracy, task_row
 
 
@@ -64,7 +64,9 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     log_path = args.output_dir / "train_log.jsonl"
     log_path.unlink(missing_ok=True)
-    progress = tqdm(total=args.max_train_steps, desc=f"{task.name}", disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=args.max_train_steps, desc=task.name, disable=progress_bar_off(accelerator.is_local_main_process)
+    )
     tokens_per_step = args.block_size * args.per_device_train_batch_size * accelerator.num_processes
     history, train_seconds, accuracy = [], 0.0, None
     model.train()
