@@ -7,8 +7,9 @@ authors' kernel). Each keeps O(n) memory and computes the weights tile by tile, 
 Used on CUDA, when ``fla`` and ``triton`` import, for the forwards whose semantics the kernel has: every query sees
 exactly the keys at and before it in index order (no padding, no cached keys, positions increasing along the
 sequence), no position bias other than the scheme's own, no attention dropout and no logit soft-cap. Any other
-forward (and every forward on another device) runs the library's path, which stays the reference; on CUDA a
-warning says once per reason why. Checking the mask and the positions reads one boolean from the device per layer.
+forward (and every forward on another device, traced, or of fake tensors) runs the library's path, which stays
+the reference; on CUDA a warning says once per reason why. Checking the mask and the positions reads one boolean
+from the device per layer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import cache
 from types import ModuleType
 
 import torch
+from torch._subclasses import FakeTensor
 from transformers.utils import logging
 
 
@@ -88,8 +90,8 @@ def fla_attention(
     off CUDA, a combination with no kernel (silently), or a forward the kernel does not compute (a warning, once per
     reason; see the module). q ``(batch, heads, q_len, head_dim)``, k and v with the same or fewer heads.
     ``dropout``: the attention dropout in effect (0 outside training)."""
-    if not fla_runs_on(query.device) or torch.compiler.is_compiling():
-        return None
+    if not fla_runs_on(query.device) or torch.compiler.is_compiling() or isinstance(query, FakeTensor):
+        return None  # a fake tensor (a traced or fake-CUDA forward) has no data for a Triton launch
     if normalizer.name == "stick_breaking" and position_term is None:
         kernel, module_name = "stick_breaking", "stickbreaking_attn"
     elif encoding.name == "path" and normalizer.name == "softmax" and normalizer.weights_are_softmax(normalizer.spec):

@@ -124,11 +124,11 @@ INTERPRETED = textwrap.dedent(
     import torch
     from triton.runtime import autotuner
 
-    run = autotuner.Autotuner.run
+    autotune = autotuner.Autotuner.run
 
     def first_config(self, *args, **kwargs):  # the interpreter has no driver to benchmark configs with
         self.configs = self.configs[:1]
-        return run(self, *args, **kwargs)
+        return autotune(self, *args, **kwargs)
 
     autotuner.Autotuner.run = first_config
 
@@ -188,20 +188,30 @@ INTERPRETED = textwrap.dedent(
     spec = {"type": "path", "forget_gate": True} if scheme == "path_fox" else scheme
     ids = random_ids(2, 40)
     results = {}
-    for attn in ("eager", "sdpa"):
+    runs = [("eager", "eager", False), ("fla", "sdpa", True)]
+    runs += [("library eager", "eager", False), ("library sdpa", "sdpa", False)] if dtype == "bfloat16" else []
+    for run, attn, fla in runs:
+        fla_kernels.fla_runs_on = lambda device, fla=fla: fla
         model = make_model("gpt2", spec, normalizer, attn=attn, n_head=2, n_positions=64).train()
-        with torch.autocast("cpu", torch.bfloat16, enabled=attn == "sdpa" and dtype == "bfloat16"):
+        with torch.autocast("cpu", torch.bfloat16, enabled=run != "eager" and dtype == "bfloat16"):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        results[attn] = {"loss": loss.item()} | {
+        results[run] = {"loss": loss.item()} | {
             name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None
         }
-    errors = {
-        name: float((results["sdpa"][name] - want).abs().max() / max(float(want.abs().max()), 1e-12))
-        for name, want in results["eager"].items() if name != "loss"
-    }
-    loss_error = abs(results["sdpa"]["loss"] - results["eager"]["loss"]) / abs(results["eager"]["loss"])
-    print(json.dumps({"calls": len(calls), "loss": loss_error, "grads": errors}))
+
+    def errors(run):
+        return {
+            name: float((results[run][name] - want).abs().max() / max(float(want.abs().max()), 1e-12))
+            for name, want in results["eager"].items() if name != "loss"
+        }
+
+    loss_error = abs(results["fla"]["loss"] - results["eager"]["loss"]) / abs(results["eager"]["loss"])
+    own = {}
+    for run in runs[2:]:
+        for name, error in errors(run[0]).items():
+            own[name] = max(own.get(name, 0.0), error)
+    print(json.dumps({"calls": len(calls), "loss": loss_error, "grads": errors("fla"), "own": own}))
     """
 )
 
@@ -219,8 +229,9 @@ def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normal
     Triton kernels run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, a fresh interpreter: the
     kernels are built for it when fla is imported), against the eager model: the loss and every parameter gradient,
     relative to the largest entry; float32 to 1e-4 (fla rounds PaTH's directions to float16 in its inter-block
-    products), bf16 autocast to 5e-2 (the interpreter's bf16 arithmetic made the GPU's: float32 products, rounding
-    to nearest even)."""
+    products); under bf16 autocast to 5e-2, or 1.5 times the larger error of the library's own eager and sdpa paths
+    under bf16 where that is larger (PaTH-FoX's strengths: about 0.12 on its eager path); the interpreter's bf16
+    arithmetic made the GPU's (float32 products, rounding to nearest even)."""
     completed = subprocess.run(
         [sys.executable, "-c", INTERPRETED, scheme, normalizer, dtype],
         capture_output=True,
@@ -231,7 +242,8 @@ def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normal
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     tolerance = 1e-4 if dtype == "float32" else 5e-2
-    assert result["calls"] == 2  # one per layer: the kernel ran
+    assert result["calls"] == 2  # one per layer, the library's own run none: the kernel ran
     assert result["loss"] <= tolerance
-    worst = max(result["grads"].items(), key=lambda item: item[1])
-    assert worst[1] <= tolerance, worst
+    for name, error in result["grads"].items():  # in bf16 as close as the library's own path gets, or 5e-2
+        allowed = max(tolerance, 1.5 * result["own"].get(name, 0.0))
+        assert error <= allowed, (name, error, allowed)
