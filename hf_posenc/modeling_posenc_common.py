@@ -352,6 +352,18 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     return reasons
 
 
+def shard_position_heads(model: torch.nn.Module) -> None:
+    """Under tensor parallelism (Transformers' device mesh set on ``model``): each scheme that keeps per-head slopes
+    (``shard_heads``: ``alibi``) keeps this rank's heads, those the colwise q/k/v projections give it."""
+    mesh_manager = getattr(model, "_mesh_manager", None)
+    if mesh_manager is None:
+        return
+    mesh = mesh_manager.get_mesh("tp")
+    for module in model.modules():
+        if isinstance(module, PositionEncoding) and hasattr(module, "shard_heads"):
+            module.shard_heads(mesh.get_local_rank(), mesh.size())
+
+
 class PosEncPreTrainedMixin:
     """Shared by both families' ``PreTrainedModel``: the init of a scheme's bare parameters
     (``PositionEncoding.init_weights``, ``LayerPositionTerm.init_weights``) and of the normalizers (Toeplitz gate at
@@ -394,6 +406,7 @@ class PosEncPreTrainedMixin:
         a scheme, a normalizer or the family cannot take."""
         if distributed_config.tp_size > 1:
             self.check_parallelism("tensor")
+            shard_position_heads(self)
         return super()._resolve_parallel_plans(distributed_config)
 
     @torch.no_grad()

@@ -75,6 +75,7 @@ from .modeling_posenc_common import (
     prepare_attention,
     register_peft_default_targets,
     resolve_position_ids,
+    shard_position_heads,
 )
 from .posenc_attention import positional_attention
 from .position_interface import (
@@ -786,6 +787,7 @@ def refuse_tensor_parallel_plans(model: PreTrainedModel, distributed_config):
     cannot take, by name and before any weight is sharded."""
     if distributed_config.tp_size > 1:
         check_retrofit_parallelism(model, "tensor")
+        shard_position_heads(model)
     return type(model)._resolve_parallel_plans(model, distributed_config)
 
 
@@ -839,6 +841,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
     model.create_masks_for_generate = keep_attention_mask_for_generate
+    if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: the scheme keeps this rank's heads
+        shard_position_heads(model)
     # one that will be loaded tensor-parallel (Transformers resolves its plans after building it)
     model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).

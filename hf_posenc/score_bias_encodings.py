@@ -7,6 +7,7 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -240,14 +241,31 @@ class ALiBi(RelativeScoreBias):
 
     name = "alibi"
     parallel_refusals = {
-        "tensor": f"its slopes: {NOT_SLICED_BY_RANK}",
         "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
         "sequence": f"its slopes: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
     }
     description = "linear bias -m_h*|i-j| with geometric head slopes (no parameters)"
+    head_range: tuple[int, int, int] | None = None
+    """Under tensor parallelism ``(start, stop, heads)``: this rank's heads ``start .. stop - 1`` of the model's
+    ``heads`` (:meth:`shard_heads`); None: every head."""
+
+    def shard_heads(self, rank: int, size: int) -> None:
+        """Tensor parallelism: keep the slopes of this rank's heads, the contiguous share of ``size`` that the
+        colwise q/k/v projections give rank ``rank`` (the scheme then counts those heads only, as q and k do)."""
+        num_heads = self.dims.num_heads
+        if num_heads % size:
+            raise ValueError(f"alibi under tensor parallelism: {num_heads} heads do not split into {size} ranks.")
+        per_rank = num_heads // size
+        self.head_range = (rank * per_rank, (rank + 1) * per_rank, num_heads)
+        self.dims = dataclasses.replace(self.dims, num_heads=per_rank)
 
     def bias_table(self, device):
-        return alibi_slopes(self.dims.num_heads).to(device=device, dtype=torch.float32)
+        if self.head_range is None:
+            slopes = alibi_slopes(self.dims.num_heads)
+        else:
+            start, stop, num_heads = self.head_range
+            slopes = alibi_slopes(num_heads)[start:stop]
+        return slopes.to(device=device, dtype=torch.float32)
 
     def distance_bias(self, distance, head, table):
         return -table[head] * distance.abs()

@@ -46,7 +46,7 @@ INPUT_SIDE = {
 }
 SUPPORTED = {
     "position_encoding": {
-        "tensor": INPUT_SIDE | {"none", "rope", "xpos"},
+        "tensor": INPUT_SIDE | {"none", "rope", "xpos", "alibi"},
         "context": {"learned", "sinusoidal", "none", "rope"},
         "sequence": {"learned", "sinusoidal", "none", "rope"},
     },
@@ -127,7 +127,7 @@ def test_unknown_parallelism_is_refused_with_the_choices():
         make_model("bert", "rope").check_parallelism("pipeline")
 
 
-@pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple", "fox", "shaw"])
+@pytest.mark.parametrize("scheme", ["t5", "kerple", "fire", "fox", "shaw"])
 def test_tensor_parallel_plans_are_refused_before_sharding(scheme):
     """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))`` resolves the plans before it shards
     any weight: the refusal comes from there, naming the scheme."""
@@ -184,16 +184,16 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config)
 
 
-def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
-    """Llama's stock plan shards the heads; ALiBi's slopes are built for every head, so the retrofitted model is
-    refused when its plans are resolved, and at once, before any module changes, when it is already sharded."""
-    model = hf_posenc.retrofit(tiny_llama(), position_encoding="alibi")
+def test_retrofitted_llama_with_t5_is_refused_tensor_parallelism():
+    """Llama's stock plan shards the heads; T5's table is built for every head, so the retrofitted model is refused
+    when its plans are resolved, and at once, before any module changes, when it is already sharded."""
+    model = hf_posenc.retrofit(tiny_llama(), position_encoding="t5")
     with pytest.raises(ValueError, match="LlamaForCausalLM cannot train under tensor parallelism: position_encoding"):
         model._resolve_parallel_plans(DistributedConfig(tp_size=2))
     sharded = tiny_llama()
     sharded._tp_size = 2
-    with pytest.raises(ValueError, match="'alibi' refuses tensor parallelism"):
-        hf_posenc.retrofit(sharded, position_encoding="alibi")
+    with pytest.raises(ValueError, match="'t5' refuses tensor parallelism"):
+        hf_posenc.retrofit(sharded, position_encoding="t5")
     assert type(sharded.model.layers[0].self_attn) is transformers.models.llama.modeling_llama.LlamaAttention
     rope = hf_posenc.retrofit(tiny_llama(), position_encoding="rope")
     assert "model.layers.0.self_attn.q_proj" in rope._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
@@ -201,7 +201,8 @@ def test_retrofitted_llama_with_alibi_is_refused_tensor_parallelism():
 
 # Tensor parallelism on two processes: (name, the saved model's builder, its Auto class). The BERT family's masked LM
 # and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters, a
-# learned sink sharded with the heads; and a retrofitted Llama with RoPE under Llama's stock plan.
+# learned sink sharded with the heads, ALiBi's slopes of each rank's heads; and retrofitted Llamas with RoPE and ALiBi
+# under Llama's stock plan (ALiBi's crashed at the first forward before its slopes were sliced by rank).
 TP_CASES = {
     "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
     "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
@@ -215,6 +216,11 @@ TP_CASES = {
     ),
     "llama-retrofit-rope": (
         lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="rope"),
+        transformers.AutoModelForCausalLM,
+    ),
+    "bert-alibi-softmax": (lambda: make_model("bert", "alibi", "softmax"), transformers.AutoModelForMaskedLM),
+    "llama-retrofit-alibi": (
+        lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="alibi"),
         transformers.AutoModelForCausalLM,
     ),
 }
