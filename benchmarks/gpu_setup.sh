@@ -5,9 +5,9 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
-# A lent machine's own torch may predate torch.compile(isolate_recompiles=...) (torch >= 2.13, the project's floor;
-# the machines lent so far carry torch 2.11): there, and only there, the keyword is dropped (each region then shares
-# dynamo's recompile limit, which bench_gpu.py raises to 1024).
+# A lent machine's own torch may predate torch.compile(isolate_recompiles=...) (torch 2.13; the machines lent so far
+# carry torch 2.11). The library does without it there (attention_backends: a code object per region, each with its
+# own recompile budget); the keyword is dropped here, and only there, for the tests that compile with it themselves.
 mkdir -p /tmp/compat
 cat >/tmp/compat/sitecustomize.py <<'PY'
 import inspect

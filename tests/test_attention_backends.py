@@ -474,3 +474,24 @@ def test_fox_and_pope_compiled_on_cuda_equal_eager_values_and_grads(scheme):
         for attn in ("eager", "flex_attention")
     }
     assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-4, rtol=1e-3)
+
+
+def test_without_isolate_recompiles_each_region_keeps_its_own_recompile_budget(monkeypatch):
+    """Torch before 2.13 has no ``isolate_recompiles``: each region then compiles ``flex_attention`` behind a code
+    object of its own, on which dynamo counts recompiles. With the limit at 1, a second region compiling other shapes
+    is its own first compilation, not a recompile of the first region's code (a shared code object would hit the
+    limit and run the unfused path)."""
+    monkeypatch.setattr(attention_backends, "COMPILE_ISOLATES_RECOMPILES", False)
+    attention_backends.clear_flex_compile_cache()
+    attention_backends._warn_unfused_flex.cache_clear()
+    first = attention_backends._compiled_flex_attention(False, "first", False)
+    second = attention_backends._compiled_flex_attention(False, "second", False)
+    assert first._torchdynamo_orig_callable.__code__ is not second._torchdynamo_orig_callable.__code__
+    torch.manual_seed(0)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for region, head_dim in (("first", 32), ("second", 48)):
+            q, k, v = (torch.randn(1, 2, 16, head_dim) for _ in range(3))
+            output = flex_attend(q, k, v, region=region)
+            torch.testing.assert_close(output, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert attention_backends._warn_unfused_flex.cache_info().currsize == 0
+    attention_backends.clear_flex_compile_cache()
