@@ -26,7 +26,13 @@ from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from hf_posenc import attention_backends, modeling_posenc_common, posenc_attention, position_interface
+from hf_posenc import (
+    attention_backends,
+    modeling_posenc_common,
+    posenc_attention,
+    position_interface,
+    score_bias_encodings,
+)
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer, resolve_position_encoding
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -88,7 +94,8 @@ def capture_cuda_flex_calls(
         return flex_attention(query, key, value, **kwargs)
 
     monkeypatch.setattr(modeling_posenc_common, "choose_route", choose_on_cuda)
-    monkeypatch.setattr(position_interface, "flex_compiles_length_sized_tables", lambda device: True)
+    for module in (position_interface, attention_backends, score_bias_encodings):  # each holds the function by name
+        monkeypatch.setattr(module, "flex_compiles_length_sized_tables", lambda device: True)
     monkeypatch.setattr(posenc_attention, "flex_attend", record)
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # CPU flex refuses gradients
     model = make_model(family, scheme, normalizer, attn=requested, **WIDE[family]).train(training)
