@@ -463,7 +463,7 @@ def test_t5_never_reached_buckets_keep_their_initial_steps():
         optimizer.step()
         optimizer.zero_grad()
     bias = encoding.bias_table(CPU).detach()
-    assert (bias[10] - initial[10]).abs().min() > 0.1  # the farthest trained bucket moved, in every head
+    assert (bias[10] - initial[10]).abs().min() > 0.05  # the farthest trained bucket moved, in every head
     torch.testing.assert_close(bias[11:] - bias[10], initial[11:] - initial[10])
 
 
