@@ -298,8 +298,8 @@ def test_cuda_never_sends_heads_narrower_than_triton_takes_to_flex(request_backe
     ],
 )
 def test_cuda_trains_a_score_mod_on_flex_only_where_it_spreads_its_gradients(scheme, consecutive, expected):
-    causal = scheme == "kerple"
-    model = make_model("gpt2" if causal else "bert", scheme).train()
+    family = "gpt2" if scheme == "kerple" else "bert"
+    model = make_model(family, scheme, **WIDE[family]).train()
     encoding = model.base_model.position_encoding
     ids = random_ids(2, 16)
     facts = attention_backends.forward_facts(
@@ -308,8 +308,10 @@ def test_cuda_trains_a_score_mod_on_flex_only_where_it_spreads_its_gradients(sch
     facts = dataclasses.replace(facts, device=CUDA)
     route = attention_backends.choose_route("sdpa", encoding.spec, resolve_attention_normalizer("softmax"), facts)
     assert route.backend == expected
-    if expected == "sdpa":
-        assert "one gradient per score onto a few addresses" in route.refusals["flex_attention"][0]
+    if expected == "sdpa":  # not preferred, and refused where asked for by name
+        assert route.preference is None
+        refusals = POSITION_ENCODINGS[scheme].backend_refusals(encoding.spec, facts)
+        assert "one gradient per score onto a few addresses" in refusals["flex_attention"]
     with torch.no_grad():  # inference reads the parameters per pair freely: no gradient
         facts = attention_backends.forward_facts(
             encoding, model.get_input_embeddings()(ids), 16, None, False, False, consecutive, None
