@@ -32,13 +32,12 @@ from transformers import initialization as init
 from .options import (
     ALONG_THE_SEQUENCE,
     NOT_SLICED_BY_RANK,
-    PARTIAL_GRADIENT,
     RING_ATTENTION_ONLY,
     ULYSSES_KERNEL_ONLY,
     CatalogueEntry,
     Option,
 )
-from .position_interface import BACKENDS, AttentionDims, AttentionInputs
+from .position_interface import BACKENDS, AttentionDims, AttentionInputs, HeadSharded
 
 
 if TYPE_CHECKING:  # the kernel layer imports this module
@@ -62,7 +61,7 @@ GATE_OPTIONS = {
 }
 
 
-class AttentionNormalizer(CatalogueEntry, nn.Module):
+class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     """Base class: ``forward(scores, attention_inputs) -> weights``, one module per attention layer.
 
     Subclasses write ``normalize`` (the formula). ``forward`` computes it in at least float32 and applies the option
@@ -108,6 +107,8 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
             backward recomputes them (stick_breaking).
         families: ``"encoder"`` and/or ``"decoder"``: where the normalizer has a form, checked when the config is
             built (``check_family``, as for the schemes); ``family_reason`` says why it lacks the other.
+        pairs_head_halves: head ``h`` works with head ``h + heads / 2`` (differential): under tensor parallelism
+            each rank holds a share of each half of the heads (q, k and v ``packed_colwise``), not a contiguous share.
     """
 
     options = GATE_OPTIONS
@@ -115,6 +116,7 @@ class AttentionNormalizer(CatalogueEntry, nn.Module):
     flex_needs_lse: bool = False
     value_parts: int = 1
     sdpa_in_query_chunks: bool = False
+    pairs_head_halves: bool = False
     kind = "attention_normalizer"
 
     def __init_subclass__(cls, **kwargs):
@@ -538,19 +540,17 @@ class Softmax(AttentionNormalizer):
     @classmethod
     def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
         """Plain softmax runs under every parallelism; its sink, a logit per head appended to every row, under tensor
-        parallelism only when learned (a parameter the plan shards with the heads)."""
-        if spec["sink"] is None or (spec["sink"] == "learned" and parallelism == "tensor"):
+        parallelism too (each rank reads its heads' logits), not under the others."""
+        if spec["sink"] is None or parallelism == "tensor":
             return super().parallelism_refusal(spec, parallelism)
         if parallelism == "context":
             return f"its sink is a column of every row's normalisation; {RING_ATTENTION_ONLY}"
         return f"its sink: {NOT_SLICED_BY_RANK}"
 
     def sink_logits(self, device: torch.device) -> torch.Tensor | None:
-        """``c_h`` ``(heads,)`` in float32, or None without a sink. Under tensor parallelism the learned sink is a
-        DTensor sharded with the heads (``PosEncBertPreTrainedModel.init_parallel_plans``): this rank's heads' logits
-        only."""
+        """``c_h`` ``(heads,)`` in float32 (this rank's heads under tensor parallelism), or None without a sink."""
         if self.sink is not None:
-            sink = self.sink.to_local() if hasattr(self.sink, "to_local") else self.sink
+            sink = self.heads_read(self.sink)
             return sink.to(torch.promote_types(sink.dtype, torch.float32))
         if self.fixed_sink is not None:
             return torch.full((self.dims.num_heads,), self.fixed_sink, device=device)
@@ -817,7 +817,6 @@ class ScalableSoftmax(AttentionNormalizer):
 
     name = "ssmax"
     parallel_refusals = {
-        "tensor": f"its scale s: {NOT_SLICED_BY_RANK}",
         "context": f"ssmax scales by log n, n the keys a rank sees; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -842,7 +841,7 @@ class ScalableSoftmax(AttentionNormalizer):
         """``s_h log n_i`` ``(batch|1, heads, q_len, 1)`` from ``log n_i`` ``(batch|1, 1, q_len, 1)``, in at least
         float32."""
         dtype = torch.promote_types(log_counts.dtype, torch.float32)
-        return self.scale.to(dtype)[:, None, None] * log_counts.to(dtype)
+        return self.heads_read(self.scale).to(dtype)[:, None, None] * log_counts.to(dtype)
 
     def normalize(self, scores, attention_inputs):
         counts = visible_key_counts(attention_inputs, *scores.shape[-2:], self.dims.causal, scores.device)
@@ -1040,7 +1039,6 @@ class Differential(AttentionNormalizer):
 
     name = "differential"
     parallel_refusals = {
-        "tensor": f"its head pairs and lambda vectors {PARTIAL_GRADIENT}",
         "context": f"differential is two softmaxes subtracted; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -1062,6 +1060,7 @@ class Differential(AttentionNormalizer):
     }
     backends = BACKENDS
     value_parts = 2
+    pairs_head_halves = True
 
     def __init__(self, spec: dict[str, Any], dims: AttentionDims, layer_idx: int = 0):
         super().__init__(spec, dims, layer_idx)
@@ -1093,8 +1092,12 @@ class Differential(AttentionNormalizer):
         """``lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init``, 0-d, float32 or
         wider."""
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
-        first = torch.exp((self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)).sum())
-        second = torch.exp((self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)).sum())
+        lambda_q1, lambda_k1, lambda_q2, lambda_k2 = (
+            self.read_by_all_heads(vector).to(dtype)
+            for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        )
+        first = torch.exp((lambda_q1 * lambda_k1).sum())
+        second = torch.exp((lambda_q2 * lambda_k2).sum())
         return first - second + self.lambda_init
 
     def normalize(self, scores, attention_inputs):

@@ -73,7 +73,8 @@ class ShawTerm(LayerPositionTerm):
         if self.key_table is None:
             fixed = attention_inputs["position"]["shaw_table"]
             return fixed, fixed
-        return self.key_table.weight, self.value_table.weight if self.value_table is not None else None
+        value_table = None if self.value_table is None else self.read_by_all_heads(self.value_table.weight)
+        return self.read_by_all_heads(self.key_table.weight), value_table
 
     def row_scores(self, query: torch.Tensor, attention_inputs: AttentionInputs, scaling: float) -> torch.Tensor:
         """``q R^K`` scaled, ``(batch, heads, q_len, 2k + 1)``: the scale goes on the small table, not on the
@@ -134,7 +135,6 @@ class Shaw(PositionEncoding):
 
     name = "shaw"
     parallel_refusals = {
-        "tensor": f"its distance tables {PARTIAL_GRADIENT}",
         "context": f"its term reads queries and keys at their distance; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }

@@ -40,7 +40,8 @@ class ForgetGate(LayerPositionTerm):
         self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
 
     def layer_tables(self, hidden_states, attention_inputs, store):
-        logits = self.forget_gate(hidden_states).transpose(1, 2)  # (batch, heads, q_len)
+        # every head's gate, read at this rank's heads under tensor parallelism (the gradient summed over the ranks)
+        logits = self.heads_read(self.forget_gate(hidden_states), dim=-1).transpose(1, 2)  # (batch, heads, q_len)
         log_forget = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         # Both tables are results of arithmetic, never views (the score_mod capture rule), whatever the sizes.
         if store is None:
@@ -87,7 +88,6 @@ class FoX(PositionEncoding):
 
     name = "fox"
     parallel_refusals = {
-        "tensor": f"its forget-gate projection: {NOT_SLICED_BY_RANK}",
         "context": f"its forget gates are summed along the sequence: {ALONG_THE_SEQUENCE}",
         "sequence": f"its forget gates: {ALONG_THE_SEQUENCE}",
     }

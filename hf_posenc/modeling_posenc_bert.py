@@ -43,6 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_posenc import PosEncBertConfig
 from .modeling_posenc_common import (
+    PACKED_HALVES_STYLE,
     LayerAttentionInputs,
     PosEncPreTrainedMixin,
     PositionalLayer,
@@ -52,6 +53,7 @@ from .modeling_posenc_common import (
     build_position_encoding,
     build_query_key_norms,
     check_input_ids,
+    pairs_head_halves,
     prepare_attention,
     reject_unsupported_inputs,
     resolve_position_ids,
@@ -214,11 +216,15 @@ class PosEncBertPreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _can_record_outputs = {"hidden_states": PosEncBertLayer, "attentions": PosEncBertSelfAttention}
 
     def init_parallel_plans(self) -> None:
-        """Transformers' plans; with a learned sink, its logits per head sharded with the heads (as Transformers'
-        ``granite_swa`` shards its sinks), each rank reading its own (``Softmax.sink_logits``)."""
+        """Transformers' plans; with a normalizer that pairs head ``h`` with head ``h + heads / 2`` (differential),
+        q, k and v packed (``PACKED_HALVES_STYLE``: the heads as two packed halves, each rank a share of each half, so
+        a pair stays on one rank, and its pairs' outputs fill a contiguous share of the output projection's input).
+        Per-head parameters stay whole on every rank, each rank reading its heads
+        (:func:`~hf_posenc.modeling_posenc_common.shard_heads`)."""
         super().init_parallel_plans()
-        if self.base_model is self and self.config.attention_normalizer.get("sink") == "learned":
-            self._tp_plan["encoder.layer.*.attention.self.normalizer.sink"] = "colwise"
+        if self.base_model is self and pairs_head_halves(self.config):
+            for projection in ("query", "key", "value"):
+                self._tp_plan[f"encoder.layer.*.attention.self.{projection}"] = PACKED_HALVES_STYLE
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -25,7 +25,16 @@ from .configuration_posenc import (
 from .options import PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
 from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
-from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionCache, PositionEncoding
+from .position_interface import (
+    AttentionDims,
+    AttentionInputs,
+    HeadSharded,
+    HeadShare,
+    LayerPositionTerm,
+    PositionCache,
+    PositionEncoding,
+    rank_heads,
+)
 from .score_bias_encodings import refuse_old_t5_table
 
 
@@ -352,16 +361,53 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     return reasons
 
 
-def shard_position_heads(model: torch.nn.Module) -> None:
-    """Under tensor parallelism (Transformers' device mesh set on ``model``): each scheme that keeps per-head slopes
-    (``shard_heads``: ``alibi``) keeps this rank's heads, those the colwise q/k/v projections give it."""
+PACKED_HALVES_STYLE = "packed_halves_colwise"
+"""The tensor-parallel style of q, k and v under a normalizer that pairs the two halves of the heads: Transformers'
+``packed_colwise`` (each rank a share of each half of the weight's rows), with the bias split as its weight."""
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
+
+    class PackedHalvesColwiseParallel(PackedColwiseParallel):
+        """``packed_colwise`` whose bias is split as its weight (``_StridedShard``: a share of each half).
+        Transformers 5.24's ``packed_colwise`` splits a 1-d parameter contiguously, so a bias would load other
+        rows than its weight's (found with nonzero q/k/v biases: the logits differ from one process's)."""
+
+        def shard_param(self, module, param, mesh):
+            meta = module._parameters.get(param)
+            if meta is None or meta.ndim != 1:
+                return super().shard_param(module, param, mesh)
+            placement = _StridedShard(dim=0, split_factor=self.split_factor)
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+            )
+
+    ALL_PARALLEL_STYLES.register(PACKED_HALVES_STYLE, PackedHalvesColwiseParallel())
+
+
+def pairs_head_halves(config) -> bool:
+    """Whether the config's normalizer works on pairs of heads ``h``, ``h + heads / 2``
+    (``AttentionNormalizer.pairs_head_halves``): tensor parallelism then gives each rank a share of each half."""
+    return ATTENTION_NORMALIZERS[config.attention_normalizer["type"]].pairs_head_halves
+
+
+def shard_heads(model: torch.nn.Module) -> None:
+    """Under tensor parallelism (Transformers' device mesh set on ``model``): every scheme, layer term and normalizer
+    (:class:`~hf_posenc.position_interface.HeadSharded`) computes this rank's heads, those its q, k and v projections
+    hold (:func:`~hf_posenc.position_interface.rank_heads`: a contiguous share, or a share of each half of the heads
+    for a normalizer that pairs them), and reads its per-head parameters there."""
     mesh_manager = getattr(model, "_mesh_manager", None)
     if mesh_manager is None:
         return
     mesh = mesh_manager.get_mesh("tp")
+    num_heads = model.config.num_attention_heads
+    heads = rank_heads(num_heads, mesh.get_local_rank(), mesh.size(), pairs_head_halves(model.config))
+    share = HeadShare(heads, num_heads, mesh.get_group())
     for module in model.modules():
-        if isinstance(module, PositionEncoding) and hasattr(module, "shard_heads"):
-            module.shard_heads(mesh.get_local_rank(), mesh.size())
+        if isinstance(module, HeadSharded):
+            module.shard_heads(share)
 
 
 class PosEncPreTrainedMixin:
@@ -406,7 +452,7 @@ class PosEncPreTrainedMixin:
         a scheme, a normalizer or the family cannot take."""
         if distributed_config.tp_size > 1:
             self.check_parallelism("tensor")
-            shard_position_heads(self)
+            shard_heads(self)
         return super()._resolve_parallel_plans(distributed_config)
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ accelerate's device hooks see every tensor. Positions of cached keys are kept wi
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,80 @@ class AttentionDims:
     causal: bool
     num_layers: int = 1
     vocab_size: int = 0
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """Identity in the forward; in the backward the gradient summed over the tensor-parallel ranks."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """One rank's heads under tensor parallelism: ``heads``, the model's indices of the heads its q, k and v
+    projections hold, in their order; ``num_heads``, the model's; ``group``, the tensor-parallel process group."""
+
+    heads: tuple[int, ...]
+    num_heads: int
+    group: Any
+
+
+def rank_heads(num_heads: int, rank: int, size: int, halves: bool = False) -> tuple[int, ...]:
+    """The heads rank ``rank`` of ``size`` holds: the contiguous share ``colwise`` q/k/v projections give it, or with
+    ``halves`` (``packed_colwise``, two halves of the heads packed in one projection) its share of each half."""
+    parts = 2 if halves else 1
+    if num_heads % (parts * size):
+        shares = f"{parts} halves of {size} shares" if halves else f"{size} shares"
+        raise ValueError(f"Tensor parallelism: {num_heads} attention heads do not split into {shares}.")
+    per_part = num_heads // parts
+    share = per_part // size
+    return tuple(part * per_part + rank * share + head for part in range(parts) for head in range(share))
+
+
+class HeadSharded:
+    """What every scheme, layer term and normalizer reads per head under tensor parallelism, where each rank computes
+    the heads of :class:`HeadShare` (set by :meth:`shard_heads`, then ``dims.num_heads`` counts those heads, as q and
+    k do). Its parameters stay whole on every rank; it reads a per-head one through :meth:`heads_read` (this rank's
+    heads) and one every head reads through :meth:`read_by_all_heads`: each rank's gradient, which covers its own
+    heads, is then summed over the ranks, so every rank holds the gradient of one process. On one process both
+    return the tensor itself."""
+
+    head_share: HeadShare | None = None
+
+    def shard_heads(self, share: HeadShare) -> None:
+        """Compute the heads of ``share`` from now on."""
+        self.head_share = share
+        if hasattr(self, "dims"):
+            self.dims = dataclasses.replace(self.dims, num_heads=len(share.heads))
+
+    @property
+    def model_num_heads(self) -> int:
+        """The model's number of heads, whatever this rank computes."""
+        return self.dims.num_heads if self.head_share is None else self.head_share.num_heads
+
+    def read_by_all_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, read inside every head (a table the heads share, the layer's input to a per-head projection):
+        under tensor parallelism its gradient is summed over the ranks."""
+        if self.head_share is None or not (torch.is_grad_enabled() and tensor.requires_grad):
+            return tensor
+        return _SumGradientOverRanks.apply(tensor, self.head_share.group)
+
+    def heads_read(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``tensor`` with one entry per head along ``dim``, at this rank's heads (its gradient summed over the
+        ranks, zero at the heads a rank does not hold)."""
+        if self.head_share is None:
+            return tensor
+        index = torch.tensor(self.head_share.heads, device=tensor.device)
+        return self.read_by_all_heads(tensor).index_select(dim, index)
 
 
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -292,7 +367,7 @@ tokens' ``(batch, q_len, features)`` state ``name`` (one of the term's ``cache_s
 ``max_cache_len`` rows, those not yet written zeros)."""
 
 
-class LayerPositionTerm(nn.Module):
+class LayerPositionTerm(HeadSharded, nn.Module):
     """The per-layer part of a scheme that reads the content (Shaw, Transformer-XL, DeBERTa, CoPE) or the layer's
     input (FoX), owned by each attention layer. It holds that layer's parameters; parameters shared by all layers
     reach it through the per-forward ``attention_inputs["position"]`` tensors that the scheme's ``prepare`` computes
@@ -377,7 +452,7 @@ def scatter_adds_are_cheap(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-class PositionEncoding(CatalogueEntry, nn.Module):
+class PositionEncoding(HeadSharded, CatalogueEntry, nn.Module):
     """Base class of a scheme. Subclasses set ``name``, ``description``, ``options`` and override hooks.
 
     Class attributes:

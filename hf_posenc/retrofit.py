@@ -71,11 +71,12 @@ from .modeling_posenc_common import (
     build_layer_position_term,
     build_position_encoding,
     build_query_key_norms,
+    pairs_head_halves,
     parallelism_refusals,
     prepare_attention,
     register_peft_default_targets,
     resolve_position_ids,
-    shard_position_heads,
+    shard_heads,
 )
 from .posenc_attention import positional_attention
 from .position_interface import (
@@ -772,12 +773,22 @@ def layer_switch(
     return [switched if idx in layers else own_specs[idx] for idx in range(num_layers)]
 
 
+STOCK_PLAN_SPLITS_HEAD_PAIRS = (
+    "its stock plan gives each rank a contiguous share of the heads, and attention_normalizer {!r} pairs head h with "
+    "head h + heads / 2, which another rank holds"
+)
+
+
 def check_retrofit_parallelism(model: PreTrainedModel, parallelism: str) -> None:
     """Raise ``ValueError`` with every reason the retrofitted model cannot train under ``parallelism``
     (``modeling_posenc_common.parallelism_refusals``): its scheme's and normalizer's, and Ulysses' (the attention is
     the library's composition). Tensor parallelism keeps the stock plan (Llama's q/k/v by rows, o by columns), and the
-    attention reads its head count from q and k."""
-    reasons = parallelism_refusals(model.config, parallelism, {"sequence": SEQUENCE_PARALLEL_ATTENTION})
+    attention reads its head count from q and k; a normalizer that pairs the two halves of the heads is refused
+    there (the stock plan gives each rank a contiguous share)."""
+    family_refusals = {"sequence": SEQUENCE_PARALLEL_ATTENTION}
+    if pairs_head_halves(model.config):
+        family_refusals["tensor"] = STOCK_PLAN_SPLITS_HEAD_PAIRS.format(model.config.attention_normalizer["type"])
+    reasons = parallelism_refusals(model.config, parallelism, family_refusals)
     if reasons:
         raise ValueError(f"{type(model).__name__} cannot train under {parallelism} parallelism: {'; '.join(reasons)}.")
 
@@ -787,7 +798,7 @@ def refuse_tensor_parallel_plans(model: PreTrainedModel, distributed_config):
     cannot take, by name and before any weight is sharded."""
     if distributed_config.tp_size > 1:
         check_retrofit_parallelism(model, "tensor")
-        shard_position_heads(model)
+        shard_heads(model)
     return type(model)._resolve_parallel_plans(model, distributed_config)
 
 
@@ -842,7 +853,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
     model.create_masks_for_generate = keep_attention_mask_for_generate
     if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: the scheme keeps this rank's heads
-        shard_position_heads(model)
+        shard_heads(model)
     # one that will be loaded tensor-parallel (Transformers resolves its plans after building it)
     model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).

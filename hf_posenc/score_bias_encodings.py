@@ -7,7 +7,6 @@ Sources: Su Jianlin, "Transformer position encodings" (kexue.fm/archives/8130), 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -141,7 +140,6 @@ class T5Bias(RelativeScoreBias):
 
     name = "t5"
     parallel_refusals = {
-        "tensor": f"its bucket table: {NOT_SLICED_BY_RANK}",
         "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
         "sequence": f"its bucket table: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
     }
@@ -210,7 +208,7 @@ class T5Bias(RelativeScoreBias):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def bias_table(self, device):
-        steps = self.relative_attention_steps.weight
+        steps = self.heads_read(self.relative_attention_steps.weight, dim=1)
         return t5_bias_from_steps(steps, bidirectional=not self.dims.causal) * self.table_scale
 
     def distance_bias(self, distance, head, table):
@@ -245,27 +243,10 @@ class ALiBi(RelativeScoreBias):
         "sequence": f"its slopes: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
     }
     description = "linear bias -m_h*|i-j| with geometric head slopes (no parameters)"
-    head_range: tuple[int, int, int] | None = None
-    """Under tensor parallelism ``(start, stop, heads)``: this rank's heads ``start .. stop - 1`` of the model's
-    ``heads`` (:meth:`shard_heads`); None: every head."""
-
-    def shard_heads(self, rank: int, size: int) -> None:
-        """Tensor parallelism: keep the slopes of this rank's heads, the contiguous share of ``size`` that the
-        colwise q/k/v projections give rank ``rank`` (the scheme then counts those heads only, as q and k do)."""
-        num_heads = self.dims.num_heads
-        if num_heads % size:
-            raise ValueError(f"alibi under tensor parallelism: {num_heads} heads do not split into {size} ranks.")
-        per_rank = num_heads // size
-        self.head_range = (rank * per_rank, (rank + 1) * per_rank, num_heads)
-        self.dims = dataclasses.replace(self.dims, num_heads=per_rank)
 
     def bias_table(self, device):
-        if self.head_range is None:
-            slopes = alibi_slopes(self.dims.num_heads)
-        else:
-            start, stop, num_heads = self.head_range
-            slopes = alibi_slopes(num_heads)[start:stop]
-        return slopes.to(device=device, dtype=torch.float32)
+        """The slopes of the model's heads, read at this rank's heads under tensor parallelism."""
+        return self.heads_read(alibi_slopes(self.model_num_heads)).to(device=device, dtype=torch.float32)
 
     def distance_bias(self, distance, head, table):
         return -table[head] * distance.abs()
@@ -293,7 +274,6 @@ class KERPLE(RelativeScoreBias):
 
     name = "kerple"
     parallel_refusals = {
-        "tensor": f"its parameters r1, r2: {NOT_SLICED_BY_RANK}",
         "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
         "sequence": f"its parameters: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
     }
@@ -317,8 +297,8 @@ class KERPLE(RelativeScoreBias):
     def bias_table(self, device):
         r2_high = 2.0 if self.spec["variant"] == "power" else None
         # two tensors: FlexAttention cannot differentiate one captured tensor read at two indices per score
-        r1 = positive_straight_through(self.r1, self.minimum)
-        return {"r1": r1, "r2": positive_straight_through(self.r2, self.minimum, r2_high)}
+        r1 = positive_straight_through(self.heads_read(self.r1), self.minimum)
+        return {"r1": r1, "r2": positive_straight_through(self.heads_read(self.r2), self.minimum, r2_high)}
 
     def distance_bias(self, distance, head, table):
         distance = distance.abs().to(torch.promote_types(table["r1"].dtype, torch.float32))
@@ -452,7 +432,6 @@ class FIRE(RelativeScoreBias):
 
     name = "fire"
     parallel_refusals = {
-        "tensor": f"its MLP's output: {NOT_SLICED_BY_RANK}",
         "context": f"its bias is added to the scores; {RING_ATTENTION_ONLY}",
         "sequence": f"its MLP's output: {NOT_SLICED_BY_RANK}; {ULYSSES_KERNEL_ONLY}",
     }
@@ -482,9 +461,9 @@ class FIRE(RelativeScoreBias):
 
     def bias_table(self, device):
         breakpoints, slope, intercept = relu_mlp_pieces(*self.mlp_weights())
-        threshold = (self.threshold_scale * self.spec["threshold"]).abs()
+        c, threshold = self.shared_scalars()
         return {  # (1,)-shaped, not views: LayerPositionTerm.score_mod's rule
-            "c": torch.stack((self.c.abs(),)),
+            "c": torch.stack((c,)),
             "threshold": torch.stack((threshold,)),
             "breakpoints": breakpoints,
             "slope": slope,
@@ -516,8 +495,7 @@ class FIRE(RelativeScoreBias):
         Nothing ``(q, k)``-sized; the tables read per score are 1-d or 3-d, none 0-d."""
         with torch.autocast(query_positions.device.type, enabled=False):
             breakpoints, slope, intercept = relu_mlp_pieces(*self.mlp_weights())
-        c = self.c.abs()
-        threshold = (self.threshold_scale * self.spec["threshold"]).abs()
+        c, threshold = self.shared_scalars()
         dtype = torch.promote_types(c.dtype, torch.float32)
         distance = toeplitz_distances(query_positions, key_positions).abs().to(dtype)
 
@@ -559,9 +537,16 @@ class FIRE(RelativeScoreBias):
 
         return fire_score_mod
 
+    def shared_scalars(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``|c|`` and ``L = |l * threshold|``, 0-d, read by every head."""
+        threshold = (self.read_by_all_heads(self.threshold_scale) * self.spec["threshold"]).abs()
+        return self.read_by_all_heads(self.c).abs(), threshold
+
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``w_in``, ``b_in`` ``(width,)``, ``W_out`` ``(heads, width)``, ``b_out`` ``(heads,)``."""
-        return self.mlp_in[:, 0], self.mlp_in[:, 1], self.mlp_out[:, :-1], self.mlp_out[:, -1]
+        """``w_in``, ``b_in`` ``(width,)`` (every head reads them), ``W_out`` ``(heads, width)``, ``b_out``
+        ``(heads,)`` (this rank's heads under tensor parallelism)."""
+        mlp_in, mlp_out = self.read_by_all_heads(self.mlp_in), self.heads_read(self.mlp_out)
+        return mlp_in[:, 0], mlp_in[:, 1], mlp_out[:, :-1], mlp_out[:, -1]
 
     def normalised_distance(self, query_position, key_position, table):
         """The MLP's input ``psi(|i - j|) / (psi(max(L, i, j)) + eps)``, in float32 or wider, broadcasting."""

@@ -3,8 +3,9 @@ training; tensor parallelism through Transformers' own plan on two CPU processes
 
 The sets below state, independently of the code, which entries the catalogue declares able to run under each
 parallelism (``docs/guide.md``'s table says why): tensor parallelism splits the heads, so an entry runs under it when
-nothing it holds or builds has a row per head (a learned sink's, sharded with the heads, excepted) or is trained inside
-the heads (the input-side schemes run before the heads are split, and the sharded projections sum their gradients);
+it reads what it holds per head at its rank's heads and sums over the ranks the gradient of what every head reads (the
+input-side schemes run before the heads are split); the content schemes whose per-head projections are not read so,
+and PaTH, are refused;
 context parallelism is torch's ring attention,
 plain SDPA of softmax(q.k) on blocks of keys, so only the schemes that change q, k or the input (RoPE, the absolute
 tables, none) with softmax; sequence parallelism (Ulysses) wraps a Transformers attention function by name, which the
@@ -32,6 +33,7 @@ import hf_posenc
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.options import PARALLELISMS, resolve_spec
 from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import rank_heads
 
 
 INPUT_SIDE = {
@@ -46,12 +48,12 @@ INPUT_SIDE = {
 }
 SUPPORTED = {
     "position_encoding": {
-        "tensor": INPUT_SIDE | {"none", "rope", "xpos", "alibi"},
+        "tensor": INPUT_SIDE | {"none", "rope", "xpos", "alibi", "t5", "kerple", "fire", "fox", "shaw"},
         "context": {"learned", "sinusoidal", "none", "rope"},
         "sequence": {"learned", "sinusoidal", "none", "rope"},
     },
     "attention_normalizer": {
-        "tensor": {"softmax", "l2", "exp", "relu2", "swish_l2", "sigmoid", "softpick", "stick_breaking"},
+        "tensor": set(ATTENTION_NORMALIZERS),
         "context": {"softmax"},
         "sequence": {"softmax"},
     },
@@ -95,7 +97,7 @@ def test_every_catalogue_entry_runs_or_is_refused_by_name(kind, name, parallelis
     ("normalizer", "refused"),
     [
         ({"type": "softmax", "sink": "learned"}, {"context": "its sink"}),
-        ({"type": "softmax", "sink": 0.0}, {"tensor": "its sink", "context": "its sink"}),
+        ({"type": "softmax", "sink": 0.0}, {"context": "its sink"}),
         ({"type": "softmax", "toeplitz_gate": True}, {"tensor": "Toeplitz gate", "context": "Toeplitz gate"}),
         ({"type": "softmax", "output_gate": "headwise"}, {"tensor": "output gate"}),
         ({"type": "l2", "output_gate": "elementwise"}, {"tensor": "output gate", "context": "l2 is not softmax"}),
@@ -127,20 +129,23 @@ def test_unknown_parallelism_is_refused_with_the_choices():
         make_model("bert", "rope").check_parallelism("pipeline")
 
 
-@pytest.mark.parametrize("scheme", ["t5", "kerple", "fire", "fox", "shaw"])
+@pytest.mark.parametrize("scheme", ["pope", "xlnet", "relative_key", "path"])
 def test_tensor_parallel_plans_are_refused_before_sharding(scheme):
     """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))`` resolves the plans before it shards
     any weight: the refusal comes from there, naming the scheme."""
-    model = make_model("bert", scheme, is_decoder=scheme == "fox")
+    model = model_with("position_encoding", scheme)
     with pytest.raises(ValueError, match=f"position_encoding '{scheme}' refuses tensor parallelism"):
         model._resolve_parallel_plans(DistributedConfig(tp_size=2))
 
 
 @pytest.mark.parametrize(
     ("normalizer", "message"),
-    [({"type": "softmax", "sink": 0.0}, "its sink"), ("differential", "head pairs")],
+    [
+        ({"type": "softmax", "toeplitz_gate": True}, "Toeplitz gate"),
+        ({"type": "l2", "output_gate": "headwise"}, "output gate"),
+    ],
 )
-def test_tensor_parallel_plans_refuse_per_head_normalizers(normalizer, message):
+def test_tensor_parallel_plans_refuse_per_head_gates(normalizer, message):
     model = make_model("bert", "rope", normalizer)
     with pytest.raises(ValueError, match=message):
         model._resolve_parallel_plans(DistributedConfig(tp_size=2))
@@ -151,14 +156,36 @@ def test_gpt2_family_refuses_tensor_parallelism_by_its_fused_projection():
         make_model("gpt2", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))
 
 
-def test_a_learned_sink_is_sharded_with_the_heads():
-    """Its logits per head go with the heads they belong to (``colwise``: split along the heads), as Transformers'
-    ``granite_swa`` shards its sinks; without a sink the plan has no such rule."""
+def test_differential_packs_each_half_of_the_heads():
+    """Differential attention pairs head h with head h + heads / 2: q, k and v are packed halves (each rank a share
+    of each half, bias as weight), the output projection ``rowwise`` as for every normalizer; a learned sink needs no
+    rule (it stays whole, each rank reading its heads)."""
+    layer = "bert.encoder.layer.1.attention."
+    differential = make_model("bert", "rope", "differential")._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+    assert {name: differential[layer + "self." + name] for name in ("query", "key", "value")} == dict.fromkeys(
+        ("query", "key", "value"), "packed_halves_colwise"
+    )
+    assert differential[layer + "output.dense"] == "rowwise"
     sink = make_model("bert", "rope", {"type": "softmax", "sink": "learned"})
     tp_plan = sink._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
-    assert tp_plan["bert.encoder.layer.1.attention.self.normalizer.sink"] == "colwise"
-    plain = make_model("bert", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
-    assert not any("sink" in name for name in plain)
+    assert tp_plan[layer + "self.query"] == "colwise" and not any("sink" in name for name in tp_plan)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "size", "halves", "expected"),
+    [
+        (4, 2, False, [(0, 1), (2, 3)]),
+        (8, 4, False, [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        (4, 2, True, [(0, 2), (1, 3)]),
+        (8, 2, True, [(0, 1, 4, 5), (2, 3, 6, 7)]),
+    ],
+)
+def test_each_rank_holds_the_heads_its_projections_give_it(num_heads, size, halves, expected):
+    """``colwise`` gives rank r the rows r * rows / size onwards, a contiguous share of the heads; ``packed_colwise``
+    (two packed halves) the same share of each half."""
+    assert [rank_heads(num_heads, rank, size, halves) for rank in range(size)] == expected
+    with pytest.raises(ValueError, match="6 attention heads do not split into 2 halves of 2 shares"):
+        rank_heads(6, 0, 2, halves=True)
 
 
 def test_bert_family_plan_shards_every_projection_of_the_heads_and_feed_forward():
@@ -184,25 +211,33 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config)
 
 
-def test_retrofitted_llama_with_t5_is_refused_tensor_parallelism():
-    """Llama's stock plan shards the heads; T5's table is built for every head, so the retrofitted model is refused
-    when its plans are resolved, and at once, before any module changes, when it is already sharded."""
-    model = hf_posenc.retrofit(tiny_llama(), position_encoding="t5")
+def test_retrofitted_llama_refuses_tensor_parallelism_by_its_scheme_or_its_head_pairs():
+    """Llama's stock plan shards the heads contiguously: a scheme that refuses tensor parallelism (PoPE's phase bias),
+    or differential attention, whose head pairs would sit on two ranks, is refused when the plans are resolved, and
+    at once, before any module changes, when the model is already sharded."""
+    model = hf_posenc.retrofit(tiny_llama(), position_encoding="pope")
     with pytest.raises(ValueError, match="LlamaForCausalLM cannot train under tensor parallelism: position_encoding"):
         model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    differential = hf_posenc.retrofit(tiny_llama(), position_encoding="rope", attention_normalizer="differential")
+    with pytest.raises(ValueError, match="contiguous share of the heads, and attention_normalizer 'differential'"):
+        differential._resolve_parallel_plans(DistributedConfig(tp_size=2))
     sharded = tiny_llama()
     sharded._tp_size = 2
-    with pytest.raises(ValueError, match="'t5' refuses tensor parallelism"):
-        hf_posenc.retrofit(sharded, position_encoding="t5")
+    with pytest.raises(ValueError, match="'pope' refuses tensor parallelism"):
+        hf_posenc.retrofit(sharded, position_encoding="pope")
     assert type(sharded.model.layers[0].self_attn) is transformers.models.llama.modeling_llama.LlamaAttention
     rope = hf_posenc.retrofit(tiny_llama(), position_encoding="rope")
     assert "model.layers.0.self_attn.q_proj" in rope._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
 
 
 # Tensor parallelism on two processes: (name, the saved model's builder, its Auto class). The BERT family's masked LM
-# and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters, a
-# learned sink sharded with the heads, ALiBi's slopes of each rank's heads; and retrofitted Llamas with RoPE and ALiBi
-# under Llama's stock plan (ALiBi's crashed at the first forward before its slopes were sliced by rank).
+# and its decoder (the decoder-only stick-breaking), input-side and rotary schemes, normalizers without parameters;
+# each kind of per-head parameter read at each rank's heads: a learned sink, SSMax's scales, T5's table, KERPLE's r1
+# and r2, FIRE's MLP output (its input layer, c and L read by every head), FoX's gate projection (from the layer's
+# whole input), ALiBi's slopes, a fixed sink; Shaw's tables, read by every head; differential attention, whose q, k, v
+# are packed halves (each rank holds heads 0 and 2, or 1 and 3), with T5's table at those heads; and retrofitted
+# Llamas with RoPE and ALiBi under Llama's stock plan (ALiBi's crashed at the first forward before its slopes were
+# read by rank).
 TP_CASES = {
     "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
     "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
@@ -223,6 +258,18 @@ TP_CASES = {
         lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="alibi"),
         transformers.AutoModelForCausalLM,
     ),
+    "bert-t5-softmax": (lambda: make_model("bert", "t5", "softmax"), transformers.AutoModelForMaskedLM),
+    "bert-kerple-ssmax": (lambda: make_model("bert", "kerple", "ssmax"), transformers.AutoModelForMaskedLM),
+    "bert-fire-softmax_fixed_sink": (
+        lambda: make_model("bert", "fire", {"type": "softmax", "sink": 0.0}),
+        transformers.AutoModelForMaskedLM,
+    ),
+    "bert-shaw-softmax": (lambda: make_model("bert", "shaw", "softmax"), transformers.AutoModelForMaskedLM),
+    "bert_decoder-fox-softmax": (
+        lambda: make_model("bert", "fox", "softmax", is_decoder=True),
+        transformers.AutoModelForCausalLM,
+    ),
+    "bert-t5-differential": (lambda: make_model("bert", "t5", "differential"), transformers.AutoModelForMaskedLM),
 }
 BATCH = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(5))
 QUERY_WEIGHTS = ("0.attention.self.query.weight", "0.self_attn.q_proj.weight")
@@ -266,7 +313,12 @@ def tensor_parallel(tmp_path_factory) -> dict:
     """Every case saved once, loaded by two processes with ``DistributedConfig(tp_size=2)``; rank 0's results."""
     root = tmp_path_factory.mktemp("tensor_parallel")
     for name, (build, _) in TP_CASES.items():
-        build().save_pretrained(root / name)
+        model = build()
+        with torch.no_grad():  # the family inits biases to 0: drawn, a bias split unlike its weight shows
+            for key, parameter in model.named_parameters():
+                if key.endswith(".bias"):
+                    parameter.normal_(0.0, 0.1)
+        model.save_pretrained(root / name)
     mp.spawn(run_tensor_parallel, args=(free_port(), root), nprocs=2)
     return {"root": root, **torch.load(root / "results.pt")}
 
@@ -295,7 +347,7 @@ def test_tensor_parallel_step_equals_one_process(tensor_parallel, name):
         ("gpt2", "alibi", {"cp_size": 2}, "position_encoding 'alibi' refuses context parallelism"),
         ("gpt2", "rope", {"cp_size": 2}, r"set its cp_size to 1\.$"),
         ("bert", "rope", {"tp_size": 2}, r"set its tp_size to 1\.$"),
-        ("bert", "t5", {"tp_size": 2}, "position_encoding 't5' refuses tensor parallelism"),
+        ("bert", "pope", {"tp_size": 2}, "position_encoding 'pope' refuses tensor parallelism"),
         ("gpt2", "rope", {"sp_size": 2}, "Ulysses does not wrap"),
     ],
 )
