@@ -153,14 +153,12 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     @classmethod
     def parallelism_refusal(cls, spec: dict[str, Any], parallelism: str) -> str | None:
         """The gates first: the Toeplitz gate has a row per head and reads the weights at each query's distance to
-        each key; the output gate is a projection of every head's output, kept whole on each rank."""
+        each key (under tensor parallelism each rank reads its heads' rows, as it reads the output gate's)."""
         refusal = super().parallelism_refusal(spec, parallelism)
-        if spec["toeplitz_gate"] and parallelism in ("tensor", "sequence"):
+        if spec["toeplitz_gate"] and parallelism == "sequence":
             return f"its Toeplitz gate: {NOT_SLICED_BY_RANK}"
         if spec["toeplitz_gate"] and parallelism == "context":
             return f"its Toeplitz gate reads the weights; {RING_ATTENTION_ONLY}"
-        if spec["output_gate"] is not None and parallelism == "tensor":
-            return "its output gate projects to every head's output and is not sharded with the heads"
         return refusal
 
     @classmethod
@@ -253,9 +251,10 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
             return output
         if hidden_states is None:
             raise ValueError("output_gate reads the layer's input: pass hidden_states to positional_attention.")
-        batch, heads, q_len, _ = output.shape
+        batch, _, q_len, _ = output.shape
         gate = torch.sigmoid(self.output_gate(hidden_states.to(self.output_gate.weight.dtype)))
-        gate = gate.view(batch, q_len, heads, -1).transpose(1, 2)  # (batch, heads, q_len, head_dim or 1)
+        gate = gate.view(batch, q_len, self.model_num_heads, -1)  # this rank's heads under tensor parallelism:
+        gate = self.heads_read(gate, dim=2).transpose(1, 2)  # (batch, heads, q_len, head_dim or 1)
         return output * gate.to(output.dtype)
 
     def gate_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -266,7 +265,7 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
         else:
             index = distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
         heads = torch.arange(self.dims.num_heads, device=index.device)[None, :, None, None]
-        return self.toeplitz_gate[heads, index]
+        return self.heads_read(self.toeplitz_gate)[heads, index]
 
     def flex_output(
         self,

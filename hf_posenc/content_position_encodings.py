@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .options import ALONG_THE_SEQUENCE, PARTIAL_GRADIENT, RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
+from .options import ALONG_THE_SEQUENCE, RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
 from .position_interface import (
     AttentionDims,
     AttentionInputs,
@@ -210,10 +210,11 @@ class TransformerXLTerm(LayerPositionTerm):
         scaled, ``(batch, heads, 1, kv_len)`` (term 3, the same for every query). The scale goes on the small factors,
         not on a ``(q_len, kv_len)`` result."""
         sinusoids = tables["xl_sinusoids"].to(self.position_key.weight.dtype)
-        rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (h, rows, d)
+        rows = self.position_key(sinusoids).view(-1, self.num_heads, self.head_dim)
+        rows = self.heads_read(rows, dim=1).transpose(0, 1)  # (heads, rows, d): this rank's under tensor parallelism
         rows = (rows * scaling).transpose(-1, -2).to(query.dtype)
-        shifted_query = query + self.position_bias[:, None].to(query.dtype)
-        content_bias = (self.content_bias * scaling)[:, None].to(key.dtype)
+        shifted_query = query + self.heads_read(self.position_bias)[:, None].to(query.dtype)
+        content_bias = (self.heads_read(self.content_bias) * scaling)[:, None].to(key.dtype)
         content_scores = torch.matmul(content_bias, key.transpose(-1, -2))  # a matmul, not a view (score_mod's rule)
         return shifted_query, rows, content_scores
 
@@ -268,7 +269,6 @@ class TransformerXL(PositionEncoding):
 
     name = "xlnet"
     parallel_refusals = {
-        "tensor": f"its biases u, v and its position projection {PARTIAL_GRADIENT}",
         "context": f"its term reads queries against relative positions; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -412,7 +412,8 @@ class DeBERTaTerm(LayerPositionTerm):
                 self.pos_query_proj = nn.Linear(dims.hidden_size, dims.hidden_size)
 
     def heads(self, states: torch.Tensor) -> torch.Tensor:
-        return states.view(-1, self.num_heads, self.head_dim).transpose(0, 1)
+        """``(rows, hidden)`` -> ``(heads, rows, head_dim)``, this rank's heads under tensor parallelism."""
+        return self.heads_read(states.view(-1, self.num_heads, self.head_dim), dim=1).transpose(0, 1)
 
     def row_tables(
         self, key: torch.Tensor, embeddings: torch.Tensor, scaling: float, project_query_key: QueryKeyProjection
@@ -483,7 +484,6 @@ class DeBERTa(PositionEncoding):
 
     name = "deberta"
     parallel_refusals = {
-        "tensor": f"its position projections {PARTIAL_GRADIENT}",
         "context": f"its terms read content against relative positions; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -585,7 +585,6 @@ class TUPE(PositionEncoding):
 
     name = "tupe"
     parallel_refusals = {
-        "tensor": f"its position projections U_Q, U_K {PARTIAL_GRADIENT}",
         "context": f"its position scores are added to the content scores; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -653,7 +652,8 @@ class TUPE(PositionEncoding):
                     "max_position_embeddings) larger, or use a relative scheme."
                 )
         states = projection(self.LayerNorm(self.table(positions)))
-        return states.view(*positions.shape, self.dims.num_heads, self.dims.head_dim).transpose(1, 2)
+        states = states.view(*positions.shape, self.model_num_heads, self.dims.head_dim)
+        return self.heads_read(states, dim=-2).transpose(1, 2)
 
     def untied_term(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """``(p_i U_Q)(p_j U_K)^T / sqrt(2d)``: ``(batch|1, heads, q_len, kv_len)``, one matmul of the projected
@@ -671,7 +671,7 @@ class TUPE(PositionEncoding):
             num_buckets=self.spec["num_buckets"],
             max_distance=self.spec["max_distance"],
         )
-        return self.relative_attention_bias.weight[bucket, head]
+        return self.heads_read(self.relative_attention_bias.weight, dim=1)[bucket, head]
 
     def untie_cls(
         self, bias: torch.Tensor, query_position: torch.Tensor, key_position: torch.Tensor, head: torch.Tensor
@@ -680,8 +680,9 @@ class TUPE(PositionEncoding):
         included), ``theta_2`` on its column; ``bias`` unchanged without ``cls_untying``."""
         if not self.cls_untying:
             return bias
-        bias = torch.where(key_position == 0, self.others_to_cls[head].to(bias.dtype), bias)
-        return torch.where(query_position == 0, self.cls_to_others[head].to(bias.dtype), bias)
+        others_to_cls, cls_to_others = self.heads_read(self.others_to_cls), self.heads_read(self.cls_to_others)
+        bias = torch.where(key_position == 0, others_to_cls[head].to(bias.dtype), bias)
+        return torch.where(query_position == 0, cls_to_others[head].to(bias.dtype), bias)
 
     def prepare(self, query_positions, key_positions, backend, consecutive=False):
         """Eager and SDPA: the whole bias as one table, once per forward: the untied term (one matmul), plus the
@@ -723,8 +724,8 @@ class TUPE(PositionEncoding):
             query_features = query_features * (query_positions != 0)[:, None, :, None]
             key_features = key_features * (key_positions != 0)[:, None, :, None]
             q_len, kv_len = query_positions.shape[-1], key_positions.shape[-1]
-            tables["tupe_cls_per_key"] = self.others_to_cls[:, None].repeat(1, kv_len)
-            tables["tupe_cls_per_query"] = self.cls_to_others[:, None].repeat(1, q_len)
+            tables["tupe_cls_per_key"] = self.heads_read(self.others_to_cls)[:, None].repeat(1, kv_len)
+            tables["tupe_cls_per_query"] = self.heads_read(self.cls_to_others)[:, None].repeat(1, q_len)
         return {**tables, "tupe_query_features": query_features, "tupe_key_features": key_features}
 
     def flex_query_key(self, query, key, tables):
@@ -785,7 +786,9 @@ class CoPETerm(LayerPositionTerm):
 
         def chunk_scores(start: int, stop: int) -> torch.Tensor:
             chunk_visible = None if visible is None else visible[..., start:stop, :]
-            return cope_scores(query[..., start:stop, :], key, chunk_visible, self.position_embeddings, scaling)
+            return cope_scores(query[..., start:stop, :], key, chunk_visible, embeddings, scaling)
+
+        embeddings = self.read_by_all_heads(self.position_embeddings)
 
         return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device, self.query_chunk)
 
@@ -830,7 +833,6 @@ class CoPE(PositionEncoding):
 
     name = "cope"
     parallel_refusals = {
-        "tensor": f"its position table {PARTIAL_GRADIENT}",
         "context": f"its gates are summed over the keys: {ALONG_THE_SEQUENCE}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }
@@ -873,7 +875,7 @@ class RelativeKeyTerm(LayerPositionTerm):
         not on a ``(q_len, kv_len)`` result). ``window``: the rows of the distances present, in the order of
         :mod:`~hf_posenc.relative_tables`' columns (an ``index_select`` of the parameter, whose gradient lands in
         those rows); None: every row."""
-        table = self.distance_embedding.weight
+        table = self.read_by_all_heads(self.distance_embedding.weight)
         if window is not None:
             table = table.index_select(0, window)
         rows = (table * scaling).T.to(query.dtype)
@@ -935,7 +937,6 @@ class RelativeKey(PositionEncoding):
 
     name = "relative_key"
     parallel_refusals = {
-        "tensor": f"its distance table {PARTIAL_GRADIENT}",
         "context": f"its term reads queries and keys at their distance; {RING_ATTENTION_ONLY}",
         "sequence": ULYSSES_KERNEL_ONLY,
     }

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .options import ALONG_THE_SEQUENCE, NOT_SLICED_BY_RANK, Option
+from .options import ALONG_THE_SEQUENCE, Option
 from .position_interface import AttentionDims, LayerPositionTerm, PositionEncoding
 
 
@@ -228,9 +228,12 @@ class HouseholderTerm(LayerPositionTerm):
     def layer_tables(self, hidden_states, attention_inputs, store):
         compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         batch, q_len, _ = hidden_states.shape
+        # every head's directions and strengths, read at this rank's heads under tensor parallelism
         directions = self.direction(hidden_states).to(compute_dtype).view(batch, q_len, self.num_heads, -1)
+        directions = self.heads_read(directions, dim=2)
         directions = directions * torch.rsqrt(directions.square().sum(-1, keepdim=True) + 1e-6)  # fla's l2_norm
-        strengths = 2.0 * torch.sigmoid(self.strength(hidden_states).to(compute_dtype))  # (batch, q_len, heads)
+        strengths = 2.0 * torch.sigmoid(self.heads_read(self.strength(hidden_states), dim=-1).to(compute_dtype))
+        heads = strengths.shape[-1]  # (batch, q_len, heads)
         states = torch.cat((directions.flatten(-2), strengths), dim=-1)
         width = states.shape[-1]
         tables = {}
@@ -250,8 +253,8 @@ class HouseholderTerm(LayerPositionTerm):
         elif store is not None:
             states = store("path_state", states)
         kv_len = states.shape[1]
-        directions = states[..., : width - self.num_heads].reshape(batch, kv_len, self.num_heads, -1).transpose(1, 2)
-        strengths = states[..., width - self.num_heads :].transpose(1, 2)
+        directions = states[..., : width - heads].reshape(batch, kv_len, heads, -1).transpose(1, 2)
+        strengths = states[..., width - heads :].transpose(1, 2)
         return {**tables, "path_directions": directions.contiguous(), "path_strengths": strengths.contiguous()}
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
@@ -325,7 +328,6 @@ class PaTH(PositionEncoding):
 
     name = "path"
     parallel_refusals = {
-        "tensor": f"its direction and strength projections: {NOT_SLICED_BY_RANK}",
         "context": f"its Householder products run along the sequence: {ALONG_THE_SEQUENCE}",
         "sequence": f"its Householder products: {ALONG_THE_SEQUENCE}",
     }

@@ -28,9 +28,6 @@ RING_ATTENTION_ONLY = (
 ULYSSES_KERNEL_ONLY = "Ulysses wraps a Transformers attention kernel (SDPA, flash), which computes softmax of q.k only"
 ALONG_THE_SEQUENCE = "it is computed along the sequence, so a rank holding a share of the sequence computes another"
 NOT_SLICED_BY_RANK = "one row per head, built for every head and not sliced by rank"
-PARTIAL_GRADIENT = (
-    "are trained inside the heads, so each rank's gradient covers its own heads and is not summed over the ranks"
-)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers import initialization as init
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .options import NOT_SLICED_BY_RANK, UNDECLARED_PARALLELISM, Option
+from .options import UNDECLARED_PARALLELISM, Option
 from .position_interface import PositionEncoding
 
 
@@ -462,7 +462,6 @@ class PoPE(PositionEncoding):
 
     name = "pope"
     parallel_refusals = {
-        "tensor": f"its phase bias: {NOT_SLICED_BY_RANK}",
         "context": UNDECLARED_PARALLELISM,
         "sequence": UNDECLARED_PARALLELISM,
     }
@@ -487,9 +486,8 @@ class PoPE(PositionEncoding):
         phases = (query_positions[..., None].float() * frequencies)[:, None]  # (batch|1, 1, seq, d)
         query_phases = phases
         if self.phase_bias is not None:  # t theta - delta on q: cos((t - s) theta - delta), as delta on k
-            query_phases = (
-                phases - clamp_with_gradient_at_bounds(self.phase_bias.float(), -2 * math.pi, 0.0)[None, :, None, :]
-            )
+            phase_bias = clamp_with_gradient_at_bounds(self.heads_read(self.phase_bias).float(), -2 * math.pi, 0.0)
+            query_phases = phases - phase_bias[None, :, None, :]
         return {
             "query_cos": query_phases.cos(),
             "query_sin": query_phases.sin(),
