@@ -217,9 +217,10 @@ def test_retrofitted_llama_refuses_tensor_parallelism_for_differential_head_pair
 # each kind of per-head parameter read at each rank's heads: a learned sink, SSMax's scales, T5's table, KERPLE's r1
 # and r2, FIRE's MLP output (its input layer, c and L read by every head), FoX's gate projection (from the layer's
 # whole input), ALiBi's slopes, a fixed sink; Shaw's tables, read by every head; differential attention, whose q, k, v
-# are packed halves (each rank holds heads 0 and 2, or 1 and 3), with T5's table at those heads; and retrofitted
-# Llamas with RoPE and ALiBi under Llama's stock plan (ALiBi's crashed at the first forward before its slopes were
-# read by rank).
+# are packed halves (each rank holds heads 0 and 2, or 1 and 3), with T5's table at those heads; PoPE's phase bias,
+# the Toeplitz and output gates, the content schemes' per-head biases and projections, PaTH's; and retrofitted Llamas
+# (grouped-query attention) under Llama's stock plan with RoPE, ALiBi (which crashed at the first forward before its
+# slopes were read by rank), T5, and FoX with SSMax.
 TP_CASES = {
     "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
     "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
@@ -278,6 +279,14 @@ TP_CASES = {
     ),
     "bert_decoder-path_fox-softmax": (
         lambda: make_model("bert", {"type": "path", "forget_gate": True}, "softmax", is_decoder=True),
+        transformers.AutoModelForCausalLM,
+    ),
+    "llama-retrofit-t5": (
+        lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="t5"),
+        transformers.AutoModelForCausalLM,
+    ),
+    "llama-retrofit-fox-ssmax": (
+        lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="fox", attention_normalizer="ssmax"),
         transformers.AutoModelForCausalLM,
     ),
 }
