@@ -111,8 +111,10 @@ def rank_heads(num_heads: int, rank: int, size: int, halves: bool = False) -> tu
     ``halves`` (``packed_colwise``, two halves of the heads packed in one projection) its share of each half."""
     parts = 2 if halves else 1
     if num_heads % (parts * size):
-        shares = f"{parts} halves of {size} shares" if halves else f"{size} shares"
-        raise ValueError(f"Tensor parallelism: {num_heads} attention heads do not split into {shares}.")
+        halves_of = f", in two halves of {num_heads / 2:g}," if halves else ""
+        raise ValueError(
+            f"Tensor parallelism: {num_heads} attention heads{halves_of} do not split evenly between {size} ranks."
+        )
     per_part = num_heads // parts
     share = per_part // size
     return tuple(part * per_part + rank * share + head for part in range(parts) for head in range(share))

@@ -169,8 +169,10 @@ def test_each_rank_holds_the_heads_its_projections_give_it(num_heads, size, halv
     """``colwise`` gives rank r the rows r * rows / size onwards, a contiguous share of the heads; ``packed_colwise``
     (two packed halves) the same share of each half."""
     assert [rank_heads(num_heads, rank, size, halves) for rank in range(size)] == expected
-    with pytest.raises(ValueError, match="6 attention heads do not split into 2 halves of 2 shares"):
+    with pytest.raises(ValueError, match="6 attention heads, in two halves of 3, do not split evenly between 2 ranks"):
         rank_heads(6, 0, 2, halves=True)
+    with pytest.raises(ValueError, match="6 attention heads do not split evenly between 4 ranks"):
+        rank_heads(6, 0, 4)
 
 
 def test_bert_family_plan_shards_every_projection_of_the_heads_and_feed_forward():
