@@ -501,6 +501,15 @@ class PosEncGPT2Config(GPT2Config):
     _auto_class = "AutoConfig"
     # GPT-2 reads max_position_embeddings as n_positions; here it is a property, the schemes' length limit.
     attribute_map = {key: name for key, name in GPT2Config.attribute_map.items() if key != "max_position_embeddings"}
+    # tensor parallelism: each rank computes a share of the heads and of the feed-forward width. GPT-2's Conv1D
+    # weights are (in, out): c_attn by output columns as three packed parts q|k|v, c_fc by output columns, the
+    # output projections by input rows (styles registered by the modeling code)
+    base_model_tp_plan = {
+        "h.*.attn.c_attn": "conv1d_packed_qkv_colwise",
+        "h.*.attn.c_proj": "conv1d_rowwise",
+        "h.*.mlp.c_fc": "conv1d_colwise",
+        "h.*.mlp.c_proj": "conv1d_rowwise",
+    }
 
     position_encoding: str | dict | list = "learned"
     attention_normalizer: str | dict = "softmax"

@@ -3,6 +3,7 @@ per-forward attention set-up (backend, mask, position context), and saving as se
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 from typing import Any
@@ -12,6 +13,7 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.pytorch_utils import Conv1D
 
 from .attention_backends import build_attention_mask, build_dense_mask, choose_route, forward_facts
 from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
@@ -365,10 +367,37 @@ PACKED_HALVES_STYLE = "packed_halves_colwise"
 """The tensor-parallel style of q, k and v under a normalizer that pairs the two halves of the heads: Transformers'
 ``packed_colwise`` (each rank a share of each half of the weight's rows), with the bias split as its weight."""
 
+CONV1D_COLWISE_STYLE = "conv1d_colwise"
+"""``colwise`` for GPT-2's ``Conv1D`` (weight ``(in, out)``): the output columns and the bias split between ranks."""
+CONV1D_PACKED_QKV_STYLE = "conv1d_packed_qkv_colwise"
+"""GPT-2's fused q/k/v ``Conv1D`` (``c_attn``): its output columns q|k|v as three packed parts, each rank taking its
+heads' columns of each part, the bias alike."""
+CONV1D_PACKED_QKV_HALVES_STYLE = "conv1d_packed_qkv_halves_colwise"
+"""``c_attn`` under a normalizer that pairs the two halves of the heads: q, k and v each as two packed halves (six
+parts), each rank taking a share of each half of each."""
+CONV1D_ROWWISE_STYLE = "conv1d_rowwise"
+"""``rowwise`` for GPT-2's ``Conv1D``: the input rows split between ranks, the bias added once after their sum."""
+
+
+def refuse_other_than_conv1d(module: torch.nn.Module, split: str) -> None:
+    """The Conv1D styles split a weight stored ``(in, out)``; any other module would be split along the wrong dim."""
+    if not isinstance(module, Conv1D):
+        raise ValueError(
+            f"{type(module).__name__} is not a Conv1D: the conv1d tensor-parallel styles split a (in, out) weight "
+            f"along its {split}; use colwise or rowwise for nn.Linear."
+        )
+
+
 if torch.distributed.is_available():
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
+    from transformers.distributed.parallel_utils import _use_local_dtensor_params
+    from transformers.distributed.tensor_parallel import (
+        ALL_PARALLEL_STYLES,
+        PackedColwiseParallel,
+        RowwiseParallel,
+        TensorParallelLayer,
+    )
 
     class PackedHalvesColwiseParallel(PackedColwiseParallel):
         """``packed_colwise`` whose bias is split as its weight (``_StridedShard``: a share of each half).
@@ -385,6 +414,73 @@ if torch.distributed.is_available():
             )
 
     ALL_PARALLEL_STYLES.register(PACKED_HALVES_STYLE, PackedHalvesColwiseParallel())
+
+    class Conv1DColwiseParallel(PackedColwiseParallel):
+        """``colwise`` (``split_factor`` 1) or ``packed_colwise`` for GPT-2's ``Conv1D``, whose weight is
+        ``(in, out)``: the weight split along its output columns (dim 1), the bias alike (dim 0), each rank taking
+        its share of each of the ``split_factor`` packed parts. Runs on local tensors, the input's gradient summed
+        over the ranks, as ``packed_colwise``."""
+
+        def shard_param(self, module, param, mesh):
+            meta = module._parameters.get(param)
+            if meta is None:
+                return
+            dim = meta.ndim - 1
+            placement = Shard(dim) if self.split_factor == 1 else _StridedShard(dim, split_factor=self.split_factor)
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+            )
+
+        def install_forward(self, module, mesh):
+            refuse_other_than_conv1d(module, "columns")
+            return super().install_forward(module, mesh)
+
+        @contextlib.contextmanager
+        def context_around_forward(self, module, mesh):
+            """Local parameters, and ``nf`` (by which ``Conv1D`` shapes its output) this rank's columns."""
+            full_width = module.nf
+            module.nf = module.weight.to_local().shape[1]
+            try:
+                with super().context_around_forward(module, mesh):
+                    yield
+            finally:
+                module.nf = full_width
+
+    class Conv1DRowwiseParallel(RowwiseParallel):
+        """``rowwise`` for GPT-2's ``Conv1D`` (weight ``(in, out)``): the weight split along its input rows (dim 0),
+        the input this rank's share of its last dim, the bias whole and added once, after the ranks' partial products
+        are summed. Runs on local tensors; ``Conv1D``'s ``addmm`` takes a zero bias during the forward."""
+
+        def should_use_local_tensors(self, module):
+            return True
+
+        def shard_param(self, module, param, mesh):
+            meta = module._parameters.get(param)
+            if meta is None:
+                return
+            placement = Replicate() if param == "bias" else Shard(0)
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+            )
+
+        def install_forward(self, module, mesh):
+            refuse_other_than_conv1d(module, "rows")
+            return TensorParallelLayer.install_forward(self, module, mesh)
+
+        @contextlib.contextmanager
+        def context_around_forward(self, module, mesh):
+            bias = module._parameters["bias"]
+            module._parameters["bias"] = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+            try:
+                with _use_local_dtensor_params(module):
+                    yield
+            finally:
+                module._parameters["bias"] = bias
+
+    ALL_PARALLEL_STYLES.register(CONV1D_COLWISE_STYLE, Conv1DColwiseParallel(split_factor=1))
+    ALL_PARALLEL_STYLES.register(CONV1D_PACKED_QKV_STYLE, Conv1DColwiseParallel(split_factor=3))
+    ALL_PARALLEL_STYLES.register(CONV1D_PACKED_QKV_HALVES_STYLE, Conv1DColwiseParallel(split_factor=6))
+    ALL_PARALLEL_STYLES.register(CONV1D_ROWWISE_STYLE, Conv1DRowwiseParallel())
 
 
 def pairs_head_halves(config) -> bool:

@@ -27,6 +27,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_posenc import PosEncGPT2Config
 from .modeling_posenc_common import (
+    CONV1D_PACKED_QKV_HALVES_STYLE,
     PosEncPreTrainedMixin,
     PositionalLayer,
     auto_map_for,
@@ -35,6 +36,7 @@ from .modeling_posenc_common import (
     build_position_encoding,
     build_query_key_norms,
     check_input_ids,
+    pairs_head_halves,
     prepare_attention,
     reject_unsupported_inputs,
     resolve_position_ids,
@@ -75,7 +77,8 @@ class PosEncGPT2Attention(nn.Module):
     def project(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(..., hidden)`` -> q, k, v as ``(..., heads, head_dim)``, q and k through the QK-norm if there is one."""
         shape = (*states.shape[:-1], -1, self.head_dim)
-        query, key, value = (t.view(shape) for t in self.c_attn(states).split(self.embed_dim, dim=-1))
+        # q|k|v in three equal parts: each a share of the heads under tensor parallelism
+        query, key, value = (t.view(shape) for t in self.c_attn(states).chunk(3, dim=-1))
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         return query, key, value
@@ -148,15 +151,19 @@ class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
     _no_split_modules = ["PosEncGPT2Block"]
     _skip_keys_device_placement = [CACHE_NAME]
     peft_stock_types = ("gpt2",)  # LoRA targets as in stock GPT-2: c_attn
-    family_parallel_refusals = {
-        **PosEncPreTrainedMixin.family_parallel_refusals,
-        "tensor": "GPT-2's q/k/v projection c_attn is one fused Conv1D, for which Transformers 5.24 has no "
-        "tensor-parallel style (its colwise and packed styles shard nn.Linear weights)",
-    }
     _can_record_outputs = {
         "hidden_states": PosEncGPT2Block,
         "attentions": OutputRecorder(PosEncGPT2Attention, index=1),
     }
+
+    def init_parallel_plans(self) -> None:
+        """Transformers' plans; with a normalizer that pairs head ``h`` with head ``h + heads / 2`` (differential),
+        ``c_attn`` split as q, k and v each in two packed halves (``CONV1D_PACKED_QKV_HALVES_STYLE``: each rank a
+        share of each half, so a pair stays on one rank, and its pairs' outputs fill a contiguous share of
+        ``c_proj``'s input)."""
+        super().init_parallel_plans()
+        if self.base_model is self and pairs_head_halves(self.config):
+            self._tp_plan["h.*.attn.c_attn"] = CONV1D_PACKED_QKV_HALVES_STYLE
 
     @torch.no_grad()
     def _init_weights(self, module):

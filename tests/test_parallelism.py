@@ -4,12 +4,11 @@ training; tensor parallelism through Transformers' own plan on two CPU processes
 The sets below state, independently of the code, which entries the catalogue declares able to run under each
 parallelism (``docs/guide.md``'s table says why): tensor parallelism splits the heads, and every entry reads what it
 holds per head at its rank's heads and sums over the ranks the gradient of what every head reads (the input-side
-schemes run before the heads are split), so every entry runs under it (the GPT-2 family refuses it by its fused
-projection, a retrofitted model differential attention by the stock plan); context parallelism is torch's ring
-attention,
-plain SDPA of softmax(q.k) on blocks of keys, so only the schemes that change q, k or the input (RoPE, the absolute
-tables, none) with softmax; sequence parallelism (Ulysses) wraps a Transformers attention function by name, which the
-families' own composition is not, so every model refuses it.
+schemes run before the heads are split), so every entry runs under it (a retrofitted model refuses differential
+attention by the stock plan); context parallelism is torch's ring attention, plain SDPA of softmax(q.k) on blocks of
+keys, so only the schemes that change q, k or the input (RoPE, the absolute tables, none) with softmax; sequence
+parallelism (Ulysses) wraps a Transformers attention function by name, which the families' own composition is not, so
+every model refuses it.
 """
 
 from __future__ import annotations
@@ -136,9 +135,34 @@ def test_unknown_parallelism_is_refused_with_the_choices():
         make_model("bert", "rope").check_parallelism("pipeline")
 
 
-def test_gpt2_family_refuses_tensor_parallelism_by_its_fused_projection():
-    with pytest.raises(ValueError, match="c_attn is one fused Conv1D"):
-        make_model("gpt2", "rope")._resolve_parallel_plans(DistributedConfig(tp_size=2))
+def test_gpt2_family_plan_splits_its_conv1d_projections():
+    """GPT-2's Conv1D weights are (in, out): c_attn by output columns as three packed parts q|k|v (six, two halves
+    each, under differential), c_fc by output columns, both output projections by input rows; weight and bias under
+    one rule."""
+    layer = "transformer.h.1."
+    expected = {
+        "attn.c_attn": "conv1d_packed_qkv_colwise",
+        "attn.c_proj": "conv1d_rowwise",
+        "mlp.c_fc": "conv1d_colwise",
+        "mlp.c_proj": "conv1d_rowwise",
+    }
+    for normalizer, c_attn in (
+        ("softmax", "conv1d_packed_qkv_colwise"),
+        ("differential", "conv1d_packed_qkv_halves_colwise"),
+    ):
+        tp_plan = make_model("gpt2", "rope", normalizer)._resolve_parallel_plans(DistributedConfig(tp_size=2))[0]
+        rules = {**expected, "attn.c_attn": c_attn}
+        for module, style in rules.items():
+            assert tp_plan[layer + module] == tp_plan[layer + module + ".weight"] == style
+            assert tp_plan[layer + module + ".bias"] == style
+
+
+def test_conv1d_styles_refuse_other_modules():
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    for style, split in (("conv1d_packed_qkv_colwise", "columns"), ("conv1d_rowwise", "rows")):
+        with pytest.raises(ValueError, match=f"Linear is not a Conv1D: .* along its {split}; use colwise or rowwise"):
+            ALL_PARALLEL_STYLES[style].install_forward(torch.nn.Linear(4, 4), mesh=None)
 
 
 def test_differential_packs_each_half_of_the_heads():
@@ -222,7 +246,8 @@ def test_retrofitted_llama_refuses_tensor_parallelism_for_differential_head_pair
 # are packed halves (each rank holds heads 0 and 2, or 1 and 3), with T5's table at those heads; PoPE's phase bias,
 # the Toeplitz and output gates, the content schemes' per-head biases and projections, PaTH's; and retrofitted Llamas
 # (grouped-query attention) under Llama's stock plan with RoPE, ALiBi (which crashed at the first forward before its
-# slopes were read by rank), T5, and FoX with SSMax.
+# slopes were read by rank), T5, and FoX with SSMax; the GPT-2 family, whose Conv1D c_attn is split as packed q|k|v
+# (packed halves of each under differential), with RoPE, ALiBi, T5 with differential, and FoX.
 TP_CASES = {
     "bert-rope-softmax": (lambda: make_model("bert", "rope", "softmax"), transformers.AutoModelForMaskedLM),
     "bert-learned-l2": (lambda: make_model("bert", "learned", "l2"), transformers.AutoModelForMaskedLM),
@@ -291,9 +316,21 @@ TP_CASES = {
         lambda: hf_posenc.retrofit(tiny_llama(), position_encoding="fox", attention_normalizer="ssmax"),
         transformers.AutoModelForCausalLM,
     ),
+    "gpt2-rope-softmax": (lambda: make_model("gpt2", "rope", "softmax"), transformers.AutoModelForCausalLM),
+    "gpt2-alibi-softmax": (lambda: make_model("gpt2", "alibi", "softmax"), transformers.AutoModelForCausalLM),
+    "gpt2-t5-differential": (lambda: make_model("gpt2", "t5", "differential"), transformers.AutoModelForCausalLM),
+    "gpt2-fox-softmax": (lambda: make_model("gpt2", "fox", "softmax"), transformers.AutoModelForCausalLM),
 }
 BATCH = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(5))
-QUERY_WEIGHTS = ("0.attention.self.query.weight", "0.self_attn.q_proj.weight")
+QUERY_WEIGHTS = ("0.attention.self.query.weight", "0.self_attn.q_proj.weight", "0.attn.c_attn.weight")
+
+
+def local_query_width(model: transformers.PreTrainedModel) -> int:
+    """The width of this rank's queries: its rows of an nn.Linear query weight ``(out, in)``, a third of its
+    columns of GPT-2's packed q|k|v Conv1D weight ``(in, 3 * out)``."""
+    name, weight = next((key, parameter) for key, parameter in model.named_parameters() if key.endswith(QUERY_WEIGHTS))
+    local = weight.to_local()
+    return local.shape[1] // 3 if name.endswith("c_attn.weight") else local.shape[0]
 
 
 def forward_backward(model: transformers.PreTrainedModel) -> dict:
@@ -316,8 +353,7 @@ def run_tensor_parallel(rank: int, port: int, root: Path) -> None:
     for name, (_, auto) in TP_CASES.items():
         config = DistributedConfig(tp_size=2)
         model = auto.from_pretrained(root / name, distributed_config=config, trust_remote_code=True)
-        query = next(parameter for key, parameter in model.named_parameters() if key.endswith(QUERY_WEIGHTS))
-        results[name] = {**forward_backward(model.train()), "local_rows": query.to_local().shape[0]}
+        results[name] = {**forward_backward(model.train()), "local_width": local_query_width(model)}
     if rank == 0:
         torch.save(results, root / "results.pt")
     dist.destroy_process_group()
@@ -352,7 +388,7 @@ def test_tensor_parallel_step_equals_one_process(tensor_parallel, name):
     one = TP_CASES[name][1].from_pretrained(folder, trust_remote_code=True)
     expected = forward_backward(one.train())
     heads = one.config.num_attention_heads
-    assert result["local_rows"] == one.config.hidden_size // 2 and heads % 2 == 0
+    assert result["local_width"] == one.config.hidden_size // 2 and heads % 2 == 0
     torch.testing.assert_close(result["logits"], expected["logits"], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(result["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
     assert result["grads"].keys() == expected["grads"].keys()
@@ -368,7 +404,7 @@ def test_tensor_parallel_step_equals_one_process(tensor_parallel, name):
         ("gpt2", "alibi", {"cp_size": 2}, "position_encoding 'alibi' refuses context parallelism"),
         ("gpt2", "rope", {"cp_size": 2}, r"set its cp_size to 1\.$"),
         ("bert", "rope", {"tp_size": 2}, r"set its tp_size to 1\.$"),
-        ("gpt2", "rope", {"tp_size": 2}, "c_attn is one fused Conv1D"),
+        ("gpt2", "rope", {"tp_size": 2}, r"set its tp_size to 1\.$"),
         ("gpt2", "rope", {"sp_size": 2}, "Ulysses does not wrap"),
     ],
 )
