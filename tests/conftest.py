@@ -196,6 +196,18 @@ def family_combos(combos: list[tuple[str, str]]) -> list:
     ]
 
 
+def combos_in_turn_by_family(combos: list[tuple[str, str]]) -> list:
+    """``(family, scheme, normalizer)`` with each combination in one family: the encoder and the decoder in turn, the
+    decoder where the encoder has no form. Of ``COMBOS``: every scheme once, every normalizer with its representative
+    absolute and relative scheme (one per family), each family with a spread of both; for properties whose code path
+    the scheme and the normalizer decide, not the family."""
+    in_turn = [FAMILIES[index % len(FAMILIES)] for index in range(len(combos))]
+    return [
+        (family if supports(family, combo[0]) and normalizer_supports(family, combo[1]) else "gpt2", *combo)
+        for family, combo in zip(in_turn, combos, strict=True)
+    ]
+
+
 def pytest_make_parametrize_id(config, val, argname):
     """A spec dict's test id names its type and options (``softmax-sink=learned``), not ``normalizer68``; a
     per-layer list joins its layers' (``rope+t5``)."""

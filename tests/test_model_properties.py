@@ -17,6 +17,7 @@ from conftest import (
     family_combos,
     make_config,
     make_model,
+    normalizer_supports,
     random_ids,
     supports,
     with_cache,
@@ -56,14 +57,24 @@ ABSOLUTE_VARIANTS = [
 ]
 
 
+def one_setting_each(cases: list[tuple], settings: list[tuple]) -> list[tuple]:
+    """Each case once, with the settings in turn: every case and every setting run (each setting with a spread of
+    schemes and normalizers), not their cross product."""
+    return [(*case, *settings[index % len(settings)]) for index, case in enumerate(cases)]
+
+
 def hf_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions as `generate` makes them: count only real tokens, so left padding does not shift them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("padding_side", ["right", "left"])
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+# Every combination in each family, on one padding side and backend in turn (both sides on both backends).
+PADDED_BATCH_CASES = one_setting_each(
+    FAMILY_COMBOS, [("left", "sdpa"), ("right", "eager"), ("left", "eager"), ("right", "sdpa")]
+)
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "padding_side", "attn"), PADDED_BATCH_CASES)
 def test_row_alone_equals_row_in_padded_batch(family, scheme, normalizer, padding_side, attn):
     model = make_model(family, scheme, normalizer, attn=attn)
     short, full = random_ids(1, 7, seed=1), random_ids(1, 11, seed=2)
@@ -109,7 +120,18 @@ def test_cached_forward_continues_positions(scheme, normalizer):
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+# Every scheme and layout in each family; every other normalizer with the representative absolute scheme in the
+# encoder and the relative one in the decoder (its parameters are saved alike in both), both there if causal-only.
+SAVE_CASES = [
+    (family, scheme, normalizer)
+    for family, scheme, normalizer in FAMILY_COMBOS
+    if normalizer == "softmax"
+    or not normalizer_supports("bert", normalizer)
+    or scheme == REPRESENTATIVE_SCHEMES[family == "gpt2"]
+]
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer"), SAVE_CASES)
 def test_save_pretrained_round_trip_is_exact(family, scheme, normalizer, tmp_path):
     model = make_model(family, scheme, normalizer)
     model.save_pretrained(tmp_path)
@@ -171,8 +193,11 @@ def test_absolute_schemes_see_the_shift(family, scheme):
     assert (shifted - base).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+# Every combination in each family, on eager and SDPA in turn.
+EAGER_OR_SDPA_CASES = one_setting_each(FAMILY_COMBOS, [("sdpa",), ("eager",)])
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "attn"), EAGER_OR_SDPA_CASES)
 def test_fully_masked_rows_give_no_nan(family, scheme, normalizer, attn):
     """BERT: a row whose mask is all zeros; GPT-2: left padding, whose pad queries see no key."""
     model = make_model(family, scheme, normalizer, attn=attn)
@@ -189,8 +214,10 @@ def test_fully_masked_rows_give_no_nan(family, scheme, normalizer, attn):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+# Every combination in each family, with the reentrant and the non-reentrant checkpointing in turn.
+@pytest.mark.parametrize(
+    ("family", "scheme", "normalizer", "use_reentrant"), one_setting_each(FAMILY_COMBOS, [(True,), (False,)])
+)
 def test_gradient_checkpointing_gives_the_same_gradients(family, scheme, normalizer, use_reentrant):
     """Both activation-checkpointing modes; the reentrant one differentiates only through the tensors a layer gets
     as arguments, so a position bias shared by all layers must reach each layer as one."""
@@ -336,8 +363,11 @@ STATIC_CACHE_COMBOS = DECODER_COMBOS + [
 ]
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention"])
-@pytest.mark.parametrize(("scheme", "normalizer"), STATIC_CACHE_COMBOS)
+# Every static-cache combination on one backend in turn: each backend with a spread of schemes and normalizers.
+@pytest.mark.parametrize(
+    ("scheme", "normalizer", "attn"),
+    one_setting_each(STATIC_CACHE_COMBOS, [("flex_attention",), ("sdpa",), ("eager",)]),
+)
 def test_static_cache_prefill_equals_the_uncached_forward(scheme, normalizer, attn, uncompiled_flex):
     """A prompt prefilled into a static cache longer than it: Transformers builds no mask when nothing is padded
     (SDPA's is_causal, top-left aligned, hides the unwritten slots); every backend must hide them too."""
@@ -366,9 +396,11 @@ def prefills_on_flex(config) -> bool:
     return any(map(layer_on_flex, layer_position_specs(config.position_encoding, config.num_hidden_layers)))
 
 
-@pytest.mark.parametrize("padding", ["left", "none"])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize(("scheme", "normalizer"), STATIC_CACHE_COMBOS)
+# Every static-cache combination, on one backend and padding in turn (each pair of them with a spread of schemes).
+@pytest.mark.parametrize(
+    ("scheme", "normalizer", "attn", "padding"),
+    one_setting_each(STATIC_CACHE_COMBOS, [("sdpa", "left"), ("eager", "none"), ("sdpa", "none"), ("eager", "left")]),
+)
 def test_static_cache_generation_equals_dynamic_cache_generation(scheme, normalizer, attn, padding):
     """Without padding the static prefill gets no mask from Transformers (see the prefill test above). A flex
     request decodes (one token a step) on SDPA: its prefill is the test above's."""
@@ -394,8 +426,7 @@ def four_d_masks(attention_mask: torch.Tensor, causal: bool) -> tuple[torch.Tens
     return visible, additive
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FAMILY_COMBOS)
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "attn"), EAGER_OR_SDPA_CASES)
 def test_four_d_boolean_and_additive_masks_equal_the_two_d_mask(family, scheme, normalizer, attn):
     model = make_model(family, scheme, normalizer, attn=attn)
     ids = random_ids(2, 9)
@@ -408,7 +439,8 @@ def test_four_d_boolean_and_additive_masks_equal_the_two_d_mask(family, scheme, 
             torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("gpt2", "t5"), ("gpt2", "rope")])
+# Inductor compiles in few cases: a score bias in the encoder, a rotation in the decoder, each with padding.
+@pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("gpt2", "rope")])
 def test_compiled_fullgraph_forward_equals_eager_mode(family, scheme):
     model = make_model(family, scheme, attn="sdpa")
     ids = random_ids(2, 9)
@@ -429,9 +461,13 @@ WINDOWED_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-@pytest.mark.parametrize("window", list(EVERY_LAYER_WINDOWED))
-@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+# Every decoder combination, with one window kind and cache in turn (each pair of them with a spread of schemes).
+@pytest.mark.parametrize(
+    ("scheme", "normalizer", "window", "cache_implementation"),
+    one_setting_each(
+        DECODER_COMBOS, [("sliding", "dynamic"), ("chunked", "static"), ("sliding", "static"), ("chunked", "dynamic")]
+    ),
+)
 def test_every_layer_windowed_generates_past_the_window_with_cache_as_without(
     scheme, normalizer, window, cache_implementation
 ):
@@ -452,8 +488,10 @@ def repeating_prompt() -> torch.Tensor:
     return torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
 
 
-@pytest.mark.parametrize("layout", list(WINDOWED_LAYOUTS))
-@pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
+# Every decoder combination, with one windowed layout in turn.
+@pytest.mark.parametrize(
+    ("scheme", "normalizer", "layout"), one_setting_each(DECODER_COMBOS, [(layout,) for layout in WINDOWED_LAYOUTS])
+)
 def test_assisted_decoding_with_windowed_layers_equals_greedy_decoding(scheme, normalizer, layout):
     """``generate(prompt_lookup_num_tokens=...)`` records the cache's past before the first forward and crops the
     rejected candidates, past the window; the extra cache layers that keep positions and states must record too."""
@@ -463,8 +501,8 @@ def test_assisted_decoding_with_windowed_layers_equals_greedy_decoding(scheme, n
     assert torch.equal(model.generate(repeating_prompt(), prompt_lookup_num_tokens=3, **kwargs), greedy)
 
 
-@pytest.mark.parametrize("layout", list(WINDOWED_LAYOUTS))
-@pytest.mark.parametrize("scheme", ["rope", "conv", "fox"])
+# A rotation, a scheme keeping inputs in the cache and one keeping per-layer states, each with another layout.
+@pytest.mark.parametrize(("scheme", "layout"), [("rope", "sliding"), ("conv", "chunked"), ("fox", "sliding_and_full")])
 def test_decoding_with_an_assistant_model_and_windowed_layers_equals_greedy_decoding(scheme, layout):
     """An assistant model's cache records its past from its creation; both models have windowed layers."""
     model = make_model("gpt2", scheme, attn="sdpa", **WINDOWED_LAYOUTS[layout])
@@ -521,16 +559,21 @@ OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "ro
     ("t5", "stick_breaking"),
     ("rope", {"type": "softmax", "sink": "learned"}),
 ]
-FAMILY_OPTION_CASES = [(*combo, options) for combo in family_combos(OPTION_COMBOS) for options in ATTENTION_OPTIONS]
-DECODER_OPTION_CASES = [(*combo, options) for combo in OPTION_COMBOS for options in ATTENTION_OPTIONS]
+# Each combination in each family with one set of options in turn (every option with a spread of combinations);
+# in the decoder, each combination with every set of options, on a dynamic and a static cache in turn.
+FAMILY_OPTION_CASES = one_setting_each(family_combos(OPTION_COMBOS), [(options,) for options in ATTENTION_OPTIONS])
+DECODER_OPTION_CASES = one_setting_each(
+    [(*combo, options) for combo in OPTION_COMBOS for options in ATTENTION_OPTIONS], [("dynamic",), ("static",)]
+)
 
 
 def option_id(value):
     return "+".join(value) if isinstance(value, dict) and "type" not in value else None
 
 
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-@pytest.mark.parametrize(("scheme", "normalizer", "options"), DECODER_OPTION_CASES, ids=option_id)
+@pytest.mark.parametrize(
+    ("scheme", "normalizer", "options", "cache_implementation"), DECODER_OPTION_CASES, ids=option_id
+)
 def test_attention_options_generate_with_cache_as_without(scheme, normalizer, options, cache_implementation):
     model = make_model("gpt2", scheme, normalizer, attn="sdpa", **options)
     prompt = random_ids(2, 6, seed=3)
