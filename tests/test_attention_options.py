@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import family_combos, make_config, make_model, random_ids
+from conftest import combos_in_turn_by_family, make_config, make_model, random_ids
 from test_remote_code import LOAD_WITHOUT_HF_POSENC
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.qwen3 import modeling_qwen3
@@ -179,15 +179,28 @@ OPTION_CASES = [
     {"attn_logit_softcapping": 1.0},
     {"use_qk_norm": True, "attn_logit_softcapping": 1.0},
 ]
-FLEX_COMBOS = family_combos(
+FLEX_COMBOS = (
     [(scheme, "softmax") for scheme in ("learned", "t5", "rope", "alibi", "shaw", "deberta", ["rope", "t5"])]
     + [("t5", normalizer) for normalizer in ("l2", "sigmoid", "ssmax", "softpick", "differential")]
     + [("t5", {"type": "softmax", "sink": "learned"})]
 )
+# The soft-cap with every combination (each normalizer's flex path reads the capped scores), in both families;
+# QK-norm (before the scheme, whatever the normalizer) alone or with the cap with every other combination.
+QK_NORM, SOFT_CAP, BOTH = OPTION_CASES
+FLEX_CASES = combos_in_turn_by_family(
+    [
+        (*combo, options)
+        for index, combo in enumerate(FLEX_COMBOS)
+        for options in ((SOFT_CAP, QK_NORM) if index % 2 else (BOTH, SOFT_CAP))
+    ]
+)
 
 
-@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda options: "+".join(options))
-@pytest.mark.parametrize(("family", "scheme", "normalizer"), FLEX_COMBOS)
+def options_id(value):
+    return "+".join(value) if isinstance(value, dict) and "type" not in value else None
+
+
+@pytest.mark.parametrize(("family", "scheme", "normalizer", "options"), FLEX_CASES, ids=options_id)
 def test_flex_path_with_the_options_equals_eager(family, scheme, normalizer, options, uncompiled_flex):
     """The soft-cap as a ``score_mod`` chained after the scheme's and the layer's terms (every normalizer's flex
     path reads the capped scores), QK-norm before the scheme: uncompiled FlexAttention against eager."""
@@ -259,20 +272,25 @@ def test_compiled_flex_attention_caps_and_normalises_like_eager(family):
     torch.testing.assert_close(outputs["flex_attention"][visible], outputs["eager"][visible], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_a_model_with_the_options_loads_as_remote_code_without_hf_posenc(family, tmp_path):
-    """The QK-norm module and the soft-cap live in the modules a saved folder carries."""
-    model = make_model(family, "rope", attn="sdpa", use_qk_norm=True, attn_logit_softcapping=1.0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                parameter.normal_(1.0, 0.5)
-    model.save_pretrained(tmp_path)
+def test_a_model_with_the_options_loads_as_remote_code_without_hf_posenc(tmp_path):
+    """The QK-norm module and the soft-cap live in the modules a saved folder carries: a folder of each family,
+    loaded in one process without hf_posenc."""
     ids = random_ids(2, 9)
-    torch.save(ids, tmp_path / "ids.pt")
-    auto_name = "AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM"
-    command = [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path), auto_name]
+    arguments, expected = [], {}
+    for family in ("bert", "gpt2"):
+        model = make_model(family, "rope", attn="sdpa", use_qk_norm=True, attn_logit_softcapping=1.0)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    parameter.normal_(1.0, 0.5)
+            folder = tmp_path / family
+            model.save_pretrained(folder)
+            torch.save(ids, folder / "ids.pt")
+            auto_name = "AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM"
+            arguments += [str(folder), auto_name]
+            expected[folder / f"{auto_name}.pt"] = model(ids).logits
+    command = [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, *arguments]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / f"{auto_name}.pt"), model(ids).logits, atol=1e-5, rtol=1e-4)
+    for path, logits in expected.items():
+        torch.testing.assert_close(torch.load(path), logits, atol=1e-5, rtol=1e-4, msg=str(path))
