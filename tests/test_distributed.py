@@ -240,23 +240,12 @@ def run_worker(rank: int, port: int, root: Path) -> None:
     pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
     for state_dict_type, (flags, layer_class) in RECIPE_RUNS.items():
         pretrain_under_fsdp2(flags, layer_class, state_dict_type, root / "recipe" / state_dict_type)
+    # the recipe's masked LMs under accelerate's FSDP2, sharded checkpoints
+    for name, (flags, layer_class) in MLM_RUNS.items():
+        source = ["--model_name_or_path", str(root / "mlm" / "retrofitted")] if name.startswith("retrofit") else []
+        pretrain_under_fsdp2([*flags, *source], layer_class, "SHARDED_STATE_DICT", root / "mlm" / name)
     if rank == 0:
         torch.save(results, root / "results.pt")
-    dist.destroy_process_group()
-
-
-def run_masked_lm_worker(rank: int, port: int, root: Path) -> None:
-    """One of the two processes: the recipe's masked LMs under accelerate's FSDP2, sharded checkpoints."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
-    )
-    os.environ.update(LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
-    pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
-    for name, (flags, layer_class) in MLM_RUNS.items():
-        source = ["--model_name_or_path", str(root / "retrofitted")] if name.startswith("retrofit") else []
-        pretrain_under_fsdp2([*flags, *source], layer_class, "SHARDED_STATE_DICT", root / name)
     dist.destroy_process_group()
 
 
@@ -281,19 +270,18 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[Path, dict]:
-    """The two processes, started once for every test of this file: their folder and rank 0's results."""
+    """The two processes, started once for every test of this file (a start costs the imports of both): their folder
+    and rank 0's results."""
     root = tmp_path_factory.mktemp("fsdp2")
+    retrofitted_bert_folder(root / "mlm" / "retrofitted")
     mp.spawn(run_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
     return root, torch.load(root / "results.pt")
 
 
 @pytest.fixture(scope="module")
-def sharded_masked_lm(tmp_path_factory) -> Path:
-    """The two processes of the masked-LM recipe runs, started once; their folder."""
-    root = tmp_path_factory.mktemp("fsdp2_mlm")
-    retrofitted_bert_folder(root / "retrofitted")
-    mp.spawn(run_masked_lm_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
-    return root
+def sharded_masked_lm(sharded) -> Path:
+    """The folder of the masked-LM recipe runs, made by the processes of ``sharded``."""
+    return sharded[0] / "mlm"
 
 
 def assert_same_weights(actual: dict, expected: dict, **tolerance) -> None:
