@@ -388,7 +388,15 @@ def refuse_other_than_conv1d(module: torch.nn.Module, split: str) -> None:
         )
 
 
-if torch.distributed.is_available():
+TRANSFORMERS_TENSOR_PARALLEL_STYLES = torch.distributed.is_available() and (
+    importlib.util.find_spec("transformers.distributed.tensor_parallel") is not None
+)
+"""Whether the installed Transformers has the style registry that the styles above subclass and register into
+(``transformers.distributed.tensor_parallel``, as in 5.24; 5.15 keeps an older API in ``transformers.integrations``:
+there the styles are not registered, and tensor parallelism of the families is tested on 5.24 only)."""
+
+
+if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
     from transformers.distributed.parallel_utils import _use_local_dtensor_params
