@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import transformers
 from huggingface_hub.dataclasses import strict
 from packaging import version
 from transformers import BertConfig, GPT2Config
-from transformers.configuration_utils import PreTrainedConfig
+from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
 from .options import resolve_spec
@@ -200,7 +199,7 @@ def layout_preset(
     ``position_encoding`` (a per-layer list: the preset's ``rope`` spec, its ``nope`` spec where
     ``(layer + 1) % interval == 0``), and for a preset with a local attention ``layer_types`` (that attention on
     the rope layers, as ``Llama4TextConfig`` lays out its chunks) with its size, ``sliding_window`` or
-    ``attention_chunk_size``. ``layer_types`` passes Transformers' own check (``PreTrainedConfig.validate_layer_type``)
+    ``attention_chunk_size``. ``layer_types`` is checked against Transformers' own ``ALLOWED_ATTN_LAYER_TYPES``
     before the sizes are checked. Pass them to ``PosEncGPT2Config(**layout_preset(...))`` or a decoder
     ``PosEncBertConfig`` (an encoder has no chunked attention)."""
     if name not in LAYOUT_PRESETS:
@@ -211,7 +210,11 @@ def layout_preset(
     }
     layer_types = preset.layer_types(num_layers)
     if layer_types is not None:
-        PreTrainedConfig.validate_layer_type(SimpleNamespace(layer_types=layer_types, num_hidden_layers=num_layers))
+        unknown = sorted(set(layer_types) - set(ALLOWED_ATTN_LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"layout {name!r} gives layer types {unknown}; Transformers takes {ALLOWED_ATTN_LAYER_TYPES}."
+            )
         values["layer_types"] = layer_types
     if preset.slides and sliding_window is None:
         raise ValueError(f"layout {name!r} slides on its rope layers: give sliding_window (tokens a query sees).")

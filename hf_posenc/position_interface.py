@@ -314,12 +314,21 @@ def fresh_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:
     return layer
 
 
+class PlaceholderDynamicLayer(DynamicLayer):
+    """A dynamic cache layer that cropping leaves empty until its first use: Transformers 5.15's
+    ``DynamicLayer.crop`` slices its keys even when it holds none (5.24 returns first)."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.is_initialized:
+            super().crop(tokens_to_remove)
+
+
 def placeholder_cache_layer(template: CacheLayerMixin) -> CacheLayerMixin:
     """A cache layer that holds a slot's place until its first use (a slot after it was used first, or a slot no
     layer uses: the full layers' key positions when every layer is windowed): a full one, static if ``template``
     is, which every cache operation (cropping, reordering, batch expansion) leaves empty. An empty sliding one would
     not: Transformers' ``DynamicSlidingWindowLayer.crop`` reads its keys."""
-    return StaticLayer(template.max_cache_len) if isinstance(template, StaticLayer) else DynamicLayer()
+    return StaticLayer(template.max_cache_len) if isinstance(template, StaticLayer) else PlaceholderDynamicLayer()
 
 
 @dataclass
