@@ -407,6 +407,14 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
         TensorParallelLayer,
     )
 
+    def distribute_parameter(module: torch.nn.Module, param: str, mesh, placement) -> None:
+        """Replace ``module``'s parameter ``param`` by its DTensor over ``mesh`` with ``placement``, as it was
+        loaded (no rank broadcasts it), keeping whether it takes gradients."""
+        meta = module._parameters[param]
+        module._parameters[param] = torch.nn.Parameter(
+            distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+        )
+
     class PackedHalvesColwiseParallel(PackedColwiseParallel):
         """``packed_colwise`` whose bias is split as its weight (``_StridedShard``: a share of each half).
         Transformers 5.24's ``packed_colwise`` splits a 1-d parameter contiguously, so a bias would load other
@@ -417,9 +425,7 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
             if meta is None or meta.ndim != 1:
                 return super().shard_param(module, param, mesh)
             placement = _StridedShard(dim=0, split_factor=self.split_factor)
-            module._parameters[param] = torch.nn.Parameter(
-                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
-            )
+            distribute_parameter(module, param, mesh, placement)
 
     ALL_PARALLEL_STYLES.register(PACKED_HALVES_STYLE, PackedHalvesColwiseParallel())
 
@@ -435,9 +441,7 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
                 return
             dim = meta.ndim - 1
             placement = Shard(dim) if self.split_factor == 1 else _StridedShard(dim, split_factor=self.split_factor)
-            module._parameters[param] = torch.nn.Parameter(
-                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
-            )
+            distribute_parameter(module, param, mesh, placement)
 
         def install_forward(self, module, mesh):
             refuse_other_than_conv1d(module, "columns")
@@ -467,9 +471,7 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
             if meta is None:
                 return
             placement = Replicate() if param == "bias" else Shard(0)
-            module._parameters[param] = torch.nn.Parameter(
-                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
-            )
+            distribute_parameter(module, param, mesh, placement)
 
         def install_forward(self, module, mesh):
             refuse_other_than_conv1d(module, "rows")
