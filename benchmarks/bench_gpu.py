@@ -53,6 +53,7 @@ import hf_posenc
 from hf_posenc import attention_backends, modeling_posenc_common
 from hf_posenc.attention_backends import clear_flex_compile_cache
 from hf_posenc.position_interface import PositionEncoding
+from hf_posenc_cli.parsers.common import catalogue_name, parse_scheme
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())
@@ -158,7 +159,9 @@ def architecture(family: str, size: Size, max_len: int) -> dict:
 
 
 def posenc_model(family: str, size: Size, max_len: int, scheme: str, normalizer: str, attn: str | None):
-    fields = dict(architecture(family, size, max_len), position_encoding=scheme, attention_normalizer=normalizer)
+    position_encoding = parse_scheme(scheme)  # a name, or name:key=value,... (floater:method=rk4)
+    fields = dict(architecture(family, size, max_len), position_encoding=position_encoding)
+    fields["attention_normalizer"] = normalizer
     if family == "bert":
         config = hf_posenc.PosEncBertConfig(**fields)
         return transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=attn)
@@ -333,7 +336,7 @@ def plans(args, shapes: list[tuple[int, int]], have_x: bool) -> list[Plan]:
             planned.append(Plan(family, batch, tokens, "stock"))
             side = "decoder" if family == "gpt2" else "encoder"
             for scheme, normalizer in cases(args):
-                families = hf_posenc.list_position_encodings()[scheme]["families"]
+                families = hf_posenc.list_position_encodings()[scheme.partition(":")[0]]["families"]
                 normalizer_families = hf_posenc.list_attention_normalizers()[normalizer]["families"]
                 if side not in set(families) & set(normalizer_families):
                     continue
@@ -423,7 +426,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--tiny", action="store_true", help="tiny model and shapes (2x16): a smoke test on CPU")
     parser.add_argument("--shapes", nargs="+", help="batch x tokens, e.g. 8x2048 (default: 8x2048 1x8192)")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=SCHEMES)
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        type=catalogue_name("position_encoding", options=True),
+        default=SCHEMES,
+        help="names, or name:key=value,... for a scheme's options (floater:method=rk4)",
+    )
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
     parser.add_argument(
         "--backends", nargs="*", choices=BACKENDS, default=BACKENDS, help="explicit requests timed (none: --backends)"

@@ -22,7 +22,8 @@ LONG_SECONDS=${LONG_SECONDS:-120}
 SWEEP_SECONDS=${SWEEP_SECONDS:-60}
 # The rows of the table: every scheme named there with softmax, every normalizer named there with learned (and stock,
 # none as references); the old routing for the rows whose route or kernel options changed.
-ROWS="--schemes none learned shaw xlnet deberta relative_key cope path recurrent floater t5 kerple tupe fire alibi fox
+ROWS="--schemes none learned shaw xlnet deberta relative_key cope path recurrent floater floater:method=rk4 t5 kerple
+tupe fire alibi fox
 --normalizers softmax stick_breaking swish_l2 softpick sigmoid l2 --backends --no-x-transformers"
 CHANGED="--schemes shaw xlnet deberta relative_key fox alibi fire t5 kerple tupe --normalizers softmax --backends
 --no-x-transformers"

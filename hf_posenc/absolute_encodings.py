@@ -637,6 +637,108 @@ def rotate_pairs(p: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.stack((x * cos + y * sin, y * cos - x * sin), dim=-1).flatten(-2)
 
 
+def floater_dynamics(
+    t: torch.Tensor,
+    q: torch.Tensor,
+    frequencies: torch.Tensor,
+    inner_weight: torch.Tensor,
+    inner_bias: torch.Tensor,
+    outer_weight: torch.Tensor,
+    outer_bias: torch.Tensor,
+) -> torch.Tensor:
+    """FLOATER's ``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)`` in the frame rotating with ``Omega``,
+    ``g(p, t) = W_2 tanh(W_1 [p; t] + b_1) + b_2``; ``t`` a scalar tensor, ``q`` ``(hidden,)``."""
+    angles = frequencies * t
+    p = rotate_pairs(q, angles)
+    hidden = torch.tanh(F.linear(torch.cat((p, t.reshape(1))), inner_weight, inner_bias))
+    return rotate_pairs(F.linear(hidden, outer_weight, outer_bias), -angles)
+
+
+def fixed_step(
+    method: str, t0: torch.Tensor, t1: torch.Tensor, q: torch.Tensor, weights: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """One step of torchdiffeq's fixed-grid solvers from ``t0`` to ``t1``, written as torchdiffeq writes them
+    (``torchdiffeq/_impl/fixed_grid.py``, ``rk_common.rk4_alt_step_func``), so the numbers are its own: ``euler``;
+    ``midpoint``; ``rk4``, the 3/8 rule ``(k1 + 3 (k2 + k3) + k4) dt / 8``."""
+    dt = t1 - t0
+    k1 = floater_dynamics(t0, q, *weights)
+    if method == "euler":
+        return q + dt * k1
+    if method == "midpoint":
+        half_dt = 0.5 * dt
+        return q + dt * floater_dynamics(t0 + half_dt, q + k1 * half_dt, *weights)
+    k2 = floater_dynamics(t0 + dt * (1 / 3), q + dt * k1 * (1 / 3), *weights)
+    k3 = floater_dynamics(t0 + dt * (2 / 3), q + dt * (k2 - k1 * (1 / 3)), *weights)
+    k4 = floater_dynamics(t1, q + dt * (k1 - k2 + k3), *weights)
+    return q + (k1 + 3 * (k2 + k3) + k4) * dt * 0.125
+
+
+def fixed_step_grid(length: int, substeps: int, device: torch.device) -> torch.Tensor:
+    """The solver's times: ``substeps`` steps per position, ``t = 0 .. length - 1``, the last exactly
+    ``length - 1`` (torchdiffeq's ``_grid_constructor_from_step_size``)."""
+    grid = torch.arange((length - 1) * substeps + 1, dtype=torch.float32, device=device) * (1 / substeps)
+    grid[-1] = length - 1
+    return grid
+
+
+def fixed_step_states(
+    initial: torch.Tensor, *weights: torch.Tensor, length: int, method: str, substeps: int
+) -> tuple[torch.Tensor]:
+    """The rotating-frame state at every time of :func:`fixed_step_grid`, ``((length - 1) substeps + 1, hidden)``
+    (the rows at the positions are every ``substeps``-th)."""
+    grid = fixed_step_grid(length, substeps, initial.device)
+    states = [initial]
+    for step in range(len(grid) - 1):
+        states.append(fixed_step(method, grid[step], grid[step + 1], states[-1], weights))
+    return (torch.stack(states),)
+
+
+def fixed_step_gradients(
+    grad_rows: torch.Tensor, states: torch.Tensor, *weights: torch.Tensor, method: str, substeps: int
+) -> tuple[torch.Tensor, ...]:
+    """Backpropagation through :func:`fixed_step_states`: each step recomputed from its saved state and
+    differentiated alone (autograd on one step, in reverse), the gradient of the rows at the positions added as the
+    carry reaches them. Returns the gradients of ``initial`` and of each weight."""
+    grid = fixed_step_grid(len(grad_rows), substeps, states.device)
+    carry = torch.zeros_like(states[0])
+    weight_grads = [torch.zeros_like(weight) for weight in weights]
+    leaves = [weight.detach().requires_grad_() for weight in weights]
+    for step in range(len(grid) - 2, -1, -1):
+        if (step + 1) % substeps == 0:
+            carry = carry + grad_rows[(step + 1) // substeps]
+        state = states[step].detach().requires_grad_()
+        with torch.enable_grad():
+            following = fixed_step(method, grid[step], grid[step + 1], state, tuple(leaves))
+            carry, *step_grads = torch.autograd.grad(following, (state, *leaves), carry)
+        for total, grad in zip(weight_grads, step_grads, strict=True):
+            total.add_(grad)
+    return carry + grad_rows[0], *weight_grads
+
+
+class FixedStepSolve(torch.autograd.Function):
+    """FLOATER's rotating-frame solve on a fixed grid, ``(length, hidden)`` rows at the positions, with a
+    backward that recomputes one step at a time (:func:`fixed_step_gradients`). Neither loop synchronises with the
+    host (the grid is built on the device from Python numbers), so on CUDA each is replayed as a CUDA graph captured
+    once per length (:func:`run_loop`): one launch instead of thousands, the same kernels."""
+
+    @staticmethod
+    def forward(ctx, initial, *weights_and_settings):
+        *weights, length, method, substeps = weights_and_settings
+        (states,) = run_loop(fixed_step_states, (initial, *weights), length=length, method=method, substeps=substeps)
+        ctx.method, ctx.substeps = method, substeps
+        ctx.save_for_backward(states, *weights)
+        return states[::substeps]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows):
+        states, *weights = ctx.saved_tensors
+        grads = run_loop(
+            fixed_step_gradients, (grad_rows.contiguous(), states, *weights), method=ctx.method, substeps=ctx.substeps
+        )
+        return *grads, None, None, None
+
+
 def import_odeint():
     """``torchdiffeq.odeint``, imported only where ``floater`` runs (it is an optional dependency)."""
     try:
@@ -652,9 +754,13 @@ def import_odeint():
 class Floater(GeneratedTable):
     """FLOATER (Liu et al. ICML 2020, "Learning to Encode Position for Transformer with Continuous Dynamical Model"):
     ``dp/dt = h(p(t), t)``, ``p(0)`` learned, the table ``p_k = p(k)`` read at the integer positions and added to
-    the input (kexue.fm/archives/8130 "递归式"). Solved with torchdiffeq's ``odeint`` over ``t = 0 .. L - 1``
-    (``L`` the largest position + 1) once per forward, gradients through the solver's steps (:class:`GeneratedTable`
-    caches it in eval). The paper also injects ``p`` in every layer; here it enters at the input only.
+    the input (kexue.fm/archives/8130 "递归式"). Solved over ``t = 0 .. L - 1`` (``L`` the largest position + 1)
+    once per forward, gradients through the solver's steps (:class:`GeneratedTable` caches it in eval): adaptive
+    methods (the default ``dopri5``) with torchdiffeq's ``odeint``; fixed-step methods (``rk4``, ``midpoint``,
+    ``euler``, ``step_size = 1/m``) with torchdiffeq's own step formulas in :class:`FixedStepSolve`, which never
+    waits on the host, so on CUDA its loops are replayed as CUDA graphs (the form for GPU training; adaptive step
+    control synchronises with the host at every step). The paper also injects ``p`` in every layer; here it enters
+    at the input only.
 
     ``h(p, t) = Omega p + g(p, t)``: ``Omega`` rotates each feature pair ``(p_2i, p_2i+1)`` at a learned frequency
     ``omega_i`` (:func:`rotate_pairs`), so the sin/cos table is the solution with ``g = 0`` (its special solution,
@@ -665,8 +771,8 @@ class Floater(GeneratedTable):
     per position: hundreds of steps over a long input). Initialised as that special solution: ``p(0) = PE(0)``
     (``[0, 1, 0, 1, ...]``), ``omega_i = 10000^(-2i / hidden)``, ``W_2 = 0``, ``b_2 = 0``; ``W_1``
     ``N(0, initializer_range)``. Parameters: ``initial`` ``(hidden,)``, ``frequencies`` ``(hidden / 2,)``, and for
-    ``mlp`` ``inner`` / ``outer`` (``W_1``, ``W_2``). Needs an even ``hidden_size`` and the torchdiffeq package
-    (imported only when the table is solved).
+    ``mlp`` ``inner`` / ``outer`` (``W_1``, ``W_2``). Needs an even ``hidden_size``, and for an adaptive method
+    the torchdiffeq package (imported only when the table is solved).
     """
 
     name = "floater"
@@ -691,7 +797,11 @@ class Floater(GeneratedTable):
         "rtol": Option(1e-3, (float, int), "relative tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
         "atol": Option(1e-4, (float, int), "absolute tolerance (adaptive methods)", lambda v: v > 0, "a number > 0"),
         "step_size": Option(
-            1.0, (float, int), "step (fixed-step methods)", lambda v: 0 < v <= 1, "a number in (0, 1]"
+            1.0,
+            (float, int),
+            "step (fixed-step methods): 1/m, m steps per position, so that the grid lands on every position",
+            lambda v: 0 < v <= 1 and abs(1 / v - round(1 / v)) < 1e-6,
+            "1/m for an integer m >= 1 (1, 0.5, 0.25, 0.1, ...)",
         ),
     }
 
@@ -717,38 +827,43 @@ class Floater(GeneratedTable):
             init.zeros_(self.outer.weight)
             init.zeros_(self.outer.bias)
 
-    def rotating_frame_dynamics(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)`` for torchdiffeq (``t`` a scalar tensor, ``q``
-        ``(hidden,)``), in float32, its weights prepared once per solve."""
-        frequencies = self.frequencies.float()
-        if self.spec["dynamics"] == "linear":
-            return lambda t, q: torch.zeros_like(q)
-        inner_weight, inner_bias = fresh_float32(self.inner.weight), self.inner.bias.float()
-        outer_weight, outer_bias = fresh_float32(self.outer.weight), self.outer.bias.float()
+    def dynamics_weights(self) -> tuple[torch.Tensor, ...]:
+        """What :func:`floater_dynamics` reads after ``t`` and ``q``, in float32, prepared once per solve."""
+        return (
+            self.frequencies.float(),
+            fresh_float32(self.inner.weight),
+            self.inner.bias.float(),
+            fresh_float32(self.outer.weight),
+            self.outer.bias.float(),
+        )
 
-        def dynamics(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-            angles = frequencies * t
-            p = rotate_pairs(q, angles)
-            hidden = torch.tanh(F.linear(torch.cat((p, t.reshape(1))), inner_weight, inner_bias))
-            return rotate_pairs(F.linear(hidden, outer_weight, outer_bias), -angles)
-
-        return dynamics
-
-    def generate_table(self, length: int) -> torch.Tensor:
+    def rotating_states(self, length: int) -> torch.Tensor:
+        """``q(0) .. q(length - 1)``, ``(length, hidden)``: with ``dynamics="linear"`` (``g = 0``) ``q`` stays
+        ``p(0)``; a fixed-step method runs :class:`FixedStepSolve`; an adaptive one torchdiffeq's ``odeint``."""
+        initial, method = self.initial.float(), self.spec["method"]
+        if self.spec["dynamics"] == "linear" or length == 1:
+            return initial.expand(length, -1)
         if torch.compiler.is_compiling():
             raise NotImplementedError(
-                "position_encoding 'floater' cannot be traced by torch.compile(fullgraph=True): torchdiffeq's "
-                "solvers choose their steps from tensor values on the host (adaptive step control, the fixed-step "
-                "time grid). Compile with fullgraph=False (the solve then runs uncompiled between graphs)."
+                "position_encoding 'floater' cannot be traced by torch.compile(fullgraph=True): its solve is a loop "
+                "of one step per position or more (torchdiffeq's adaptive methods choose theirs on the host; the "
+                "fixed-step backward differentiates one step at a time). Compile with fullgraph=False (the solve "
+                "then runs uncompiled between graphs)."
             )
-        odeint = import_odeint()
-        initial = self.initial.float()
+        if method in FLOATER_FIXED_STEP_METHODS:
+            substeps = round(1 / self.spec["step_size"])
+            return FixedStepSolve.apply(initial, *self.dynamics_weights(), length, method, substeps)
+        odeint, weights = import_odeint(), self.dynamics_weights()
         times = torch.arange(length, dtype=torch.float32, device=initial.device)
-        method, dynamics = self.spec["method"], self.rotating_frame_dynamics()
-        if length == 1:
-            rotating = initial[None]
-        elif method in FLOATER_FIXED_STEP_METHODS:
-            rotating = odeint(dynamics, initial, times, method=method, options={"step_size": self.spec["step_size"]})
-        else:
-            rotating = odeint(dynamics, initial, times, method=method, rtol=self.spec["rtol"], atol=self.spec["atol"])
-        return rotate_pairs(rotating, self.frequencies.float() * times[:, None])
+        return odeint(
+            lambda t, q: floater_dynamics(t, q, *weights),
+            initial,
+            times,
+            method=method,
+            rtol=self.spec["rtol"],
+            atol=self.spec["atol"],
+        )
+
+    def generate_table(self, length: int) -> torch.Tensor:
+        times = torch.arange(length, dtype=torch.float32, device=self.initial.device)
+        return rotate_pairs(self.rotating_states(length), self.frequencies.float() * times[:, None])

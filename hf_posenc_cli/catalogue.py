@@ -68,14 +68,16 @@ NUMBER_PHRASES = (
     (r"(-?[\d.]+) (<=|<) x (<=|<) (-?[\d.]+)", "between"),
     (r"a number in ([(\[])(-?[\d.]+), (-?[\d.]+)([)\]])", "interval"),
     (r"(?:a )?finite(?: number)?", "finite"),
+    (r"1/m for an integer m >= 1(?: \(.*\))?", "reciprocal"),
 )
 """How an option's ``valid`` words give a number's range (each phrase may also say ``finite``)."""
 
 
 def number_range(valid: str) -> dict[str, Any]:
     """The range of a number option from its ``valid`` words (``"an int >= 1"``, ``"0 < x <= 1"``, ``"a number in
-    (0, 1)"``, ``"a finite number > 0"``, ``'"learned" or a finite number'``): any of ``minimum``,
-    ``exclusive_minimum``, ``maximum``, ``exclusive_maximum``, ``multiple_of``, ``finite``. Quoted choices (a
+    (0, 1)"``, ``"a finite number > 0"``, ``'"learned" or a finite number'``, ``"1/m for an integer m >= 1"``): any
+    of ``minimum``, ``exclusive_minimum``, ``maximum``, ``exclusive_maximum``, ``multiple_of``, ``finite``,
+    ``reciprocal_of_integer``. Quoted choices (a
     string's) are left to the config. ``ValueError`` for words no phrase reads: phrase the option's ``valid`` so
     that one does (``tests/test_cli.py`` checks each record against the option's own check)."""
     numbers = [part for part in re.split(r" or ", valid) if not re.fullmatch(r"""(['"]).*\1""", part)]
@@ -97,6 +99,8 @@ def number_range(valid: str) -> dict[str, Any]:
             low, low_sign, high_sign, high = match.groups()
             record["minimum" if low_sign == "<=" else "exclusive_minimum"] = json.loads(low)
             record["maximum" if high_sign == "<=" else "exclusive_maximum"] = json.loads(high)
+        elif form == "reciprocal":
+            record.update(exclusive_minimum=0, maximum=1, reciprocal_of_integer=True)
         elif form == "interval":
             opening, low, high, closing = match.groups()
             record["minimum" if opening == "[" else "exclusive_minimum"] = json.loads(low)
@@ -118,6 +122,7 @@ def in_range(value: Any, record: dict[str, Any] | None) -> bool:
         "maximum": lambda bound: value <= bound,
         "exclusive_maximum": lambda bound: value < bound,
         "multiple_of": lambda step: value % step == 0,
+        "reciprocal_of_integer": lambda _: value != 0 and abs(1 / value - round(1 / value)) < 1e-6,
     }
     return all(holds(record[key]) for key, holds in bounds.items() if key in record)
 

@@ -200,7 +200,8 @@ def rotation_generator_by_hand(frequencies: list[float]) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", ["dopri5", "rk4"])
 def test_sinusoidal_table_is_a_solution_of_floater_with_linear_dynamics(method):
-    """kexue.fm/archives/8130: the sin/cos table is a special solution of FLOATER, here through torchdiffeq."""
+    """kexue.fm/archives/8130: the sin/cos table is a special solution of FLOATER (with ``g = 0`` the rotating
+    frame's state stays ``p(0)``, whatever the method)."""
     spec = {"type": "floater", "dynamics": "linear", "method": method, "rtol": 1e-7, "atol": 1e-9, "step_size": 0.05}
     encoding = scheme_module("bert", spec)
     with torch.no_grad():
@@ -231,6 +232,74 @@ def test_floater_equals_a_direct_solve_of_its_ode():
     with torch.no_grad():
         direct = odeint(h, encoding.initial.clone(), torch.arange(12.0), rtol=1e-9, atol=1e-10, method="dopri5")
         torch.testing.assert_close(encoding.generate_table(12), direct, atol=1e-4, rtol=1e-4)
+
+
+def rotating_frame_table_by_torchdiffeq(parameters: dict, length: int, method: str, step_size: float):
+    """FLOATER's table by torchdiffeq's own fixed-grid solver in the rotating frame written with matrices:
+    ``dq/dt = exp(-Omega t) g(exp(Omega t) q, t)``, ``p(k) = exp(Omega k) q(k)``, ``exp`` by
+    ``torch.linalg.matrix_exp`` of ``Omega`` built from the frequencies (differentiable in them)."""
+    from torchdiffeq import odeint
+
+    frequencies = parameters["frequencies"]
+    pairs = torch.arange(len(frequencies))
+    generator = frequencies.new_zeros(2 * len(frequencies), 2 * len(frequencies)).index_put(
+        (torch.cat((2 * pairs, 2 * pairs + 1)), torch.cat((2 * pairs + 1, 2 * pairs))),
+        torch.cat((frequencies, -frequencies)),
+    )
+
+    def g(p, t):
+        inner = torch.tanh(parameters["inner.weight"] @ torch.cat((p, t.reshape(1))) + parameters["inner.bias"])
+        return parameters["outer.weight"] @ inner + parameters["outer.bias"]
+
+    def dynamics(t, q):
+        return torch.linalg.matrix_exp(-generator * t) @ g(torch.linalg.matrix_exp(generator * t) @ q, t)
+
+    times = torch.arange(float(length), dtype=frequencies.dtype)
+    rotating = odeint(dynamics, parameters["initial"], times, method=method, options={"step_size": step_size})
+    return torch.stack([torch.linalg.matrix_exp(generator * t) @ q for t, q in zip(times, rotating, strict=True)])
+
+
+@pytest.mark.parametrize(("method", "step_size"), [("rk4", 1.0), ("rk4", 0.25), ("midpoint", 0.5), ("euler", 1.0)])
+def test_floater_fixed_step_solve_equals_torchdiffeqs_table_and_gradients(method, step_size):
+    """The fixed-step path (its own loop, the backward one step at a time) against torchdiffeq's solver of the same
+    method and step, autograd through it, in float64: the table and the gradient of every parameter."""
+    encoding = scheme_module("gpt2", {"type": "floater", "method": method, "step_size": step_size}).train()
+    with torch.no_grad():
+        encoding.outer.weight.normal_(std=0.3)
+        encoding.outer.bias.normal_(std=0.1)
+        encoding.inner.bias.normal_(std=0.1)
+    parameters = {name: p.detach().double().requires_grad_() for name, p in encoding.named_parameters()}
+    expected = rotating_frame_table_by_torchdiffeq(parameters, 10, method, step_size)
+    table = encoding.generate_table(10)
+    torch.testing.assert_close(table, expected.float(), atol=2e-5, rtol=1e-5)
+    weights = torch.randn(10, 32)
+    (table * weights).sum().backward()
+    (expected * weights.double()).sum().backward()
+    for name, p in encoding.named_parameters():  # float32 sums of terms up to ~100 (the frequencies' grow with t)
+        expected_grad = parameters[name].grad.float()
+        torch.testing.assert_close(p.grad, expected_grad, atol=1e-5 * expected_grad.abs().max(), rtol=1e-4, msg=name)
+
+
+def test_floater_fixed_step_loops_replayed_as_captured_graphs_give_the_loops_numbers(monkeypatch):
+    """The CUDA path of the fixed-step solve (forward and backward loops each captured once per length, then
+    replayed into the same memory) with the CPU stand-in for a graph: three tables, two of one length, before one
+    backward, equal the uncaptured loops' exactly, tables and every gradient."""
+    encoding = scheme_module("gpt2", {"type": "floater", "method": "rk4", "step_size": 0.5}).train()
+    with torch.no_grad():
+        encoding.outer.weight.normal_(std=0.3)
+    results = {}
+    for captured in (False, True):
+        if captured:
+            monkeypatch.setattr(absolute_encodings, "captures_loops", lambda tensor: True)
+            monkeypatch.setattr(absolute_encodings, "CapturedLoop", ReplayedLoop)
+            monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS", {})
+        encoding.zero_grad(set_to_none=True)
+        tables = [encoding.generate_table(length) for length in (7, 9, 7)]
+        sum((table * torch.linspace(-1, 1, table.numel()).view_as(table)).sum() for table in tables).backward()
+        results[captured] = [*tables, *(p.grad.clone() for p in encoding.parameters())]
+    for got, want in zip(results[True], results[False], strict=True):
+        assert torch.equal(got, want)
+    assert len(absolute_encodings.CAPTURED_LOOPS) == 4  # states and gradients at 7 and 9 positions
 
 
 def test_floater_starts_as_the_sinusoidal_table():
@@ -572,6 +641,7 @@ def test_constant_input_gives_different_hidden_states_at_different_positions(fam
     [
         ({"type": "recurrent", "cell": "lstm"}, r"option 'cell'='lstm' is out of range; valid: gru, tanh"),
         ({"type": "floater", "method": "rk45"}, r"option 'method'='rk45' is out of range; valid: dopri5"),
+        ({"type": "floater", "step_size": 0.3}, r"option 'step_size'=0.3 is out of range; valid: 1/m for an integer"),
         ({"type": "multiplicative", "table": "rope"}, r"option 'table'='rope' is out of range; valid: learned"),
         ({"type": "hierarchical", "alpha": 1.0}, r"option 'alpha'=1.0 is out of range; valid: a number in \(0, 1\)"),
         ({"type": "conv", "kernel_size": 1}, r"option 'kernel_size'=1 is out of range; valid: an int >= 2"),

@@ -66,8 +66,8 @@ def test_bf16_autocast_forward_and_backward_on_cuda(scheme):
 
 
 # Each combination in one family (the encoder and the decoder in turn): dynamo traces the scheme's and the
-# normalizer's code, which the family does not change. floater's torchdiffeq solve cannot be traced (its step
-# control reads tensor values): it raises, tested below.
+# normalizer's code, which the family does not change. floater's solve cannot be traced (a loop of steps per
+# position; torchdiffeq's adaptive step control reads tensor values): it raises, tested below.
 COMPILE_COMBOS = [combo for combo in combos_in_turn_by_family(COMBOS) if combo[1] != "floater"]
 # Under compile recurrent unrolls max_position_embeddings steps: a short table keeps the trace short.
 SHORT_TABLE = {"bert": {"max_position_embeddings": 16}, "gpt2": {"n_positions": 16}}
