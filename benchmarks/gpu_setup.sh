@@ -1,28 +1,11 @@
 # Sourced by the lent-GPU scripts, from the project root, with OUT set: wheels the machine lacks (x-transformers and
-# its needs) from .whl/ when present, the torch compatibility shim, PYTHONPATH, and the versions in $OUT/versions.txt.
+# its needs) from .whl/ when present, PYTHONPATH, and the versions in $OUT/versions.txt.
 mkdir -p "$OUT"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
-# A lent machine's own torch may predate torch.compile(isolate_recompiles=...) (torch 2.13; the machines lent so far
-# carry torch 2.11). The library does without it there (attention_backends: a code object per region, each with its
-# own recompile budget); the keyword is dropped here, and only there, for the tests that compile with it themselves.
-mkdir -p /tmp/compat
-cat >/tmp/compat/sitecustomize.py <<'PY'
-import inspect
-
-import torch
-
-if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
-    _compile = torch.compile
-
-    def compile_without_isolate_recompiles(*args, isolate_recompiles=False, **kwargs):
-        return _compile(*args, **kwargs)
-
-    torch.compile = compile_without_isolate_recompiles
-PY
-export PYTHONPATH=$PWD:/tmp/compat${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
     echo "commit ${COMMIT:-unknown}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -246,11 +246,14 @@ def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, 
     monkeypatch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
     regions = []
 
-    def compiled_for(grad_enabled, region, dynamic):
+    def compiled_for(grad_enabled, region, dynamic):  # as the library compiles a region, on aot_eager
         regions.append(region)
-        return torch.compile(
-            flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
-        )
+        if attention_backends.COMPILE_ISOLATES_RECOMPILES:
+            return torch.compile(
+                flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
+            )
+        region_flex = attention_backends._region_flex_attention(region)
+        return torch.compile(region_flex, backend="aot_eager", fullgraph=True, dynamic=False)
 
     monkeypatch.setattr(attention_backends, "_compiled_flex_attention", functools.cache(compiled_for))
     monkeypatch.setattr(attention_backends, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
