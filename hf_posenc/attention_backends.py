@@ -440,6 +440,12 @@ Older torch (2.11, 2.12) lacks it: :func:`_region_flex_attention` then gives eac
 on which dynamo keys its cache and counts its recompiles."""
 
 
+FLEX_CPU_COMPILES_SYMBOLIC_SIZES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+"""Whether the CPU FlexAttention template compiles with symbolic sizes: torch 2.11's generates C++ that g++ rejects
+(``'cur_kvSplitSize7' was not declared in this scope``). Where it cannot, :func:`flex_attend` compiles a static
+kernel for each new shape on the CPU (up to torch's recompile limit, then the unfused path, with a warning)."""
+
+
 def _region_flex_attention(region: str) -> Callable:
     """``flex_attention`` behind a function whose code object belongs to ``region`` alone. Dynamo keeps its compiled
     entries and its recompile count per code object, so two regions never share the recompile limit, as
@@ -497,7 +503,8 @@ def flex_attend(
     """FlexAttention through the compile cache: ``flex_attention(query, key, value, **kwargs)`` compiled per grad
     mode and ``region``/``pass_name``. A region's first shapes run a static kernel (fixed-length training keeps the
     fastest kernel, whatever other regions saw); any other shapes (a second length or batch size) run one kernel
-    compiled with symbolic sizes, which every later length reuses. Inside a ``torch.compile``d model the plain
+    compiled with symbolic sizes, which every later length reuses (on a CPU whose torch cannot compile those,
+    :data:`FLEX_CPU_COMPILES_SYMBOLIC_SIZES`, a static kernel per shape). Inside a ``torch.compile``d model the plain
     function is called and the outer compile fuses it. Should a region still hit torch's recompile limit (shapes
     other than the lengths and batch size changing every call), the call runs FlexAttention's unfused path, which
     materialises every score, and a warning says so: no silent slow path."""
@@ -507,6 +514,7 @@ def flex_attend(
     grad_enabled = torch.is_grad_enabled()
     shapes = _call_shapes(query, key, value, kwargs)
     dynamic = _FIRST_SHAPES.setdefault((grad_enabled, name), shapes) != shapes
+    dynamic = dynamic and (query.device.type != "cpu" or FLEX_CPU_COMPILES_SYMBOLIC_SIZES)
     try:
         return _compiled_flex_attention(grad_enabled, name, dynamic)(query, key, value, **kwargs)
     except FailOnRecompileLimitHit:

@@ -282,6 +282,11 @@ def wide_head_models(family):
     return flex, eager.eval()
 
 
+@pytest.mark.skipif(
+    not attention_backends.FLEX_CPU_COMPILES_SYMBOLIC_SIZES,
+    reason="this torch's CPU FlexAttention cannot compile symbolic sizes: every length compiles a static kernel "
+    "(test_without_symbolic_cpu_kernels_each_new_length_compiles_a_static_one)",
+)
 def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
     """Ten lengths (more than torch's recompile limit of 8): compiled for the first, once more with symbolic sizes
     for the second, then reused; never the unfused path; every output equals eager. Before the compile cache
@@ -304,6 +309,26 @@ def test_new_sequence_lengths_reuse_the_compiled_flex_attention():
     # when an earlier test already made their sizes symbolic (torch keeps that per function); later lengths nothing.
     assert sum(compiles[:2]) <= 4 and compiles[2:] == [0] * 8, compiles
     assert attention_backends._warn_unfused_flex.cache_info().currsize == 0
+
+
+def test_without_symbolic_cpu_kernels_each_new_length_compiles_a_static_one(monkeypatch):
+    """Where the CPU template cannot compile symbolic sizes (torch 2.11), a region's second and later shapes ask
+    for static kernels on the CPU; with symbolic sizes, for the shared symbolic one."""
+    requested = []
+
+    def compiled_for(grad_enabled, region, dynamic):
+        requested.append(dynamic)
+        return flex_attention
+
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", compiled_for)
+    for compiles_symbolic_sizes in (True, False):
+        monkeypatch.setattr(attention_backends, "FLEX_CPU_COMPILES_SYMBOLIC_SIZES", compiles_symbolic_sizes)
+        monkeypatch.setattr(attention_backends, "_FIRST_SHAPES", {})
+        with torch.no_grad():
+            for length in (16, 24, 32):
+                q, k, v = (torch.randn(1, 2, length, 32) for _ in range(3))
+                flex_attend(q, k, v, region="test")
+    assert requested == [False, True, True, False, False, False]
 
 
 def test_hitting_the_recompile_limit_warns_and_runs_the_unfused_path(caplog):
