@@ -23,6 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.graph import GraphLowering
 from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
+from torch._inductor.kernel.flex.flex_cpu import CppFlexAttentionTemplate
 from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -41,6 +42,9 @@ from hf_posenc.position_interface import PositionEncoding
 
 CUDA = torch.device("cuda")  # choose_backend is pure logic: the CUDA rules run without a GPU
 WIDE = {"bert": dict(hidden_size=32, num_attention_heads=2), "gpt2": dict(n_embd=32, n_head=2)}  # heads of 16
+# The calls are recorded once per region (a scheme and normalizer's, the same in every layer): the first layer's
+# calls, the same with one layer as with two, so the capture runs one.
+ONE_LAYER = {"bert": dict(num_hidden_layers=1), "gpt2": dict(n_layer=1)}
 
 
 def flex_schemes() -> list[str]:
@@ -79,7 +83,7 @@ CHECKED_CASES = [case for case in CASES if checked_in_this_family(case)]
 def capture_cuda_flex_calls(
     family: str, scheme: str, normalizer: str, training: bool, given_positions: bool, requested: str, monkeypatch
 ) -> list[tuple]:
-    """The FlexAttention calls of one forward (and backward) of a tiny model with heads of 16, routed and prepared
+    """The FlexAttention calls of one forward (and backward) of a one-layer model with heads of 16, routed and prepared
     as on CUDA: ``choose_backend`` sees a CUDA device, the schemes build the tables they build there (length-sized
     tables compile on Triton), and every call runs FlexAttention uncompiled on CPU. One call per region and pass:
     ``(query, key, value, kwargs)``."""
@@ -98,7 +102,8 @@ def capture_cuda_flex_calls(
         monkeypatch.setattr(module, "flex_compiles_length_sized_tables", lambda device: True)
     monkeypatch.setattr(posenc_attention, "flex_attend", record)
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # CPU flex refuses gradients
-    model = make_model(family, scheme, normalizer, attn=requested, **WIDE[family]).train(training)
+    model = make_model(family, scheme, normalizer, attn=requested, **WIDE[family], **ONE_LAYER[family])
+    model.train(training)
     ids = random_ids(2, 12)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 9:] = 0
@@ -201,7 +206,10 @@ class Lowered(Exception):
 
 def assert_inductor_lowers(calls: list[tuple], monkeypatch) -> None:
     """Every call's ``score_mod`` and ``mask_mod`` lowered by inductor in one graph (CPU lowers these subgraphs as
-    Triton's does), stopping before code is compiled."""
+    Triton's does), stopping before code is compiled. Each lowered subgraph's inner function is run through
+    inductor's read/write analysis (every op and index of it evaluated, as Triton's template evaluates it) instead
+    of the CPU template's C++ code generation for it, which is CPU-only work: most of a case's time, none of it the
+    CUDA path's."""
 
     if not calls:
         return
@@ -209,7 +217,12 @@ def assert_inductor_lowers(calls: list[tuple], monkeypatch) -> None:
     def stop(self, *args, **kwargs):
         raise Lowered
 
+    def evaluate_without_cpp_code(self, subgraph_buffer, output_name, output_idx):
+        subgraph_buffer.get_read_writes()
+        return ""
+
     monkeypatch.setattr(GraphLowering, "compile_to_module", stop)
+    monkeypatch.setattr(CppFlexAttentionTemplate, "modification", evaluate_without_cpp_code)
 
     def lowered(kwargs: dict) -> dict:  # CPU lowering refuses the log-sum-exp; the subgraphs lower the same without
         return {name: value for name, value in kwargs.items() if name not in ("return_lse", "return_aux")}
