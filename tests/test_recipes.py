@@ -76,6 +76,17 @@ def saved_figures(monkeypatch) -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def short_corpus(tmp_path_factory) -> Path:
+    """The embedded corpus's first 1,000 lines (56 kB) as a ``--train_file``: for the tests of what a recipe does
+    with several runs, where tokenising and scoring the whole corpus (0.9 MB) in every run only adds time. Its held-out
+    5 % (2 kB) holds 130 blocks of 16 tokens."""
+    path = tmp_path_factory.mktemp("corpus") / "emma_1000_lines.txt"
+    lines = pretrain_recipe.embedded_corpus_file().read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:1000]))
+    return path
+
+
+@pytest.fixture(scope="module")
 def alibi_decoder(tmp_path_factory) -> Path:
     """A decoder trained by the installed ``hf-posenc`` console script, as a user runs it: it exits 0 and leaves
     its results in the folder, not on stderr."""
@@ -177,9 +188,10 @@ def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags,
         assert torch.equal(tensor, again[name]), name
 
 
-def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
+def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path, short_corpus):
     """torchrun --nproc_per_node 2 on CPU (gloo): each process takes half of every global batch."""
     flags = [*TINY, "--max_train_steps", "8", "--position_encoding", "t5", "--eval_steps", "8"]
+    flags += ["--train_file", str(short_corpus)]
     one = pretrain_recipe.main([*flags, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8"])
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -256,13 +268,16 @@ def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder,
     assert "| alibi + softmax |" in table
 
 
-def test_extrapolation_groups_the_seeds_of_one_experiment_and_draws_the_encoders_masks_per_seed(tmp_path):
+def test_extrapolation_groups_the_seeds_of_one_experiment_and_draws_the_encoders_masks_per_seed(
+    tmp_path, short_corpus
+):
     """Two decoders that differ only in their training seed are one row (mean ± sample standard deviation of their
     losses, recomputed here), a third with another recipe its own; ``--seeds`` scores an encoder once per masking
     draw (the draws differ) and a decoder once (it draws nothing)."""
+    corpus = ["--train_file", str(short_corpus)]
     for name, flags in (("a0", ["--seed", "0"]), ("a1", ["--seed", "1"]), ("b", ["--learning_rate", "1e-3"])):
-        pretrain(tmp_path / name, "--position_encoding", "rope", *flags, steps=3)
-    pretrain(tmp_path / "mlm", "--task", "mlm", "--position_encoding", "rope", steps=3)
+        pretrain(tmp_path / name, "--position_encoding", "rope", *corpus, *flags, steps=3)
+    pretrain(tmp_path / "mlm", "--task", "mlm", "--position_encoding", "rope", *corpus, steps=3)
     models = [str(tmp_path / name) for name in ("a0", "a1", "b", "mlm")]
     argv = ["--model_name_or_path", *models, "--factors", "1", "2", "--max_eval_tokens", "512", "--seeds", "3", "4"]
     rows = extrapolate.main([*argv, "--output_dir", str(tmp_path / "report")])
@@ -368,13 +383,16 @@ TINY_COMPARE = [
 ]  # fmt: skip
 
 
-def test_compare_over_seeds_reports_mean_and_spread_and_keeps_every_seed(tmp_path, saved_figures, monkeypatch):
+def test_compare_over_seeds_reports_mean_and_spread_and_keeps_every_seed(
+    tmp_path, short_corpus, saved_figures, monkeypatch
+):
     """``--seeds``: one model per seed in ``models/<run>/seed_<s>``; every cell of the table is the mean ± the sample
     standard deviation of the seeds' figures (recomputed here from the JSON's per-seed rows); the plot draws the
     spread (a band around the mean training curve, error bars on the lengths). ``--resume`` then keeps every run
     without training again and writes the same table; a layout (``rnope_swa``) is a run beside the schemes."""
     argv = [*TINY_COMPARE, "--schemes", "rope", "--layouts", "rnope_swa", "--sliding_window", "8"]
-    argv += ["--num_hidden_layers", "4", "--seeds", "0", "1", "--output_dir", str(tmp_path)]
+    argv += ["--num_hidden_layers", "4", "--seeds", "0", "1", "--train_file", str(short_corpus)]
+    argv += ["--output_dir", str(tmp_path)]
     rows = compare.main(argv)
     assert [(row["scheme"], row["seed"]) for row in rows] == [
         ("rope", 0),
