@@ -169,9 +169,10 @@ def test_masked_lm_loss_falls_and_the_model_reloads(tmp_path):
     ("task", "flags"),
     [("clm", ["--position_encoding", "rope"]), ("mlm", ["--position_encoding", "learned", "--dropout", "0.1"])],
 )
-def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags, tmp_path):
+def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags, tmp_path, short_corpus):
     """MLM draws masks and dropout: both must continue exactly; gradient accumulation spans the checkpoint."""
     flags = ["--task", task, *flags, "--gradient_accumulation_steps", "2", "--eval_steps", "4"]
+    flags += ["--train_file", str(short_corpus)]
     pretrain(tmp_path / "whole", *flags, "--checkpointing_steps", "3", steps=6)
     assert (tmp_path / "whole" / "step_3").is_dir() and (tmp_path / "whole" / "step_6").is_dir()
     resumed = pretrain(
@@ -247,8 +248,10 @@ def test_sliding_window_loss_is_the_model_loss_on_the_last_positions(alibi_decod
     assert extrapolate.sliding_window_loss(model, ids, 32, 16, batch_size=3) == pytest.approx(at_2x, abs=1e-5)
 
 
-def test_extrapolation_table_names_what_a_learned_table_cannot_do(alibi_decoder, tmp_path, saved_figures):
-    pretrain(tmp_path / "learned", "--position_encoding", "learned", steps=3)
+def test_extrapolation_table_names_what_a_learned_table_cannot_do(
+    alibi_decoder, tmp_path, saved_figures, short_corpus
+):
+    pretrain(tmp_path / "learned", "--position_encoding", "learned", "--train_file", str(short_corpus), steps=3)
     rows = extrapolate.main(
         ["--model_name_or_path", str(alibi_decoder), str(tmp_path / "learned"), "--max_eval_tokens", "1024"]
         + ["--output_dir", str(tmp_path / "report")]
