@@ -86,6 +86,13 @@ RECIPE_FLAGS = [
     "--eval_steps", "6", "--max_train_steps", "6",
 ]  # fmt: skip
 RECIPE_CHECKPOINT = 3
+CORPUS_LINES = 1000
+
+
+def recipe_corpus(root: Path) -> list[str]:
+    """``--train_file`` for every recipe run of this file: the embedded corpus's first ``CORPUS_LINES`` lines (56 kB),
+    which each run tokenises in each process; the whole corpus (0.9 MB) would only add time."""
+    return ["--train_file", str(root / "corpus.txt")]
 
 
 def global_batch(step: int) -> dict[str, torch.Tensor]:
@@ -239,11 +246,13 @@ def run_worker(rank: int, port: int, root: Path) -> None:
         results["resume"][name] = resume_from_sharded_checkpoint(case, rank, root / "dcp" / name)
     pretrain_recipe.recipe_accelerator = fsdp2_recipe_accelerator
     for state_dict_type, (flags, layer_class) in RECIPE_RUNS.items():
-        pretrain_under_fsdp2(flags, layer_class, state_dict_type, root / "recipe" / state_dict_type)
+        folder = root / "recipe" / state_dict_type
+        pretrain_under_fsdp2([*flags, *recipe_corpus(root)], layer_class, state_dict_type, folder)
     # the recipe's masked LMs under accelerate's FSDP2, sharded checkpoints
     for name, (flags, layer_class) in MLM_RUNS.items():
         source = ["--model_name_or_path", str(root / "mlm" / "retrofitted")] if name.startswith("retrofit") else []
-        pretrain_under_fsdp2([*flags, *source], layer_class, "SHARDED_STATE_DICT", root / "mlm" / name)
+        flags = [*flags, *source, *recipe_corpus(root)]
+        pretrain_under_fsdp2(flags, layer_class, "SHARDED_STATE_DICT", root / "mlm" / name)
     if rank == 0:
         torch.save(results, root / "results.pt")
     dist.destroy_process_group()
@@ -273,6 +282,8 @@ def sharded(tmp_path_factory) -> tuple[Path, dict]:
     """The two processes, started once for every test of this file (a start costs the imports of both): their folder
     and rank 0's results."""
     root = tmp_path_factory.mktemp("fsdp2")
+    lines = pretrain_recipe.embedded_corpus_file().read_text().splitlines(keepends=True)
+    (root / "corpus.txt").write_text("".join(lines[:CORPUS_LINES]))
     retrofitted_bert_folder(root / "mlm" / "retrofitted")
     mp.spawn(run_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
     return root, torch.load(root / "results.pt")
@@ -364,7 +375,7 @@ def test_pretrain_recipe_saves_and_resumes_under_accelerate_fsdp2(sharded, state
     assert_same_weights(weights[1], weights[0], atol=0, rtol=0)
     flags = RECIPE_RUNS[state_dict_type][0]
     one = pretrain_recipe.main(  # one process on the global batch (2 x 4 blocks), no accelerate FSDP
-        [*RECIPE_SIZE_FLAGS, *RECIPE_FLAGS, *flags, "--per_device_train_batch_size", "8"]
+        [*RECIPE_SIZE_FLAGS, *RECIPE_FLAGS, *flags, *recipe_corpus(sharded[0]), "--per_device_train_batch_size", "8"]
         + ["--output_dir", str(folder / "one")]
     )
     ones = [json.loads(line)["loss"] for line in (folder / "one" / "train_log.jsonl").read_text().splitlines()]
