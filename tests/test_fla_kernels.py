@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -118,7 +119,7 @@ def test_nothing_is_tried_off_cuda():
 
 INTERPRETED = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, traceback
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, "tests")
     import torch
@@ -184,36 +185,83 @@ INTERPRETED = textwrap.dedent(
         })
 
     fla_kernels.fla_module = counted
-    scheme, normalizer, dtype = sys.argv[1:4]
-    spec = {"type": "path", "forget_gate": True} if scheme == "path_fox" else scheme
-    ids = random_ids(2, 40)
-    results = {}
-    runs = [("eager", "eager", False), ("fla", "sdpa", True)]
-    runs += [("library eager", "eager", False), ("library sdpa", "sdpa", False)] if dtype == "bfloat16" else []
-    for run, attn, fla in runs:
-        fla_kernels.fla_runs_on = lambda device, fla=fla: fla
-        model = make_model("gpt2", spec, normalizer, attn=attn, n_head=2, n_positions=64).train()
-        with torch.autocast("cpu", torch.bfloat16, enabled=run != "eager" and dtype == "bfloat16"):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        results[run] = {"loss": loss.item()} | {
-            name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None
-        }
 
-    def errors(run):
-        return {
-            name: float((results[run][name] - want).abs().max() / max(float(want.abs().max()), 1e-12))
-            for name, want in results["eager"].items() if name != "loss"
-        }
 
-    loss_error = abs(results["fla"]["loss"] - results["eager"]["loss"]) / abs(results["eager"]["loss"])
-    own = {}
-    for run in runs[2:]:
-        for name, error in errors(run[0]).items():
-            own[name] = max(own.get(name, 0.0), error)
-    print(json.dumps({"calls": len(calls), "loss": loss_error, "grads": errors("fla"), "own": own}))
+    def run_case(scheme, normalizer, dtype):
+        calls.clear()
+        spec = {"type": "path", "forget_gate": True} if scheme == "path_fox" else scheme
+        ids = random_ids(2, 40)
+        results = {}
+        runs = [("eager", "eager", False), ("fla", "sdpa", True)]
+        runs += [("library eager", "eager", False), ("library sdpa", "sdpa", False)] if dtype == "bfloat16" else []
+        for run, attn, fla in runs:
+            fla_kernels.fla_runs_on = lambda device, fla=fla: fla
+            model = make_model("gpt2", spec, normalizer, attn=attn, n_head=2, n_positions=64).train()
+            with torch.autocast("cpu", torch.bfloat16, enabled=run != "eager" and dtype == "bfloat16"):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            results[run] = {"loss": loss.item()} | {
+                name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None
+            }
+
+        def errors(run):
+            return {
+                name: float((results[run][name] - want).abs().max() / max(float(want.abs().max()), 1e-12))
+                for name, want in results["eager"].items() if name != "loss"
+            }
+
+        loss_error = abs(results["fla"]["loss"] - results["eager"]["loss"]) / abs(results["eager"]["loss"])
+        own = {}
+        for run in runs[2:]:
+            for name, error in errors(run[0]).items():
+                own[name] = max(own.get(name, 0.0), error)
+        return {"calls": len(calls), "loss": loss_error, "grads": errors("fla"), "own": own}
+
+
+    for line in sys.stdin:  # a case (scheme, normalizer, dtype) per line; its result (or traceback) per line
+        try:
+            result = run_case(*json.loads(line))
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        print("result:", json.dumps(result), flush=True)
     """
 )
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """One Python running fla's kernels in Triton's interpreter for every case this process tests: importing fla
+    there (its kernels built for the interpreter) takes most of a case's time. ``interpreted(scheme, normalizer,
+    dtype)`` sends it a case and returns its result."""
+    log = tmp_path_factory.mktemp("interpreter") / "stderr.txt"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", INTERPRETED],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+
+    def interpreted_case(scheme: str, normalizer: str, dtype: str) -> dict:
+        process.stdin.write(json.dumps([scheme, normalizer, dtype]) + "\n")
+        process.stdin.flush()
+        watchdog = threading.Timer(1200, process.kill)  # a case that hangs ends the process, and fails
+        watchdog.start()
+        try:
+            for line in iter(process.stdout.readline, ""):
+                if line.startswith("result: "):
+                    result = json.loads(line.removeprefix("result: "))
+                    assert "error" not in result, result["error"][-3000:]
+                    return result
+        finally:
+            watchdog.cancel()
+        pytest.fail(f"the interpreter process stopped: {log.read_text()[-3000:]}")
+
+    yield interpreted_case
+    process.stdin.close()
+    process.wait(timeout=60)
 
 
 @pytest.mark.skipif(
@@ -224,23 +272,15 @@ INTERPRETED = textwrap.dedent(
 @pytest.mark.parametrize(
     ("scheme", "normalizer"), [("none", "stick_breaking"), ("path", "softmax"), ("path_fox", "softmax")]
 )
-def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normalizer, dtype):
+def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normalizer, dtype, interpreted):
     """A GPT-2 training step (2 layers, 2 heads of 16, 2 x 40 tokens: PaTH's kernel crosses a block) through fla's
-    Triton kernels run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, a fresh interpreter: the
+    Triton kernels run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, in a Python of its own: the
     kernels are built for it when fla is imported), against the eager model: the loss and every parameter gradient,
     relative to the largest entry; float32 to 1e-4 (fla rounds PaTH's directions to float16 in its inter-block
     products); under bf16 autocast to 5e-2, or 1.5 times the larger error of the library's own eager and sdpa paths
     under bf16 where that is larger (PaTH-FoX's strengths: about 0.12 on its eager path); the interpreter's bf16
     arithmetic made the GPU's (float32 products, rounding to nearest even)."""
-    completed = subprocess.run(
-        [sys.executable, "-c", INTERPRETED, scheme, normalizer, dtype],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    result = interpreted(scheme, normalizer, dtype)
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     assert result["calls"] == 2  # one per layer, the library's own run none: the kernel ran
     assert result["loss"] <= tolerance
