@@ -472,7 +472,8 @@ def _compiled_flex_attention(grad_enabled: bool, region: str, dynamic: bool) -> 
     rather than silently run uncompiled (see :func:`flex_attend`). ``grad_enabled`` only keys the cache. ``dynamic``
     is set explicitly either way: dynamo keeps its automatic dynamic-shape state per code object
     (``torch/_dynamo/pgo.py``), not per region, so with ``dynamic=None`` a region compiled after another had seen two
-    lengths would start with symbolic sizes."""
+    lengths would start with symbolic sizes. On older torch the symbolic region's code object is new, so its first
+    shape compiles static once more before its sizes turn symbolic (one extra compile a region)."""
     dynamic_shapes = None if dynamic else False
     if COMPILE_ISOLATES_RECOMPILES:
         return torch.compile(flex_attention, fullgraph=True, isolate_recompiles=True, dynamic=dynamic_shapes)
