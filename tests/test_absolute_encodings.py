@@ -147,6 +147,13 @@ class ReplayedLoop(absolute_encodings.CapturedLoop):
             kept.copy_(fresh)
 
 
+def replay_loops_as_graphs(monkeypatch) -> None:
+    """``run_loop`` as on CUDA, with :class:`ReplayedLoop` for the graph and an empty cache of captured loops."""
+    monkeypatch.setattr(absolute_encodings, "captures_loops", lambda tensor: True)
+    monkeypatch.setattr(absolute_encodings, "CapturedLoop", ReplayedLoop)
+    monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS", {})
+
+
 @pytest.mark.parametrize("cell", ["gru", "tanh"])
 def test_recurrent_loop_replayed_as_a_captured_graph_gives_the_loops_numbers(cell, monkeypatch):
     """The CUDA path (``run_loop``: the forward and the backward each captured once per length, then replayed into
@@ -160,9 +167,7 @@ def test_recurrent_loop_replayed_as_a_captured_graph_gives_the_loops_numbers(cel
     results = {}
     for captured in (False, True):
         if captured:
-            monkeypatch.setattr(absolute_encodings, "captures_loops", lambda tensor: True)
-            monkeypatch.setattr(absolute_encodings, "CapturedLoop", ReplayedLoop)
-            monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS", {})
+            replay_loops_as_graphs(monkeypatch)
         inputs = [start.clone().requires_grad_() for start in starts]
         tables = [
             absolute_encodings.UnrolledRecurrence.apply(start, weight, bias, length, cell)
@@ -290,9 +295,7 @@ def test_floater_fixed_step_loops_replayed_as_captured_graphs_give_the_loops_num
     results = {}
     for captured in (False, True):
         if captured:
-            monkeypatch.setattr(absolute_encodings, "captures_loops", lambda tensor: True)
-            monkeypatch.setattr(absolute_encodings, "CapturedLoop", ReplayedLoop)
-            monkeypatch.setattr(absolute_encodings, "CAPTURED_LOOPS", {})
+            replay_loops_as_graphs(monkeypatch)
         encoding.zero_grad(set_to_none=True)
         tables = [encoding.generate_table(length) for length in (7, 9, 7)]
         sum((table * torch.linspace(-1, 1, table.numel()).view_as(table)).sum() for table in tables).backward()
