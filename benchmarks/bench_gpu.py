@@ -159,9 +159,8 @@ def architecture(family: str, size: Size, max_len: int) -> dict:
 
 
 def posenc_model(family: str, size: Size, max_len: int, scheme: str, normalizer: str, attn: str | None):
-    position_encoding = parse_scheme(scheme)  # a name, or name:key=value,... (floater:method=rk4)
-    fields = dict(architecture(family, size, max_len), position_encoding=position_encoding)
-    fields["attention_normalizer"] = normalizer
+    fields = architecture(family, size, max_len)
+    fields.update(position_encoding=parse_scheme(scheme), attention_normalizer=normalizer)  # name[:key=value,...]
     if family == "bert":
         config = hf_posenc.PosEncBertConfig(**fields)
         return transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=attn)

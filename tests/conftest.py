@@ -247,6 +247,15 @@ def console_script() -> str:
     return found
 
 
+def write_corpus_slice(path: Path, lines: int = 1000) -> Path:
+    """The embedded corpus's first ``lines`` lines written to ``path``, a ``--train_file`` for the recipe tests that
+    train several runs (1,000 lines are 56 kB of the 0.9 MB corpus, which each run would tokenise and score)."""
+    from hf_posenc_cli.recipes.pretrain import embedded_corpus_file  # the recipes' extras, only where a test uses it
+
+    path.write_text("".join(embedded_corpus_file().read_text().splitlines(keepends=True)[:lines]))
+    return path
+
+
 def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """A command as a user runs it, with this checkout's code (``CLI_ENV``)."""
     return subprocess.run(command, capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import transformers
-from conftest import make_model
+from conftest import make_model, write_corpus_slice
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -282,8 +282,7 @@ def sharded(tmp_path_factory) -> tuple[Path, dict]:
     """The two processes, started once for every test of this file (a start costs the imports of both): their folder
     and rank 0's results."""
     root = tmp_path_factory.mktemp("fsdp2")
-    lines = pretrain_recipe.embedded_corpus_file().read_text().splitlines(keepends=True)
-    (root / "corpus.txt").write_text("".join(lines[:CORPUS_LINES]))
+    write_corpus_slice(root / "corpus.txt", lines=CORPUS_LINES)
     retrofitted_bert_folder(root / "mlm" / "retrofitted")
     mp.spawn(run_worker, args=(free_port(), root), nprocs=WORLD_SIZE)
     return root, torch.load(root / "results.pt")

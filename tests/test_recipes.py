@@ -19,7 +19,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
-from conftest import console_script, run_command
+from conftest import console_script, run_command, write_corpus_slice
 from safetensors.torch import load_file
 
 import hf_posenc
@@ -80,10 +80,7 @@ def short_corpus(tmp_path_factory) -> Path:
     """The embedded corpus's first 1,000 lines (56 kB) as a ``--train_file``: for the tests of what a recipe does
     with several runs, where tokenising and scoring the whole corpus (0.9 MB) in every run only adds time. Its held-out
     5 % (2 kB) holds 130 blocks of 16 tokens."""
-    path = tmp_path_factory.mktemp("corpus") / "emma_1000_lines.txt"
-    lines = pretrain_recipe.embedded_corpus_file().read_text().splitlines(keepends=True)
-    path.write_text("".join(lines[:1000]))
-    return path
+    return write_corpus_slice(tmp_path_factory.mktemp("corpus") / "emma_1000_lines.txt", lines=1000)
 
 
 @pytest.fixture(scope="module")
