@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 from conftest import make_model
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.distributed import DistributedConfig
 
 import hf_posenc
@@ -333,14 +334,28 @@ def local_query_width(model: transformers.PreTrainedModel) -> int:
     return local.shape[1] // 3 if name.endswith("c_attn.weight") else local.shape[0]
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A gradient's whole value on every rank. ``_StridedShard(d, sf)`` (a packed projection) cuts ``d`` into ``sf``
+    groups and holds one piece of each group, rank after rank: gathered here by hand, as torch 2.11's
+    ``full_tensor`` cannot undo it; every other placement through ``full_tensor``."""
+    if not isinstance(tensor, torch.distributed.tensor.DTensor):
+        return tensor
+    (placement,) = tensor.placements
+    if not isinstance(placement, _StridedShard):
+        return tensor.full_tensor()
+    local = tensor.to_local().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, local)
+    by_rank = [piece.chunk(placement.split_factor, dim=placement.dim) for piece in pieces]
+    groups = range(placement.split_factor)
+    return torch.cat([rank_groups[group] for group in groups for rank_groups in by_rank], dim=placement.dim)
+
+
 def forward_backward(model: transformers.PreTrainedModel) -> dict:
     """One training step's loss, logits and every parameter's gradient (whole tensors, gathered from the shards)."""
     output = model(input_ids=BATCH, labels=BATCH)
     output.loss.backward()
-    grads = {}
-    for name, parameter in model.named_parameters():
-        grad = parameter.grad
-        grads[name] = grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
+    grads = {name: whole_tensor(parameter.grad) for name, parameter in model.named_parameters()}
     return {"loss": output.loss.detach(), "logits": output.logits.detach(), "grads": grads}
 
 
