@@ -27,7 +27,16 @@ from .position_interface import (
     position_lookup,
     toeplitz_distances,
 )
-from .relative_tables import gather_rows, in_query_chunks, read_rows, run_starts, skew, sorted_gather, toeplitz
+from .relative_tables import (
+    flex_query_chunk_size,
+    gather_rows,
+    in_query_chunks,
+    read_rows,
+    run_starts,
+    skew,
+    sorted_gather,
+    toeplitz,
+)
 from .score_bias_encodings import t5_relative_bucket
 
 
@@ -233,11 +242,23 @@ class TransformerXLTerm(LayerPositionTerm):
 
         return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
 
-    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+    def flex_query_chunk(self, query, key, attention_inputs):
+        tables, kv_len = attention_inputs["position"], key.shape[-2]
+        if "xl_index" in tables:  # positions with gaps: every distance's row for each query
+            rows = tables["xl_sinusoids"].shape[0]
+            return flex_query_chunk_size(query, lambda chunk: chunk * rows, attention_inputs["mask"])
+        return flex_query_chunk_size(query, lambda chunk: chunk * (chunk + kv_len - 1), attention_inputs["mask"])
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key, queries=slice(None)):
         tables = attention_inputs["position"]
-        query, rows, content_scores = self.row_tables(query, key, tables, scaling)
-        row_scores = torch.matmul(query, rows)  # (batch, heads, q_len, rows): one matmul per layer
+        start, stop, _ = queries.indices(query.shape[-2])
+        query, rows, content_scores = self.row_tables(query[..., start:stop, :], key, tables, scaling)
         index, last_key = tables.get("xl_index"), key.shape[-2] - 1
+        if index is None:  # contiguous positions: the distances of these queries, columns start .. stop + kv_len - 2
+            rows = rows[..., start : stop + last_key]
+        else:
+            index = index[:, start:stop]
+        row_scores = torch.matmul(query, rows)  # (batch, heads, queries, rows): one matmul per layer (or chunk)
 
         def xlnet_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             if index is None:  # contiguous positions: the skew's column i - j + kv_len - 1
@@ -890,14 +911,27 @@ class RelativeKeyTerm(LayerPositionTerm):
         index = tables["relative_key_index"]
         return query_and_key_row_terms(query, key, query_rows, key_rows, index, None, None)
 
-    def score_mod(self, query, key, attention_inputs, scaling, project_query_key):
+    def flex_query_chunk(self, query, key, attention_inputs):
+        kv_len, windowed = key.shape[-2], "relative_key_window" in attention_inputs["position"]
+
+        def table_elements(chunk: int) -> int:
+            rows = chunk + kv_len - 1 if windowed else 2 * self.max_positions - 1  # the chunk's distances, or all
+            return (chunk + (kv_len if self.key_query else 0)) * rows  # the query rows, and the key rows
+
+        return flex_query_chunk_size(query, table_elements, attention_inputs["mask"])
+
+    def score_mod(self, query, key, attention_inputs, scaling, project_query_key, queries=slice(None)):
         window = attention_inputs["position"].get("relative_key_window")
-        query_rows, key_rows = self.row_tables(query, scaling, window)
-        query_row_scores = torch.matmul(query, query_rows)  # (batch, heads, q_len, rows): one matmul per layer
-        key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)  # (batch, heads, kv_len, rows)
-        query_position = position_lookup(attention_inputs["query_positions"])
-        key_position = position_lookup(attention_inputs["key_positions"])
+        start, stop, _ = queries.indices(query.shape[-2])
         reach, last_key = self.max_positions - 1, key.shape[-2] - 1
+        if window is not None:  # the distances of these queries: columns start .. stop + kv_len - 2
+            window = window[start : stop + last_key]
+        query_rows, key_rows = self.row_tables(query, scaling, window)
+        # (batch, heads, queries, rows) and (batch, heads, kv_len, rows): one matmul each per layer (or chunk)
+        query_row_scores = torch.matmul(query[..., start:stop, :], query_rows)
+        key_row_scores = None if key_rows is None else torch.matmul(key, key_rows)
+        query_position = position_lookup(attention_inputs["query_positions"][..., start:stop])
+        key_position = position_lookup(attention_inputs["key_positions"])
 
         def relative_key_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             if window is not None:  # consecutive positions: the window's column i - j + kv_len - 1

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
+from torch.utils.checkpoint import checkpoint
 
 from .attention_backends import (
     _compiled_flex_attention,  # noqa: F401  (tools clear the compile cache through here)
@@ -125,6 +126,69 @@ def left_tail_block_mask(block_mask: BlockMask | None, length: int, reach: int, 
         mask_mod=mask_mod,
         seq_lengths=(length, length),
     )
+
+
+def queries_from(score_mod: Callable | None, start: int, like: torch.Tensor) -> Callable | None:
+    """``score_mod`` for a chunk of queries starting at ``start``: it reads query ``start + q_idx`` (the start a
+    captured tensor on ``like``'s device, so that every chunk runs one compiled kernel)."""
+    if score_mod is None:
+        return None
+    offset = like.new_full((), start, dtype=torch.int32)
+
+    def chunk_score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        return score_mod(score, batch_idx, head_idx, q_idx + offset, kv_idx)
+
+    return chunk_score_mod
+
+
+def query_chunk_block_mask(block_mask: BlockMask | None, start: int, stop: int) -> BlockMask | None:
+    """The queries ``start .. stop - 1`` of ``block_mask`` (``start`` a multiple of its block of queries) as a mask
+    of their own: its tiles' rows of those blocks, and a ``mask_mod`` that reads query ``start + q_idx``. None: every
+    key (None)."""
+    if block_mask is None:
+        return None
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    if start % q_block:
+        raise ValueError(f"A query chunk starts on a block of the mask: {start} is not a multiple of {q_block}.")
+    rows = slice(start // q_block, -(-stop // q_block))
+    full = (None, None)
+    if block_mask.full_kv_num_blocks is not None:
+        full = (block_mask.full_kv_num_blocks[..., rows], block_mask.full_kv_indices[..., rows, :])
+    mask_mod = block_mask.mask_mod
+    if mask_mod is not None:
+        offset = block_mask.kv_num_blocks.new_full((), start, dtype=torch.int32)
+
+        def chunk_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+            return block_mask.mask_mod(batch_idx, head_idx, q_idx + offset, kv_idx)
+
+        mask_mod = chunk_mask_mod
+    return BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks[..., rows],
+        block_mask.kv_indices[..., rows, :],
+        *full,
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod,
+        seq_lengths=(stop - start, block_mask.seq_lengths[1]),
+    )
+
+
+def flex_in_query_chunks(
+    chunk_outputs: Callable[[int, int], tuple[torch.Tensor, ...]], q_len: int, chunk: int | None
+) -> list[torch.Tensor]:
+    """The ``(batch, heads, q_len, head_dim)`` outputs ``chunk_outputs(start, stop)`` gives for the queries ``start
+    .. stop - 1``: from one call (``chunk`` None), or ``chunk`` queries at a time, each call checkpointed with
+    gradients (its tables and FlexAttention's saved tensors recomputed in the backward, so one chunk's exist at a
+    time), joined along the queries."""
+    if chunk is None:
+        return list(chunk_outputs(0, q_len))
+    pieces = []
+    for start in range(0, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        if torch.is_grad_enabled():  # FlexAttention draws no random numbers (no dropout): no RNG state to keep
+            pieces.append(checkpoint(chunk_outputs, start, stop, use_reentrant=False, preserve_rng_state=False))
+        else:
+            pieces.append(chunk_outputs(start, stop))
+    return [torch.cat(parts, dim=-2) for parts in zip(*pieces, strict=True)]
 
 
 def clipped_value_rows_term(
@@ -448,28 +512,52 @@ def positional_attention(
     if fused is not None:
         outputs = fused
     elif backend == "flex_attention":
-        score_mod = encoding.score_mod(tables, attention_inputs["query_positions"], attention_inputs["key_positions"])
-        if position_term is not None:
-            layer_mod = position_term.score_mod(query, key, attention_inputs, scaling, project_query_key)
-            score_mod = chain_score_mods(score_mod, layer_mod)
-        query, key = encoding.flex_query_key(query, key, tables)  # a scheme's extra q/k features (TUPE)
-        if key.shape[1] != values[0].shape[1]:  # keys repeated for per-query-head features: their values alike
-            values = [repeat_kv_heads(v, query.shape[1]) for v in values]
-        if logit_softcapping is not None:
-            score_mod = chain_score_mods(score_mod, soft_cap_score_mod(logit_softcapping))
+        position_mod = encoding.score_mod(
+            tables, attention_inputs["query_positions"], attention_inputs["key_positions"]
+        )
+        flex_query, flex_key = encoding.flex_query_key(query, key, tables)  # a scheme's extra q/k features (TUPE)
+        if flex_key.shape[1] != values[0].shape[1]:  # keys repeated for per-query-head features: their values alike
+            values = [repeat_kv_heads(v, flex_query.shape[1]) for v in values]
         region = f"{encoding.name}+{normalizer.name}" + ("+softcap" if logit_softcapping is not None else "")
         kernel_options = flex_kernel_options(query.device, encoding, position_term)
-        attend = partial(flex_attend, region=region, enable_gqa=key.shape[1] != query.shape[1], **kernel_options)
+        enable_gqa = flex_key.shape[1] != flex_query.shape[1]
+        attend = partial(flex_attend, region=region, enable_gqa=enable_gqa, **kernel_options)
         block_mask = attention_inputs["mask"]
-        if value_rows is None:
-            outputs = [normalizer.flex_output(attend, query, key, v, score_mod, block_mask, scaling) for v in values]
-        else:  # softmax weights on consecutive positions (choose_backend)
-            passes = [flex_pass(attend, query, key, v, score_mod, block_mask, scaling) for v in values]
+
+        def score_mod_of(queries: slice | None) -> Callable | None:
+            """The scores' terms for all queries (None), or for ``queries``, a chunk whose ``q_idx`` counts from its
+            first query (the position-only term reads its whole tables at ``q_idx`` shifted back)."""
+            score_mod, arguments = position_mod, (query, key, attention_inputs, scaling, project_query_key)
+            if queries is not None:
+                score_mod = queries_from(score_mod, queries.start, query)
+            if position_term is not None:
+                layer_mod = position_term.score_mod(*arguments, **({} if queries is None else {"queries": queries}))
+                score_mod = chain_score_mods(score_mod, layer_mod)
+            if logit_softcapping is not None:
+                score_mod = chain_score_mods(score_mod, soft_cap_score_mod(logit_softcapping))
+            return score_mod
+
+        if value_rows is not None:  # softmax weights on consecutive positions (choose_backend)
+            score_mod = score_mod_of(None)
+            passes = [flex_pass(attend, flex_query, flex_key, v, score_mod, block_mask, scaling) for v in values]
             lse = passes[0][1]
             term = clipped_value_rows_term(
-                attend, query, key, values[0], score_mod, block_mask, scaling, lse, value_rows, causal
+                attend, flex_query, flex_key, values[0], score_mod, block_mask, scaling, lse, value_rows, causal
             )
             outputs = [output + term.to(output.dtype) for output, _ in passes]
+        else:
+            chunk = None if position_term is None else position_term.flex_query_chunk(query, key, attention_inputs)
+
+            def chunk_outputs(start: int, stop: int) -> tuple[torch.Tensor, ...]:
+                queries = None if chunk is None else slice(start, stop)
+                score_mod = score_mod_of(queries)
+                mask = block_mask if chunk is None else query_chunk_block_mask(block_mask, start, stop)
+                chunk_query = flex_query[..., start:stop, :]
+                return tuple(
+                    normalizer.flex_output(attend, chunk_query, flex_key, v, score_mod, mask, scaling) for v in values
+                )
+
+            outputs = flex_in_query_chunks(chunk_outputs, query.shape[-2], chunk)
     elif backend == "sdpa":
         attend = _sdpa  # with a logit soft-cap only the chunked composition runs here (choose_backend)
         if normalizer.sdpa_in_query_chunks:

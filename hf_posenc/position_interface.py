@@ -422,16 +422,30 @@ class LayerPositionTerm(HeadSharded, nn.Module):
         attention_inputs: AttentionInputs,
         scaling: float,
         project_query_key: QueryKeyProjection,
+        queries: slice = slice(None),
     ) -> Callable | None:
         """:meth:`score_term` as a FlexAttention ``score_mod`` (flex only; the scheme lists ``"flex_attention"`` in
         its backends): small per-layer tables computed from q and k (``(batch, heads, q_len, rows)`` by one matmul)
         read per (query, key) inside the kernel, nothing ``(q_len, kv_len)``-sized. None: no score term.
+
+        ``queries``: the rows of ``query`` one FlexAttention call scores, ``q_idx`` then counting from the first of
+        them. Only a term whose :meth:`flex_query_chunk` gives a size is called with fewer than all of them; it
+        builds its tables for those rows alone.
 
         A tensor the ``score_mod`` captures that needs gradients must be at least 1-d and not a view (a matmul or
         elementwise result, not a slice, transpose or ``[None]`` of one; ``torch.stack`` or ``clone`` make one):
         compiled FlexAttention (torch 2.13) returns no gradient for a captured view, and its reference backward
         cannot return one for a 0-d tensor. ``test_flex_gradients_through_the_compiled_operator_equal_eager``
         checks every scheme's."""
+        return None
+
+    def flex_query_chunk(
+        self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
+    ) -> int | None:
+        """Queries per FlexAttention call, for a term whose :meth:`score_mod` captures tables that grow with
+        ``q_len x kv_len`` (a row table per query of the distances it meets): the composition then runs one
+        checkpointed call per chunk of queries (``score_mod(..., queries=slice(start, stop))``, the mask's rows of the
+        chunk), so only one chunk's tables exist at a time. None (the default): one call for every query."""
         return None
 
     def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:

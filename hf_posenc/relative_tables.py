@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 
@@ -203,6 +204,30 @@ def query_chunk_size(batch: int, heads: int, kv_len: int, device: torch.device) 
     """Queries per chunk so that a ``(batch, heads, chunk, kv_len)`` tensor holds at most :func:`chunk_elements`
     elements on ``device`` (at least one query)."""
     return max(1, chunk_elements(device) // (batch * heads * kv_len))
+
+
+FLEX_QUERY_BLOCK = 128
+"""FlexAttention's default block of queries (``create_block_mask``'s ``BLOCK_SIZE``), the unit of a query chunk when
+the layer has no mask."""
+
+
+def flex_query_chunk_size(
+    query: torch.Tensor, table_elements: Callable[[int], int], mask: BlockMask | None
+) -> int | None:
+    """Queries per FlexAttention call for a ``score_mod`` whose captured tables hold ``batch * heads *
+    table_elements(chunk)`` elements for a chunk of ``chunk`` of the ``(batch, heads, q_len, head_dim)`` ``query``
+    (a row table of the chunk's distances, say): the most queries, a multiple of the ``mask``'s block of queries
+    (:data:`FLEX_QUERY_BLOCK` without one), whose tables fit :func:`chunk_elements` (at least one block); None when
+    every query fits in one call."""
+    batch, heads, q_len, _ = query.shape
+    block = FLEX_QUERY_BLOCK if mask is None else mask.BLOCK_SIZE[0]
+    budget = chunk_elements(query.device) // (batch * heads)
+    if table_elements(q_len) <= budget:
+        return None
+    chunk = block
+    while chunk + block < q_len and table_elements(chunk + block) <= budget:
+        chunk += block
+    return chunk
 
 
 def in_query_chunks(

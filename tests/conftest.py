@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import transformers
 from torch.nn.attention.flex_attention import flex_attention
 
 import hf_posenc
-from hf_posenc import attention_backends
+from hf_posenc import attention_backends, score_bias_encodings
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import CACHE_NAME
 
@@ -277,3 +278,32 @@ def uncompiled_flex(monkeypatch):
     for scheme_class in POSITION_ENCODINGS.values():
         monkeypatch.setattr(scheme_class, "flex_compiles_on_cpu", True)
     return calls
+
+
+@pytest.fixture
+def flex_trained_on_cpu(monkeypatch, request):
+    """Training steps through FlexAttention compiled by ``torch.compile`` (``backend="aot_eager"``): dynamo and AOT
+    autograd trace the operator as for the CUDA kernel, and its own backward (the CPU reference of the kernel's, with
+    the gradients of the score_mod's captured tables and of the log-sum-exp) runs in place of the Triton one. CPU
+    FlexAttention refuses gradients at its Python entry, which is bypassed; the compiled operator underneath computes
+    them. Returns the list of the regions compiled."""
+    monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(attention_backends, "flex_refusal", lambda *args, **kwargs: [])
+    monkeypatch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
+    regions = []
+
+    def compiled_for(grad_enabled, region, dynamic):  # as the library compiles a region, on aot_eager
+        regions.append(region)
+        if attention_backends.COMPILE_ISOLATES_RECOMPILES:
+            return torch.compile(
+                flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
+            )
+        region_flex = attention_backends._region_flex_attention(region)
+        return torch.compile(region_flex, backend="aot_eager", fullgraph=True, dynamic=False)
+
+    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", functools.cache(compiled_for))
+    monkeypatch.setattr(attention_backends, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
+    # dynamo remembers the sizes it saw per function, whatever the backend: forget them, or a later CPU compile of
+    # FlexAttention starts with symbolic sizes, which torch 2.13's CPU template cannot compile for some score_mods
+    request.addfinalizer(torch._dynamo.reset)
+    return regions

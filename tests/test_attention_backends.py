@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 
@@ -22,7 +21,7 @@ from conftest import (
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
-from hf_posenc import attention_backends, score_bias_encodings
+from hf_posenc import attention_backends
 from hf_posenc.attention_backends import build_dense_mask, choose_backend, flex_attend, position_bias_needs_grad
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import layer_position_specs, resolve_attention_normalizer
@@ -232,40 +231,18 @@ COMPILED_FLEX_CASES = [
 
 
 @pytest.mark.parametrize(("family", "spec", "normalizer"), COMPILED_FLEX_CASES)
-def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, normalizer, monkeypatch, request):
-    """A training step with FlexAttention compiled by ``torch.compile`` (``backend="aot_eager"``): dynamo and AOT
-    autograd trace the operator as for the CUDA kernel, and its own backward (the CPU reference of the kernel's, with
-    the gradients of the score_mod's captured tables and of the log-sum-exp, which the normalizers other than softmax
-    and Shaw's value term read) runs in place of the Triton one. Loss and every parameter's gradient against eager; a
-    padded row. It caught gradients torch drops: a captured view
-    (xlnet's ``u . k``) and 0-d tables (FIRE's c and L) got none (``LayerPositionTerm.score_mod``'s rule). CPU
-    FlexAttention refuses gradients at its Python entry, which is bypassed here; the compiled operator underneath
-    computes them."""
-    monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(attention_backends, "flex_refusal", lambda *args, **kwargs: [])
-    monkeypatch.setattr(score_bias_encodings, "flex_compiles_length_sized_tables", lambda device: True)
-    regions = []
-
-    def compiled_for(grad_enabled, region, dynamic):  # as the library compiles a region, on aot_eager
-        regions.append(region)
-        if attention_backends.COMPILE_ISOLATES_RECOMPILES:
-            return torch.compile(
-                flex_attention, backend="aot_eager", fullgraph=True, dynamic=False, isolate_recompiles=True
-            )
-        region_flex = attention_backends._region_flex_attention(region)
-        return torch.compile(region_flex, backend="aot_eager", fullgraph=True, dynamic=False)
-
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", functools.cache(compiled_for))
-    monkeypatch.setattr(attention_backends, "_warn_unfused_flex", pytest.fail)  # no silent uncompiled fallback
-    # dynamo remembers the sizes it saw per function, whatever the backend: forget them, or a later CPU compile of
-    # FlexAttention starts with symbolic sizes, which torch 2.13's CPU template cannot compile for some score_mods
-    request.addfinalizer(torch._dynamo.reset)
+def test_flex_gradients_through_the_compiled_operator_equal_eager(family, spec, normalizer, flex_trained_on_cpu):
+    """A training step with FlexAttention compiled on ``aot_eager`` (``flex_trained_on_cpu``: the operator traced as
+    for the CUDA kernel, its CPU reference backward): loss and every parameter's gradient against eager, with the
+    gradients of the score_mod's captured tables and of the log-sum-exp, which the normalizers other than softmax and
+    Shaw's value term read; a padded row. It caught gradients torch drops: a captured view (xlnet's ``u . k``) and
+    0-d tables (FIRE's c and L) got none (``LayerPositionTerm.score_mod``'s rule)."""
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 7:] = 0
     models = {attn: make_model(family, spec, normalizer, attn=attn).train() for attn in ("eager", "flex_attention")}
     assert_flex_training_step_equals_eager(models, ids, attention_mask, atol=1e-5, rtol=1e-4)
-    assert regions, "the flex model ran FlexAttention"
+    assert flex_trained_on_cpu, "the flex model ran FlexAttention"
 
 
 # --- the compile cache of FlexAttention (compiled on CPU: inference only, head_dim >= 24; ~20 s a compile) ---------

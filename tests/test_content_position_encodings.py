@@ -556,6 +556,58 @@ def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeyp
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
 
+FLEX_QUERY_CHUNK_SCHEMES = [("bert", "xlnet"), ("gpt2", "xlnet"), ("bert", "relative_key"), ("gpt2", "relative_key")]
+
+
+@pytest.mark.parametrize("positions", ["default", "given"])
+@pytest.mark.parametrize(("family", "spec"), FLEX_QUERY_CHUNK_SCHEMES)
+def test_flex_in_query_chunks_equals_eager_values_and_grads(family, spec, positions, flex_trained_on_cpu, monkeypatch):
+    """Row tables beyond the chunk budget (here any table): FlexAttention runs per block of 128 queries (three
+    checkpointed calls a layer for 300 tokens, the last of 44), each with its chunk's rows of the tables and of the
+    mask. Logits, the loss and every gradient equal eager's, with a padded row, on consecutive positions (the chunk's
+    window of distances) and on given ones with a gap (the chunk's rows of the per-pair index, or of the positions).
+    FlexAttention is compiled on ``aot_eager`` (``flex_trained_on_cpu``), as the kernel's graph is traced."""
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 1)
+    calls = []
+    monkeypatch.setattr(
+        posenc_attention, "query_chunk_block_mask", counted(posenc_attention.query_chunk_block_mask, calls)
+    )
+    lengths = dict(max_position_embeddings=512) if family == "bert" else dict(n_positions=512)
+    models = {attn: make_model(family, spec, attn=attn, **lengths).train() for attn in ("eager", "flex_attention")}
+    ids = random_ids(2, 300)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 260:] = 0
+    position_ids = None
+    if positions == "given":
+        position_ids = torch.stack([torch.cat([torch.arange(100), torch.arange(150, 350)]), torch.arange(2, 302)])
+    results = {}
+    for attn, model in models.items():
+        output = model(ids, attention_mask=attention_mask, position_ids=position_ids, labels=ids)
+        output.loss.backward()
+        grads = {name: parameter.grad for name, parameter in model.named_parameters() if parameter.grad is not None}
+        results[attn] = (output.logits.detach(), output.loss.detach(), grads)
+    layers = models["flex_attention"].config.num_hidden_layers
+    assert [(start, stop) for start, stop in calls[:3]] == [(0, 128), (128, 256), (256, 300)]
+    assert len(calls) == 2 * 3 * layers  # each chunk's forward, and its recompute in the backward
+    (eager_logits, eager_loss, eager_grads), (logits, loss, grads) = results["eager"], results["flex_attention"]
+    visible = attention_mask.bool()
+    torch.testing.assert_close(logits[visible], eager_logits[visible], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def counted(function, calls: list):
+    """``function(block_mask, start, stop)``, each call's ``(start, stop)`` appended to ``calls``."""
+
+    def counting(block_mask, start, stop):
+        calls.append((start, stop))
+        return function(block_mask, start, stop)
+
+    return counting
+
+
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize(("family", "spec"), FLEX_VALUE_TERM_SCHEMES)
 def test_shaw_value_term_on_flex_equals_eager(family, spec, padding, monkeypatch):

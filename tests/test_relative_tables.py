@@ -156,6 +156,29 @@ def test_chunk_budget_is_the_cpu_constant_on_cpu_and_follows_free_memory_on_cuda
     assert relative_tables.query_chunk_size(8, 12, 2048, cuda) == 2**28 // (8 * 12 * 2048)  # 1,365: 2 chunks
 
 
+def test_flex_query_chunk_is_the_most_whole_blocks_whose_tables_fit(monkeypatch):
+    """An xlnet-like row table of ``chunk * (chunk + kv_len - 1)`` elements per batch row and head, 8 x 12 heads x
+    2048 queries: on an idle 80 GB GPU (budget 2^28) the whole ``2048 x 4095`` table does not fit 2^28 / 96 = 2,796,202
+    elements, 896 queries do (896 x 2943 = 2,636,928) and 1,024 do not (1024 x 3071 = 3,144,704); at 512 queries
+    the whole table fits (None); a table beyond the budget at one block still gets one block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hf_posenc import relative_tables
+
+    monkeypatch.setattr(relative_tables, "chunk_elements", lambda device: 2**28)  # an idle 80 GB GPU's
+    query = torch.empty(8, 12, 2048, 64, device="meta")
+    assert relative_tables.flex_query_chunk_size(query, lambda chunk: chunk * (chunk + 2047), None) == 896
+    assert (
+        relative_tables.flex_query_chunk_size(query[..., :512, :], lambda chunk: chunk * (chunk + 511), None) is None
+    )
+    assert relative_tables.flex_query_chunk_size(query, lambda chunk: 2**40, None) == 128
+    monkeypatch.undo()
+    mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    table = lambda chunk: chunk * 300  # noqa: E731
+    monkeypatch.setattr(relative_tables, "CHUNK_ELEMENTS", 2 * 3 * 200 * 300)  # 200 queries: 3 blocks of 64
+    assert relative_tables.flex_query_chunk_size(torch.empty(2, 3, 256, 8), table, mask) == 192
+
+
 def test_fire_mlp_chunk_follows_the_device_budget(monkeypatch):
     from hf_posenc import score_bias_encodings
 
