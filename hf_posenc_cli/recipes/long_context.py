@@ -304,48 +304,51 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
     import matplotlib.pyplot as plt
 
     passkey = "by_depth" in entries[0]
-    columns = max(2 if curves else 1, len(entries) if passkey else 1)
-    figure, axes = plt.subplots(2 if passkey else 1, columns, figsize=(5.5 * columns, 4.2 * (2 if passkey else 1)),
-                                squeeze=False, layout="constrained")  # fmt: skip
-    accuracy = axes[0][1] if curves else axes[0][0]
+    rows, columns = (2, max(2, len(entries))) if passkey else (1, 2 if curves else 1)
+    figure = plt.figure(figsize=(5.5 * columns, 4.2 * rows), layout="constrained")
+    grid = figure.add_gridspec(rows, columns)
+    split = columns // 2 if curves else 0  # the top row: the loss curves and the accuracy, each half of it
+    accuracy = figure.add_subplot(grid[0, split:])
     for entry in entries:
         points = [(f, entry["accuracy"][f"{f}x"]) for f in factors]
         points = [(f, value) for f, value in points if isinstance(value, dict)]
         means = [value["mean"] for _, value in points]
         spread = [value["std"] or 0.0 for _, value in points]
         accuracy.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=entry["label"])
-        if curves:
-            steps, losses = zip(*entry["loss_curve"], strict=True)
-            axes[0][0].plot(steps, losses, linewidth=1, label=entry["label"])
     accuracy.set_xscale("log", base=2)
     accuracy.set_xticks(list(factors), [f"{f}x" for f in factors])
     accuracy.set_ylim(-0.03, 1.03)
     accuracy.set_xlabel("evaluation length / training length")
     accuracy.set_ylabel("accuracy")
     accuracy.set_title(title)
+    top = [accuracy]
     if curves:
-        axes[0][0].set_xlabel("optimizer step")
-        axes[0][0].set_ylabel("training loss on the answers (nats)")
-        axes[0][0].set_title("training loss")
-    for axis in axes[0][: 2 if curves else 1]:
+        loss = figure.add_subplot(grid[0, :split])
+        for entry in entries:
+            steps, losses = zip(*entry["loss_curve"], strict=True)
+            loss.plot(steps, losses, linewidth=1, label=entry["label"])
+        loss.set_xlabel("optimizer step")
+        loss.set_ylabel("training loss on the answers (nats)")
+        loss.set_title("training loss")
+        top.append(loss)
+    for axis in top:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    for axis in [*axes[0][2 if curves else 1 :], *(axes[1][len(entries) :] if passkey else [])]:
-        axis.set_visible(False)
     if passkey:
-        for axis, entry in zip(axes[1], entries, strict=False):
+        heat_maps = [figure.add_subplot(grid[1, column]) for column in range(len(entries))]
+        for axis, entry in zip(heat_maps, entries, strict=True):
             cells = [entry["by_depth"][f"{f}x"] for f in factors]
-            grid = [
+            grid_values = [
                 [cell[str(d)]["mean"] if isinstance(cell[str(d)], dict) else float("nan") for cell in cells]
                 for d in depths
             ]
-            image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+            image = axis.imshow(grid_values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             axis.set_xticks(range(len(factors)), [f"{f}x" for f in factors])
             axis.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
             axis.set_xlabel("length")
             axis.set_ylabel("depth of the needle")
             axis.set_title(entry["label"], fontsize=9)
-        figure.colorbar(image, ax=list(axes[1][: len(entries)]), label="accuracy")
+        figure.colorbar(image, ax=heat_maps, label="accuracy")
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
