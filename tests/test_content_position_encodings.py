@@ -556,11 +556,17 @@ def test_content_score_mod_on_flex_equals_eager(family, spec, positions, monkeyp
     torch.testing.assert_close(outputs[1][visible], outputs[0][visible], atol=ATOL, rtol=1e-4)
 
 
-FLEX_QUERY_CHUNK_SCHEMES = [("bert", "xlnet"), ("gpt2", "xlnet"), ("bert", "relative_key"), ("gpt2", "relative_key")]
+# Each scheme on consecutive positions (its window of distances) and given ones (its per-pair index or positions),
+# each family with each scheme and each kind of positions once.
+FLEX_QUERY_CHUNK_CASES = [
+    ("bert", "xlnet", "default"),
+    ("gpt2", "xlnet", "given"),
+    ("bert", "relative_key", "given"),
+    ("gpt2", "relative_key", "default"),
+]
 
 
-@pytest.mark.parametrize("positions", ["default", "given"])
-@pytest.mark.parametrize(("family", "spec"), FLEX_QUERY_CHUNK_SCHEMES)
+@pytest.mark.parametrize(("family", "spec", "positions"), FLEX_QUERY_CHUNK_CASES)
 def test_flex_in_query_chunks_equals_eager_values_and_grads(family, spec, positions, flex_trained_on_cpu, monkeypatch):
     """Row tables beyond the chunk budget (here any table): FlexAttention runs per block of 128 queries (three
     checkpointed calls a layer for 300 tokens, the last of 44), each with its chunk's rows of the tables and of the
