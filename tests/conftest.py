@@ -224,19 +224,23 @@ def family(request):
     return request.param
 
 
-def assert_flex_training_step_equals_eager(models: dict, ids, attention_mask, atol: float, rtol: float) -> None:
+def assert_flex_training_step_equals_eager(
+    models: dict, ids, attention_mask, atol: float, rtol: float, position_ids=None
+) -> dict[str, torch.Tensor]:
     """The MLM/LM loss and every parameter's gradient of one training step of ``models["flex_attention"]`` against
-    ``models["eager"]`` (same weights)."""
-    results = {}
+    ``models["eager"]`` (same weights). Returns each model's logits, by backend."""
+    results, logits = {}, {}
     for attn, model in models.items():
-        loss = model(ids, attention_mask=attention_mask, labels=ids).loss
-        loss.backward()
-        results[attn] = (loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+        output = model(ids, attention_mask=attention_mask, position_ids=position_ids, labels=ids)
+        output.loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results[attn], logits[attn] = (output.loss.detach(), grads), output.logits.detach()
     (eager_loss, eager_grads), (flex_loss, flex_grads) = results["eager"], results["flex_attention"]
     torch.testing.assert_close(flex_loss, eager_loss, atol=atol, rtol=atol)  # the loss: one scalar, atol both ways
     assert flex_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, atol=atol, rtol=rtol, msg=name)
+    return logits
 
 
 def console_script() -> str:
