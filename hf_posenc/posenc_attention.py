@@ -34,7 +34,7 @@ from .position_interface import (
     QueryKeyProjection,
     ValueRows,
 )
-from .relative_tables import band_dot_products, in_query_chunks, sum_rows
+from .relative_tables import FLEX_BLOCK, band_dot_products, in_query_chunks, sum_rows
 
 
 def value_rows_term(weights: torch.Tensor, value_rows: ValueRows) -> torch.Tensor:
@@ -104,8 +104,8 @@ def left_tail_block_mask(block_mask: BlockMask | None, length: int, reach: int, 
     tiles go (the kept ones keep their mask_mod and, full or partial, their kind), so the scores the kernel computes
     are the same: the encoder's left-tail pass of Shaw's value term visits about half the tiles."""
     if block_mask is None:
-        q_block = kv_block = 128
-        blocks = -(-length // 128)
+        q_block = kv_block = FLEX_BLOCK
+        blocks = -(-length // FLEX_BLOCK)
         full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=device)
         partial, mask_mod = torch.zeros_like(full), None
     else:

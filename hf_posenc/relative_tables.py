@@ -206,9 +206,9 @@ def query_chunk_size(batch: int, heads: int, kv_len: int, device: torch.device) 
     return max(1, chunk_elements(device) // (batch * heads * kv_len))
 
 
-FLEX_QUERY_BLOCK = 128
-"""FlexAttention's default block of queries (``create_block_mask``'s ``BLOCK_SIZE``), the unit of a query chunk when
-the layer has no mask."""
+FLEX_BLOCK = 128
+"""FlexAttention's default block of queries and of keys (``create_block_mask``'s ``BLOCK_SIZE``), the tiles of a
+mask built for a layer that has none, and the unit of a query chunk there."""
 
 
 def flex_query_chunk_size(
@@ -217,10 +217,10 @@ def flex_query_chunk_size(
     """Queries per FlexAttention call for a ``score_mod`` whose captured tables hold ``batch * heads *
     table_elements(chunk)`` elements for a chunk of ``chunk`` of the ``(batch, heads, q_len, head_dim)`` ``query``
     (a row table of the chunk's distances, say): the most queries, a multiple of the ``mask``'s block of queries
-    (:data:`FLEX_QUERY_BLOCK` without one), whose tables fit :func:`chunk_elements` (at least one block); None when
+    (:data:`FLEX_BLOCK` without one), whose tables fit :func:`chunk_elements` (at least one block); None when
     every query fits in one call."""
     batch, heads, q_len, _ = query.shape
-    block = FLEX_QUERY_BLOCK if mask is None else mask.BLOCK_SIZE[0]
+    block = FLEX_BLOCK if mask is None else mask.BLOCK_SIZE[0]
     budget = chunk_elements(query.device) // (batch * heads)
     if table_elements(q_len) <= budget:
         return None
