@@ -46,7 +46,7 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc_cli.parsers.common import catalogue_name, layout_sizes, parse_scheme
+from hf_posenc_recipes.parsers.common import catalogue_name, layout_sizes, parse_scheme
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())

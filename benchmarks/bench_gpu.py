@@ -53,7 +53,7 @@ import hf_posenc
 from hf_posenc import attention_backends, modeling_posenc_common
 from hf_posenc.attention_backends import clear_flex_compile_cache
 from hf_posenc.position_interface import PositionEncoding
-from hf_posenc_cli.parsers.common import catalogue_name, parse_scheme
+from hf_posenc_recipes.parsers.common import catalogue_name, parse_scheme
 
 
 SCHEMES = list(hf_posenc.list_position_encodings())

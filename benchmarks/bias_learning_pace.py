@@ -3,7 +3,7 @@
 Each scheme trains a ``posenc_gpt2`` decoder (bytes as tokens, width 128, 3 layers, 4 heads, no dropout) with AdamW
 at 1e-3 on batches of 32 x 64 bytes of ``--corpus``, from the same seed and the same batches. After training it
 reports the next-byte loss (nats/byte) on held-out text at 1x, 2x, 4x and 8x the training length, scored as the
-extrapolation recipe does (``hf_posenc_cli.recipes.extrapolate.sliding_window_loss``: windows of L bytes moved by
+extrapolation recipe does (``hf_posenc_recipes.extrapolate.sliding_window_loss``: windows of L bytes moved by
 the training length, each scored on its last training-length positions), and the ratio of the last to the first (how
 well the scheme extrapolates). It measures how fast a bias table learns (``t5`` with and without ``table_scale``)
 and how each scheme holds past its training length.
@@ -36,7 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 import hf_posenc
-from hf_posenc_cli.recipes.extrapolate import sliding_window_loss
+from hf_posenc_recipes.extrapolate import sliding_window_loss
 
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "austen.txt"

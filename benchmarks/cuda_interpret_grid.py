@@ -146,7 +146,7 @@ def with_layouts(make_model):
         import transformers
 
         import hf_posenc
-        from hf_posenc_cli.parsers.common import layout_sizes
+        from hf_posenc_recipes.parsers.common import layout_sizes
 
         torch.manual_seed(0)  # as the tool's make_model
         sizes = layout_sizes(scheme["layout"], LAYOUT_WINDOW, LAYOUT_WINDOW)

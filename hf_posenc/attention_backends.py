@@ -43,6 +43,7 @@ from .position_interface import (
     BACKENDS,
     CACHE_NAME,
     AttentionInputs,
+    ForwardFacts,
     LayerPositionTerm,
     PositionEncoding,
     flex_compiles_length_sized_tables,
@@ -95,41 +96,6 @@ with 12 heads, and SDPA keeps several copies of it per forward (the folded mask,
 ``(batch, heads, q, k)`` gradient in training (ALiBi at 1 x 8192 on an H200: 3.2 GB per tensor, 5.3x the memory of
 no position encoding). Below it SDPA's fused kernel stays (ALiBi at 8 x 2048 on an H100: 40.1 ms against flex's
 43.2 ms)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardFacts:
-    """What the backend choice reads about one forward, built once per forward and kind of layer.
-
-    ``device``, ``dtype``: the inputs'; ``head_dim``: the scheme's (None: not known to the caller); ``query_length``
-    and ``key_length`` (None: the query's) and ``num_heads`` size the dense bias SDPA would take; ``given_mask``:
-    ``"none"``, ``"2-D tensor"``, ``"4-D tensor"`` or ``"BlockMask"`` (:func:`mask_kind`); ``need_weights``:
-    ``output_attentions``; ``attention_dropout``: training with a dropout rate > 0; ``consecutive``: the model's
-    default positions with no cached key; ``grad_enabled``: gradients are on; ``position_bias_needs_grad``: the
-    scheme's position-only ``score_mod`` reads parameters that take gradients (:func:`position_bias_needs_grad`),
-    ``bias_spreads_gradients``: it reads them where its gradients spread
-    (:meth:`PositionEncoding.flex_spreads_gradients`); ``logit_softcapping``: the config's
-    ``attn_logit_softcapping``."""
-
-    device: torch.device
-    dtype: torch.dtype = torch.float32
-    head_dim: int | None = None
-    query_length: int = 2
-    key_length: int | None = None
-    num_heads: int = 1
-    given_mask: str = "none"
-    need_weights: bool = False
-    attention_dropout: bool = False
-    consecutive: bool = False
-    grad_enabled: bool = dataclasses.field(default_factory=torch.is_grad_enabled)
-    position_bias_needs_grad: bool = False
-    bias_spreads_gradients: bool = True
-    logit_softcapping: float | None = None
-
-    def dense_bias_bytes(self) -> int:
-        """The bytes of one ``(1, heads, q_len, kv_len)`` float32 bias, what SDPA takes a position-only bias as."""
-        key_length = self.query_length if self.key_length is None else self.key_length
-        return 4 * self.num_heads * self.query_length * key_length
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,11 +37,7 @@ from .options import (
     CatalogueEntry,
     Option,
 )
-from .position_interface import BACKENDS, AttentionDims, AttentionInputs, HeadSharded
-
-
-if TYPE_CHECKING:  # the kernel layer imports this module
-    from .attention_backends import ForwardFacts
+from .position_interface import BACKENDS, AttentionDims, AttentionInputs, ForwardFacts, HeadSharded
 
 
 OUTPUT_GATES = ("elementwise", "headwise")
@@ -168,7 +164,7 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
 
     @classmethod
     def backend_refusals(cls, spec: dict[str, Any], facts: ForwardFacts) -> dict[str, str]:
-        """The backends this normalizer refuses for a forward with ``facts`` (``attention_backends.ForwardFacts``),
+        """The backends this normalizer refuses for a forward with ``facts`` (:class:`ForwardFacts`),
         each with the reason as a sentence: those its options do not run on (:meth:`supported_backends`: a weight
         no SDPA kernel computes, the Toeplitz gate's read of the weights); SDPA's fused kernel with a logit soft-cap,
         which it cannot apply to the scores it computes inside (the chunked composition of ``sdpa_in_query_chunks``

@@ -23,7 +23,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -44,10 +44,6 @@ from .options import CatalogueEntry
 from .relative_tables import toeplitz
 
 
-if TYPE_CHECKING:  # the kernel layer imports this module
-    from .attention_backends import ForwardFacts
-
-
 BACKENDS = ("eager", "sdpa", "flex_attention")
 
 AttentionInputs = dict[str, Any]
@@ -66,6 +62,42 @@ AttentionInputs = dict[str, Any]
 * ``"layer"`` (inside an attention layer only, for its :class:`LayerPositionTerm`): the dict of tensors that term's
   ``layer_tables`` computed from the layer's input.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardFacts:
+    """What the backend choice reads about one forward, built once per forward and kind of layer.
+
+    ``device``, ``dtype``: the inputs'; ``head_dim``: the scheme's (None: not known to the caller); ``query_length``
+    and ``key_length`` (None: the query's) and ``num_heads`` size the dense bias SDPA would take; ``given_mask``:
+    ``"none"``, ``"2-D tensor"``, ``"4-D tensor"`` or ``"BlockMask"`` (``attention_backends.mask_kind``);
+    ``need_weights``: ``output_attentions``; ``attention_dropout``: training with a dropout rate > 0;
+    ``consecutive``: the model's default positions with no cached key; ``grad_enabled``: gradients are on;
+    ``position_bias_needs_grad``: the scheme's position-only ``score_mod`` reads parameters that take gradients
+    (``attention_backends.position_bias_needs_grad``),
+    ``bias_spreads_gradients``: it reads them where its gradients spread
+    (:meth:`PositionEncoding.flex_spreads_gradients`); ``logit_softcapping``: the config's
+    ``attn_logit_softcapping``."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    head_dim: int | None = None
+    query_length: int = 2
+    key_length: int | None = None
+    num_heads: int = 1
+    given_mask: str = "none"
+    need_weights: bool = False
+    attention_dropout: bool = False
+    consecutive: bool = False
+    grad_enabled: bool = dataclasses.field(default_factory=torch.is_grad_enabled)
+    position_bias_needs_grad: bool = False
+    bias_spreads_gradients: bool = True
+    logit_softcapping: float | None = None
+
+    def dense_bias_bytes(self) -> int:
+        """The bytes of one ``(1, heads, q_len, kv_len)`` float32 bias, what SDPA takes a position-only bias as."""
+        key_length = self.query_length if self.key_length is None else self.key_length
+        return 4 * self.num_heads * self.query_length * key_length
 
 
 @dataclass(frozen=True)
@@ -561,7 +593,7 @@ class PositionEncoding(HeadSharded, CatalogueEntry, nn.Module):
 
     @classmethod
     def backend_refusals(cls, spec: dict[str, Any], facts: ForwardFacts) -> dict[str, str]:
-        """The backends this scheme refuses for a forward with ``facts`` (``attention_backends.ForwardFacts``), each
+        """The backends this scheme refuses for a forward with ``facts`` (:class:`ForwardFacts`), each
         with the reason as a sentence: those its options do not run on (:meth:`supported_backends`); FlexAttention
         where its ``score_mod`` would train parameters read at a few addresses (``facts.position_bias_needs_grad``
         without ``facts.bias_spreads_gradients``, :meth:`flex_spreads_gradients`) or where a value term needs the

@@ -255,7 +255,7 @@ def console_script() -> str:
 def write_corpus_slice(path: Path, lines: int = 1000) -> Path:
     """The embedded corpus's first ``lines`` lines written to ``path``, a ``--train_file`` for the recipe tests that
     train several runs (1,000 lines are 56 kB of the 0.9 MB corpus, which each run would tokenise and score)."""
-    from hf_posenc_cli.recipes.pretrain import embedded_corpus_file  # the recipes' extras, only where a test uses it
+    from hf_posenc_recipes.pretrain import embedded_corpus_file  # the recipes' extras, only where a test uses it
 
     path.write_text("".join(embedded_corpus_file().read_text().splitlines(keepends=True)[:lines]))
     return path

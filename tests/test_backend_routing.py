@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from hf_posenc import attention_backends
-from hf_posenc.attention_backends import ForwardFacts, choose_route
+from hf_posenc.attention_backends import choose_route
 from hf_posenc.attention_normalizers import ATTENTION_NORMALIZERS
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.position_encodings import POSITION_ENCODINGS
+from hf_posenc.position_interface import ForwardFacts
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # the choice is pure logic: CUDA facts need no GPU

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, console_script, run_command
 
-from hf_posenc_cli import catalogue
-from hf_posenc_cli.parsers import PARSERS
+from hf_posenc_recipes import catalogue
+from hf_posenc_recipes.parsers import PARSERS
+from hf_posenc_recipes.registry import RECIPES
 
 
 TINY_PRETRAIN = [
@@ -71,18 +72,31 @@ LAUNCHERS = {
 }
 
 
+def test_every_recipe_file_runs_as_a_script_from_outside_the_checkout(tmp_path):
+    """``python recipes/<recipe>.py --help`` from another folder: each recipe's file is a script, as Transformers'
+    example scripts are; its usage is the command's (``hf-posenc <recipe>``)."""
+    for recipe in RECIPES:
+        result = run_command([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--help"], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith(f"usage: hf-posenc {recipe} "), result.stdout[:200]
+    bad = run_command(
+        [sys.executable, str(ROOT / "recipes" / "pretrain.py"), "--position_encoding", "rotary"], tmp_path
+    )
+    assert bad.returncode == 2 and "unknown position_encoding 'rotary'" in bad.stderr
+
+
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_a_user_error_fails_the_launch_of_two_processes(launcher, tmp_path):
     """Both processes meet the error while running, print it in one line and exit 1; the launcher reports the run
     failed (its own report of a failed child is the launcher's). A successful launch exits 0: see
     test_recipes.py (torchrun: pretrain; accelerate: probe)."""
     argv = [*TINY_PRETRAIN, "--train_file", str(short_text(tmp_path)), "--output_dir", str(tmp_path / "out")]
-    result = run_command([*LAUNCHERS[launcher], "hf_posenc_cli", *argv], tmp_path)
+    result = run_command([*LAUNCHERS[launcher], "hf_posenc_recipes", *argv], tmp_path)
     assert result.returncode != 0
     error = "hf-posenc pretrain: error: The text is too short for one block of 16 tokens in train and validation."
     assert result.stderr.count(error) == 2, result.stderr[-3000:]
-    for package in ("hf_posenc", "hf_posenc_cli"):  # no traceback through the recipe's code (the launcher's own is)
-        assert f'File "{ROOT / package}' not in result.stderr
+    for folder in ("hf_posenc", "recipes"):  # no traceback through the recipe's code (the launcher's own is)
+        assert f'File "{ROOT / folder}' not in result.stderr
 
 
 BAD_INPUTS = [
@@ -173,7 +187,7 @@ BAD_INPUTS = [
 ]
 STOP_WITHOUT_TORCH = """
 import sys
-from hf_posenc_cli import main
+from hf_posenc_recipes.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit as stop:
@@ -186,7 +200,7 @@ assert not loaded, f"a bad input was reported after importing {loaded}"
 @pytest.mark.parametrize(("argv", "message"), BAD_INPUTS, ids=[" ".join(argv[:2]) for argv, _ in BAD_INPUTS])
 def test_a_bad_scheme_option_or_output_dir_stops_with_exit_2_before_torch_is_imported(argv, message, tmp_path):
     """The installed command exits 2 with one line naming the value and the valid choices; the same arguments
-    stop ``hf_posenc_cli.main`` before torch, transformers or hf_posenc is imported."""
+    stop ``hf_posenc_recipes.cli.main`` before torch, transformers or hf_posenc is imported."""
     file = tmp_path / "a-file"
     file.write_text("")
     argv = [arg.replace("{file}", str(file)) for arg in argv]
@@ -199,9 +213,9 @@ def test_a_bad_scheme_option_or_output_dir_stops_with_exit_2_before_torch_is_imp
 
 
 def test_the_commands_catalogue_is_the_registries():
-    """``hf_posenc_cli/catalogue.json`` (what the command checks names and options against without torch) is the
-    registries' own description; after adding or changing a scheme: python -m hf_posenc_cli.catalogue."""
-    assert catalogue.load_catalogue() == catalogue.build_catalogue(), "run: python -m hf_posenc_cli.catalogue"
+    """``recipes/catalogue.json`` (what the command checks names and options against without torch) is the
+    registries' own description; after adding or changing a scheme: python -m hf_posenc_recipes.catalogue."""
+    assert catalogue.load_catalogue() == catalogue.build_catalogue(), "run: python -m hf_posenc_recipes.catalogue"
 
 
 def number_probes(record: dict, types: tuple[type, ...]) -> list:
@@ -258,7 +272,7 @@ def test_help_states_each_default_once(recipe, monkeypatch):
 
 def test_a_per_layer_position_encoding_is_a_json_list():
     """``--position_encoding`` takes one spec per layer as a JSON list, each checked against the catalogue."""
-    from hf_posenc_cli.parsers.pretrain import pretrain_parser
+    from hf_posenc_recipes.parsers.pretrain import pretrain_parser
 
     layers = '["rope", {"type": "none", "attn_temperature_tuning": true}]'
     args = pretrain_parser().parse_args(["--position_encoding", layers])

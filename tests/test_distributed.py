@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import hf_posenc
-from hf_posenc_cli.recipes import common as recipe_common
-from hf_posenc_cli.recipes import pretrain as pretrain_recipe
+from hf_posenc_recipes import common as recipe_common
+from hf_posenc_recipes import pretrain as pretrain_recipe
 
 
 WORLD_SIZE = 2

@@ -1,5 +1,5 @@
-"""The GLUE recipe (``hf-posenc glue``, hf_posenc_cli/recipes/glue.py) and its metric module
-(hf_posenc_cli/recipes/metrics/glue), on tiny models and fixtures."""
+"""The GLUE recipe (``hf-posenc glue``, recipes/glue.py) and its metric module
+(recipes/metrics/glue), on tiny models and fixtures."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 import hf_posenc
-from hf_posenc_cli.recipes import glue
+from hf_posenc_recipes import glue
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +357,7 @@ def test_two_cpu_processes_give_the_metrics_of_one(tiny_bert, tmp_path):
     # torchrun starts the processes (--standalone: on a free port); the recipe joins them as MULTI_CPU over gloo
     # (no ACCELERATE_USE_CPU needed: without it they once ran as two independent copies)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    launch += ["-m", "hf_posenc_cli", "glue"]
+    launch += ["-m", "hf_posenc_recipes", "glue"]
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_USE_CPU", None)

@@ -1,4 +1,4 @@
-"""The long-context tasks (``hf_posenc_cli.recipes.tasks``: mqar, copy, passkey), their accuracy metric, ``compare
+"""The long-context tasks (``hf_posenc_recipes.tasks``: mqar, copy, passkey), their accuracy metric, ``compare
 --task`` end to end, ``extrapolate``'s task scores and loss by position, and RULER's offline tasks through lm-eval.
 
 Generators are checked against examples built by hand from the format (the answer positions, the filler, the query
@@ -20,10 +20,10 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc_cli.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
-from hf_posenc_cli.recipes import compare, extrapolate, long_context
-from hf_posenc_cli.recipes.pretrain import IGNORE_INDEX, byte_tokenizer
-from hf_posenc_cli.recipes.tasks import (
+from hf_posenc_recipes import compare, extrapolate, long_context
+from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
+from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
+from hf_posenc_recipes.tasks import (
     BYTE_OFFSET,
     PasskeyText,
     TaskSpec,

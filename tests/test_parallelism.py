@@ -428,7 +428,7 @@ def test_pretrain_recipe_refuses_model_parallelism_before_any_work(family, schem
     parallelism is refused by name, with the model's own refusals where it has some."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    from hf_posenc_cli.recipes import pretrain as pretrain_recipe
+    from hf_posenc_recipes import pretrain as pretrain_recipe
 
     accelerator = types.SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
     parallelism = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}[next(iter(sizes))]

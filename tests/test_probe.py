@@ -10,8 +10,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 import hf_posenc
-from hf_posenc_cli.parsers.probe import DEFAULT_PROBE_VARIANTS
-from hf_posenc_cli.recipes import probe as probe_recipe
+from hf_posenc_recipes import probe as probe_recipe
+from hf_posenc_recipes.parsers.probe import DEFAULT_PROBE_VARIANTS
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])

@@ -23,13 +23,13 @@ from conftest import console_script, run_command, write_corpus_slice
 from safetensors.torch import load_file
 
 import hf_posenc
-import hf_posenc_cli
-from hf_posenc_cli.parsers import PARSERS
-from hf_posenc_cli.recipes import common as recipe_common
-from hf_posenc_cli.recipes import compare, extrapolate, glue
-from hf_posenc_cli.recipes import pretrain as pretrain_recipe
-from hf_posenc_cli.recipes import probe as probe_recipe
-from hf_posenc_cli.recipes import retrofit as retrofit_recipe
+import hf_posenc_recipes.cli
+from hf_posenc_recipes import common as recipe_common
+from hf_posenc_recipes import compare, extrapolate, glue, reporting
+from hf_posenc_recipes import pretrain as pretrain_recipe
+from hf_posenc_recipes import probe as probe_recipe
+from hf_posenc_recipes import retrofit as retrofit_recipe
+from hf_posenc_recipes.parsers import PARSERS
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,14 +187,15 @@ def test_a_run_resumed_from_a_checkpoint_ends_with_the_same_weights(task, flags,
 
 
 def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path, short_corpus):
-    """torchrun --nproc_per_node 2 on CPU (gloo): each process takes half of every global batch."""
+    """torchrun --nproc_per_node 2 on CPU (gloo) of the recipe's file, as a user runs a script: each process takes
+    half of every global batch."""
     flags = [*TINY, "--max_train_steps", "8", "--position_encoding", "t5", "--eval_steps", "8"]
     flags += ["--train_file", str(short_corpus)]
     one = pretrain_recipe.main([*flags, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8"])
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [*launch, "-m", "hf_posenc_cli", "pretrain", *flags, "--per_device_train_batch_size", "4"]
+        [*launch, str(ROOT / "recipes" / "pretrain.py"), *flags, "--per_device_train_batch_size", "4"]
         + ["--output_dir", str(tmp_path / "two")],
         capture_output=True,
         text=True,
@@ -485,14 +486,14 @@ def test_compare_takes_a_scheme_or_normalizer_with_options(tmp_path):
         + ["--seeds", "3", "--output_dir", str(tmp_path)]
     )
     run = ("clm", *args.schemes, *args.normalizers, 3)
-    argv = compare.recipe_argv(args, run, compare.run_folder(args, run))
+    argv = reporting.recipe_argv(args, run, reporting.run_folder(args, run))
     assert json.loads(argv[argv.index("--position_encoding") + 1]) == {"type": "path", "forget_gate": True}
     normalizer = json.loads(argv[argv.index("--attention_normalizer") + 1])
     assert normalizer == {"type": "softmax", "output_gate": "elementwise", "sink": "learned"}
     assert (
-        compare.run_name(args, run) == "clm-path-forget_gate_true-softmax-output_gate_elementwise-sink_learned-seed3"
+        reporting.run_name(args, run) == "clm-path-forget_gate_true-softmax-output_gate_elementwise-sink_learned-seed3"
     )
-    folder = compare.run_folder(args, run)
+    folder = reporting.run_folder(args, run)
     assert (
         folder
         == tmp_path / "models" / "clm-path-forget_gate_true-softmax-output_gate_elementwise-sink_learned" / "seed_3"
@@ -528,9 +529,9 @@ def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp
     config = pretrain_recipe.build_config(pretrain_recipe.parse_args(alone), 384, 0, 1)
     assert set(config.layer_types) == {"chunked_attention"}
     args = compare.parse_args(["--schemes", "rope", "--layouts", "irope", "--attention_chunk_size", "8"])
-    irope = compare.recipe_argv(args, ("clm", "irope", "softmax", 0), tmp_path)
+    irope = reporting.recipe_argv(args, ("clm", "irope", "softmax", 0), tmp_path)
     assert irope[irope.index("--attention_chunk_size") + 1] == "8" and "--sliding_window" not in irope
-    assert "--attention_chunk_size" not in compare.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
+    assert "--attention_chunk_size" not in reporting.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
 
 
 def test_the_probe_grid_takes_a_chunked_layout_in_decoders_only(capsys):
@@ -548,7 +549,7 @@ def test_training_curve_keeps_every_step_of_a_short_run_and_averages_a_long_one(
     for steps in (12, 1000):
         log = tmp_path / f"{steps}.jsonl"
         log.write_text("".join(json.dumps({"step": step, "loss": float(step)}) + "\n" for step in range(1, steps + 1)))
-        curve = compare.smoothed_curve(log)
+        curve = reporting.smoothed_curve(log)
         if steps == 12:
             assert curve == [(step, float(step)) for step in range(1, 13)]
         else:
@@ -572,7 +573,7 @@ RECIPE_FLAGS = {
 HELP_WITHOUT_TORCH = textwrap.dedent(
     """
     import sys
-    from hf_posenc_cli import main
+    from hf_posenc_recipes.cli import main
     try:
         main([sys.argv[1], "--help"])
     except SystemExit as stop:
@@ -704,7 +705,7 @@ def test_the_model_card_loads_the_folder_as_written(tmp_path, monkeypatch):
 
 def test_hf_posenc_help_lists_every_recipe(capsys):
     with pytest.raises(SystemExit) as stopped:
-        hf_posenc_cli.main(["--help"])
+        hf_posenc_recipes.cli.main(["--help"])
     assert stopped.value.code == 0
     listed = re.findall(r"^  ([a-z]+) ", capsys.readouterr().out, flags=re.MULTILINE)
     assert listed == ["pretrain", "compare", "extrapolate", "glue", "probe", "retrofit"]
@@ -780,11 +781,12 @@ def test_push_to_hub_uploads_at_each_checkpoint_with_a_model_card(tmp_path, monk
 
 def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
     """The README's launch line: `accelerate launch --multi_gpu --num_processes 2` on a machine without CUDA joins
-    the processes over gloo (rank 0 and 1 of 2); the probe grid is split between them, one output, printed once."""
+    the processes over gloo (rank 0 and 1 of 2); the probe grid is split between them, one output, printed once. The
+    recipe's file is launched, as a script."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_posenc_cli"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     argv = [
-        "probe",
+        str(ROOT / "recipes" / "probe.py"),
         "--families",
         "gpt2",
         "--schemes",
@@ -846,12 +848,12 @@ def test_accelerate_launch_runs_two_cpu_processes_as_one_run(tmp_path):
             "--model_name_or_path ./no/such: no such folder",
         ),
         (
-            hf_posenc_cli.main,
+            hf_posenc_recipes.cli.main,
             ["frobnicate"],
             "unknown recipe 'frobnicate'; valid: pretrain, compare, extrapolate, glue",
         ),
         (
-            hf_posenc_cli.main,
+            hf_posenc_recipes.cli.main,
             ["glue", "--model_name_or_path", "m", "--task_name", "sst2", "--output_dir", "o", "--frobnicate"],
             "unrecognized arguments: --frobnicate",
         ),

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,10 +29,10 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 import hf_posenc
-
-from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme, parse_variant
-from ..parsers.probe import probe_parser
-from .common import progress_bar_off, recipe_accelerator, torch_threads
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import progress_bar_off, recipe_accelerator, torch_threads
+from hf_posenc_recipes.parsers.common import check_layout_sizes, layout_sizes, parse_scheme, parse_variant
+from hf_posenc_recipes.parsers.probe import probe_parser
 
 
 def default_schemes() -> list[str]:
@@ -216,3 +217,7 @@ def probe_all(args: argparse.Namespace) -> list[dict]:
         heat_map(results, args.families, args.schemes, args.variants, args.output_dir / "probe_heatmap.png")
     accelerator.wait_for_everyone()
     return results
+
+
+if __name__ == "__main__":  # python recipes/probe.py ..., accelerate launch recipes/probe.py ...
+    raise SystemExit(run_recipe("probe", sys.argv[1:], main))

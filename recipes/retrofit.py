@@ -10,7 +10,7 @@ stock encoder (``--head_steps``), once, shared by every scheme. Results: a table
 ``retrofit.png``.
 
     hf-posenc retrofit                              # MiniLM, Emma ch. 1-4, learned rope alibi t5 (+ shaw, deberta)
-    accelerate launch -m hf_posenc_cli retrofit --model_name_or_path roberta-base --schemes rope t5 \\
+    accelerate launch -m hf_posenc_recipes retrofit --model_name_or_path roberta-base --schemes rope t5 \\
         --normalizers softmax l2 --train_file my_corpus.txt --max_train_steps 2000 --max_seq_length 256
 
 ``--drope`` warm-starts a causal LM instead, by DroPE's protocol (Gelberg et al., Sakana AI 2026: "drop the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -40,9 +41,8 @@ from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 import hf_posenc
-
-from ..parsers.retrofit import retrofit_parser
-from .common import (
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import (
     checked_input,
     hub_repository,
     progress_bar_off,
@@ -52,7 +52,8 @@ from .common import (
     upload_folder,
     write_model_card,
 )
-from .pretrain import embedded_corpus_file, load_text_datasets, tokenize_and_pack
+from hf_posenc_recipes.parsers.retrofit import retrofit_parser
+from hf_posenc_recipes.pretrain import embedded_corpus_file, load_text_datasets, tokenize_and_pack
 
 
 # The stock scheme (the baseline), then rope, alibi and t5; the content-position ones once they are registered.
@@ -351,7 +352,7 @@ def drope(args: argparse.Namespace) -> list[dict]:
     """DroPE on ``args.model_name_or_path``: the loss at each length factor of the model as it is ("stock"), with its
     position encoding dropped ("dropped"), after recalibrating ("recalibrated"), and of the model trained as many
     steps with its position encoding ("continued")."""
-    from .extrapolate import evaluation_ids, extrapolation_row
+    from hf_posenc_recipes.extrapolate import evaluation_ids, extrapolation_row
 
     accelerator = recipe_accelerator(args)
     set_seed(args.seed)
@@ -427,5 +428,5 @@ def drope(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python recipes/retrofit.py ..., accelerate launch recipes/retrofit.py ...
+    raise SystemExit(run_recipe("retrofit", sys.argv[1:], main))

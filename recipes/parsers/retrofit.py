@@ -1,4 +1,4 @@
-"""The command line of ``hf-posenc retrofit`` (:mod:`hf_posenc_cli.recipes.retrofit`). Standard library only."""
+"""The command line of ``hf-posenc retrofit`` (:mod:`hf_posenc_recipes.retrofit`). Standard library only."""
 
 from __future__ import annotations
 

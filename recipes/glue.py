@@ -2,11 +2,11 @@
 accelerate.
 
     hf-posenc glue --model_name_or_path bert-base-uncased --task_name mrpc --output_dir out/mrpc
-    accelerate launch -m hf_posenc_cli glue --model_name_or_path my-t5-bert --task_name mnli --seeds 1 2 3 ...
+    accelerate launch -m hf_posenc_recipes glue --model_name_or_path my-t5-bert --task_name mnli --seeds 1 2 3 ...
     hf-posenc glue --model_name_or_path bert-base-uncased --position_encoding rope --task_name rte ...
     hf-posenc glue --model_name_or_path bert-base-uncased --retrofit alibi --attention_normalizer l2 ...
     hf-posenc glue --task_name sst2 --train_file train.tsv --validation_file dev.tsv --test_file test.tsv ...
-    torchrun --standalone --nproc_per_node 2 -m hf_posenc_cli glue ...      # several CPU processes (gloo)
+    torchrun --standalone --nproc_per_node 2 -m hf_posenc_recipes glue ...      # several CPU processes (gloo)
 
 Data: ``nyu-mll/glue`` from the Hub, or local CSV / TSV / JSON files with GLUE's column names (``sentence``,
 ``sentence1``/``sentence2``, ``question``/``sentence``, ``premise``/``hypothesis``, ... and ``label``, as integers or
@@ -26,6 +26,7 @@ import csv
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -42,9 +43,8 @@ from tqdm.auto import tqdm
 
 import hf_posenc
 from hf_posenc.configuration_posenc import layout_name
-
-from ..parsers.glue import glue_parser
-from .common import (
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import (
     checked_input,
     hub_repository,
     progress_bar_off,
@@ -56,6 +56,7 @@ from .common import (
     warn_short_schedule,
     write_model_card,
 )
+from hf_posenc_recipes.parsers.glue import glue_parser
 
 
 METRIC_PATH = Path(__file__).resolve().parent / "metrics" / "glue"
@@ -532,3 +533,7 @@ def fine_tune(args: argparse.Namespace) -> dict:
         accelerator.end_training()
     accelerator.wait_for_everyone()
     return summary
+
+
+if __name__ == "__main__":  # python recipes/glue.py ..., accelerate launch recipes/glue.py ...
+    raise SystemExit(run_recipe("glue", sys.argv[1:], main))

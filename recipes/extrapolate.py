@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,26 +25,26 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from hf_posenc.configuration_posenc import layout_name
-
-from ..parsers.common import DEFAULT_FACTORS
-from ..parsers.extrapolate import extrapolate_parser
-from . import long_context
-from .common import checked_input, progress_bar_off, recipe_accelerator, torch_threads
-from .pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
+from hf_posenc_recipes import long_context
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import checked_input, progress_bar_off, recipe_accelerator, torch_threads
+from hf_posenc_recipes.parsers.common import DEFAULT_FACTORS
+from hf_posenc_recipes.parsers.extrapolate import extrapolate_parser
+from hf_posenc_recipes.pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, token_losses
+from hf_posenc_recipes.reporting import (
+    format_cell,
+    is_decoder,
+    mean_and_spread,
+    model_label,
+    summary_cell,
+    training_recipe,
+    unique_labels,
+)
 
 
 def window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
     """Start of every full window of ``window`` tokens moved by ``stride`` over ``num_tokens`` tokens."""
     return list(range(0, num_tokens - window + 1, stride))
-
-
-def is_decoder(config: transformers.PretrainedConfig) -> bool:
-    """Decoders are scored on the next token, encoders on masked tokens. A decoder: a GPT-2 type, a config that says
-    so, or a causal-LM architecture (``...ForCausalLM``, ``...LMHeadModel``: a retrofitted checkpoint's config names
-    its stock class)."""
-    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in config.architectures or [])
-    return config.model_type in ("posenc_gpt2", "gpt2") or causal or bool(getattr(config, "is_decoder", False))
 
 
 def training_length(model_dir: str | Path, config: transformers.PretrainedConfig) -> int:
@@ -142,57 +142,6 @@ def extrapolation_row(
     return row
 
 
-def format_cell(value: float | str | None, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return "n/a"
-    return f"{value:.{digits}f}"
-
-
-def mean_and_spread(values: list[Any]) -> dict[str, Any] | str | None:
-    """``{"mean", "std", "min", "max"}`` of one figure over the seeds (``std``: the sample standard deviation, None
-    for one seed); the reason where a seed has one instead of a number (a length the model cannot run); None if
-    any is None."""
-    reasons = [value for value in values if isinstance(value, str)]
-    if reasons:
-        return reasons[0]
-    if any(value is None for value in values):
-        return None
-    std = statistics.stdev(values) if len(values) > 1 else None
-    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values)}
-
-
-def summary_cell(figure: dict[str, Any] | str | None, digits: int = 3) -> str:
-    """``mean ± std`` (``mean`` for one seed), ``n/a`` for a length a model cannot run."""
-    if figure is None:
-        return ""
-    if isinstance(figure, str):
-        return "n/a"
-    if figure["std"] is None:
-        return f"{figure['mean']:.{digits}f}"
-    return f"{figure['mean']:.{digits}f} ± {figure['std']:.{digits}f}"
-
-
-TRAINING_DETAILS = (
-    "seed", "output_dir", "hub_model_id", "hub_token", "push_to_hub", "resume_from_checkpoint", "checkpointing_steps",
-    "with_tracking", "report_to", "preprocessing_num_workers", "overwrite_cache", "threads",
-)  # fmt: skip
-"""What a model's ``training_args.json`` records that does not make it another experiment: two models whose
-arguments differ only here are seeds of one."""
-
-
-def training_recipe(name: str | Path) -> str:
-    """What makes a model one experiment: the pretraining recipe's arguments in its folder (``training_args.json``)
-    without :data:`TRAINING_DETAILS`, so the seeds of one ``compare --seeds`` run share it; a model without the file
-    (a Hub name, a stock checkpoint) is its own."""
-    path = Path(name) / "training_args.json"
-    if not path.is_file():
-        return f"model {name}"
-    arguments = json.loads(path.read_text())
-    return json.dumps({key: value for key, value in arguments.items() if key not in TRAINING_DETAILS}, sort_keys=True)
-
-
 def summarize_models(rows: list[dict[str, Any]], factors: tuple[int, ...]) -> list[dict[str, Any]]:
     """One row per experiment (label and :func:`training_recipe`): each length and the ratio as
     :func:`mean_and_spread` over its models (the seeds it was trained with) and their masking draws (``--seeds``)."""
@@ -274,22 +223,6 @@ def evaluation_ids(
     text = "".join(lines if held_out_percentage is None else lines[: len(lines) * held_out_percentage // 100])
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     return ids[:max_tokens] if max_tokens else ids
-
-
-def model_label(name: str, config: transformers.PretrainedConfig) -> str:
-    """``rope + softmax`` for a PosEnc or retrofitted model, ``stock gpt2`` for another: what a plot's legend shows."""
-    encoding = getattr(config, "position_encoding", None)
-    if encoding is None:
-        return f"stock {config.model_type}"
-    return f"{layout_name(encoding)} + {config.attention_normalizer['type']}"
-
-
-def unique_labels(labels: list[str], names: list[str]) -> list[str]:
-    """Labels that repeat (two rope models) get the model's folder name added."""
-    return [
-        f"{label} ({Path(name).name})" if labels.count(label) > 1 else label
-        for label, name in zip(labels, names, strict=True)
-    ]
 
 
 def checked_model(
@@ -385,5 +318,5 @@ def score_models(args: argparse.Namespace, models: list[tuple]) -> list[dict[str
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python recipes/extrapolate.py ..., accelerate launch recipes/extrapolate.py ...
+    raise SystemExit(run_recipe("extrapolate", sys.argv[1:], main))

@@ -6,7 +6,7 @@ Every example is a row of token ids with a row of labels in Transformers' causal
 ``input_ids[t]`` where that token is an answer, ``IGNORE_INDEX`` elsewhere, so ``model(input_ids, labels=labels)``
 trains on the answers alone (as Zoology does) and a model is scored on predicting each answer token from the tokens
 before it. ``mqar`` and ``copy`` are written in bytes with the byte tokenizer's ids (``byte + 3``,
-:func:`hf_posenc_cli.recipes.pretrain.byte_tokenizer`); ``passkey`` is text, encoded by the model's own tokenizer.
+:func:`hf_posenc_recipes.pretrain.byte_tokenizer`); ``passkey`` is text, encoded by the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..parsers.tasks import check_mqar
-from .pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file
+from hf_posenc_recipes.parsers.tasks import check_mqar
+from hf_posenc_recipes.pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file
 
 
 TASK_NAMES = ("mqar", "copy", "passkey")
@@ -149,7 +149,7 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor, per_example: boo
 
 @dataclass
 class TaskSpec:
-    """One task with its settings (the flags of :mod:`hf_posenc_cli.parsers.tasks`); ``passkey`` also needs its
+    """One task with its settings (the flags of :mod:`hf_posenc_recipes.parsers.tasks`); ``passkey`` also needs its
     texts, ``{"train": ..., "eval": ...}`` (:func:`passkey_texts`)."""
 
     name: str
@@ -200,7 +200,7 @@ def passkey_texts(tokenizer, text_file: Path | None = None, held_out_percentage:
 
 
 EVALUATION_STREAM = 1
-"""The scored examples' draws are :func:`hf_posenc_cli.recipes.pretrain.batch_generator` ``(seed, 1, ...)``, the
+"""The scored examples' draws are :func:`hf_posenc_recipes.pretrain.batch_generator` ``(seed, 1, ...)``, the
 training batches' ``(seed, 0, step, process)``: never the same examples."""
 
 

@@ -5,7 +5,7 @@ processes come from accelerate (``accelerate config``; DDP, FSDP or DeepSpeed), 
 and on many GPUs::
 
     hf-posenc pretrain --position_encoding rope --output_dir out/rope          # embedded corpus, bytes
-    accelerate launch -m hf_posenc_cli pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
+    accelerate launch -m hf_posenc_recipes pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
         --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name bert-base-uncased \\
         --hidden_size 512 --num_hidden_layers 8 --num_attention_heads 8 --block_size 512 --max_train_steps 20000 \\
         --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
@@ -23,6 +23,7 @@ import json
 import lzma
 import math
 import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -41,9 +42,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import hf_posenc
 from hf_posenc.configuration_posenc import layout_name
 from hf_posenc.retrofit import check_retrofit_parallelism, retrofit_model_type
-
-from ..parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
-from .common import (
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import (
     checked_input,
     hub_repository,
     progress_bar_off,
@@ -54,6 +54,7 @@ from .common import (
     warn_short_schedule,
     write_model_card,
 )
+from hf_posenc_recipes.parsers.pretrain import MODEL_SIZE_DEFAULTS, pretrain_parser
 
 
 EMBEDDED_CORPUS = Path(__file__).parent / "data" / "emma.txt.xz"
@@ -651,5 +652,5 @@ def save_outputs(args, accelerator: Accelerator, model, tokenizer, results: dict
     accelerator.wait_for_everyone()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python recipes/pretrain.py ..., accelerate launch recipes/pretrain.py ...
+    raise SystemExit(run_recipe("pretrain", sys.argv[1:], main))

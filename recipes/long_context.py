@@ -1,9 +1,9 @@
 """Long context measured as the papers measure it: ``compare --task mqar|copy|passkey`` (train one model per scheme
 on a task at the training length, then its accuracy at 1x, 2x, 4x, 8x that length, and passkey's by depth),
 ``extrapolate --task ...`` (the same accuracy for saved decoders), and ``extrapolate``'s loss at each position of a
-long window (FoX, PaTH). The tasks and their metric are :mod:`hf_posenc_cli.recipes.tasks`.
+long window (FoX, PaTH). The tasks and their metric are :mod:`hf_posenc_recipes.tasks`.
 
-A task model is trained as the pretraining recipe trains one (:mod:`hf_posenc_cli.recipes.pretrain`: the same
+A task model is trained as the pretraining recipe trains one (:mod:`hf_posenc_recipes.pretrain`: the same
 config, reference init, AdamW with the same parameter groups, warm-up and schedule, gradient clipping), on batches
 drawn afresh at every step from ``(seed, step, process)`` with the loss on the answer tokens alone.
 """
@@ -23,10 +23,24 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from ..parsers.tasks import check_task_flags
-from . import extrapolate, pretrain
-from .common import progress_bar_off, recipe_accelerator, torch_threads, write_model_card
-from .tasks import BYTE_OFFSET, TaskSpec, passkey_texts, task_accuracy, task_row
+from hf_posenc_recipes import pretrain
+from hf_posenc_recipes.common import progress_bar_off, recipe_accelerator, torch_threads, write_model_card
+from hf_posenc_recipes.parsers.tasks import check_task_flags
+from hf_posenc_recipes.reporting import (
+    folder_name,
+    format_cell,
+    is_decoder,
+    mean_and_spread,
+    model_label,
+    recipe_argv,
+    run_folder,
+    run_name,
+    smoothed_curve,
+    summary_cell,
+    training_recipe,
+    unique_labels,
+)
+from hf_posenc_recipes.tasks import BYTE_OFFSET, TaskSpec, passkey_texts, task_accuracy, task_row
 
 
 def task_spec(args: argparse.Namespace, tokenizer=None, text_file: Path | None = None) -> TaskSpec:
@@ -168,7 +182,6 @@ def compare_task(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
-    from .compare import folder_name, recipe_argv, run_folder, run_name, smoothed_curve
 
     task = task_spec(args, text_file=args.train_file)
     seeds = args.seeds if args.seeds is not None else [args.seed]
@@ -195,8 +208,7 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
             args.seed, args.passkey_depths,
         )  # fmt: skip
         cells = ", ".join(
-            f"{factor} {extrapolate.summary_cell(extrapolate.mean_and_spread([value]))}"
-            for factor, value in scores["accuracy"].items()
+            f"{factor} {summary_cell(mean_and_spread([value]))}" for factor, value in scores["accuracy"].items()
         )
         accelerator.print(f"{args.task}-{folder_name(scheme)}-{folder_name(normalizer)} seed {seed}: {cells}")
         log_path = folder / "train_log.jsonl"
@@ -218,14 +230,12 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
 
 def accuracy_summary(runs: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float]) -> dict[str, Any]:
     """The accuracy at each length (and passkey's at each depth) of several rows of one experiment (its seeds, or
-    the models of one recipe) as :func:`~hf_posenc_cli.recipes.extrapolate.mean_and_spread`."""
-    summary = {
-        "accuracy": {f"{f}x": extrapolate.mean_and_spread([run["accuracy"][f"{f}x"] for run in runs]) for f in factors}
-    }
+    the models of one recipe) as :func:`~hf_posenc_recipes.reporting.mean_and_spread`."""
+    summary = {"accuracy": {f"{f}x": mean_and_spread([run["accuracy"][f"{f}x"] for run in runs]) for f in factors}}
     if "by_depth" in runs[0]:
         summary["by_depth"] = {
             f"{f}x": {
-                str(depth): extrapolate.mean_and_spread([
+                str(depth): mean_and_spread([
                     run["by_depth"][f"{f}x"] if isinstance(run["by_depth"][f"{f}x"], str)
                     else run["by_depth"][f"{f}x"][str(depth)] for run in runs
                 ])
@@ -249,7 +259,7 @@ def summarize_tasks(rows: list[dict[str, Any]], factors: tuple[int, ...], depths
         summary.append({
             "scheme": scheme, "normalizer": normalizer, "seeds": [run["seed"] for run in runs],
             "num_parameters": runs[0]["num_parameters"], **accuracy_summary(runs, factors, depths),
-            "train_loss": extrapolate.mean_and_spread([run["train_loss"] for run in runs]),
+            "train_loss": mean_and_spread([run["train_loss"] for run in runs]),
             "tokens_per_second": statistics.fmean(run["tokens_per_second"] for run in runs),
             "train_seconds": statistics.fmean(run["train_seconds"] for run in runs),
             "loss_curve": [(step, statistics.fmean(column)) for step, column in
@@ -274,7 +284,7 @@ def accuracy_table(
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(first) + "---:|" * (len(factors) + len(last))]
     for entry in entries:
         cells = [str(entry[key]) for key in first]
-        cells += [extrapolate.summary_cell(entry["accuracy"][f"{f}x"]) for f in factors]
+        cells += [summary_cell(entry["accuracy"][f"{f}x"]) for f in factors]
         lines.append("| " + " | ".join(cells + [str(entry[key]) for key in last]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -288,7 +298,7 @@ def depth_table(entries: list[dict[str, Any]], factors: tuple[int, ...], depths:
             cells = [str(entry[first]), f"{depth:g}"]
             for f in factors:
                 cell = entry["by_depth"][f"{f}x"]
-                cells.append(extrapolate.summary_cell(cell if isinstance(cell, str) else cell[str(depth)]))
+                cells.append(summary_cell(cell if isinstance(cell, str) else cell[str(depth)]))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -360,7 +370,7 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
     summary = summarize_tasks(rows, args.factors, args.passkey_depths)
     for entry in summary:
         entry["label"] = f"{entry['scheme']} + {entry['normalizer']}"
-        entry["train loss"] = extrapolate.summary_cell(entry["train_loss"])
+        entry["train loss"] = summary_cell(entry["train_loss"])
         entry["parameters"] = f"{entry['num_parameters']:,}"
         entry["tokens/s"] = f"{entry['tokens_per_second']:,.0f}"
         entry["train s"] = f"{entry['train_seconds']:.0f}"
@@ -490,7 +500,7 @@ def check_extrapolate_task(parser: argparse.ArgumentParser, args: argparse.Names
         return
     check_task_flags(parser, args, None)
     for name, config, _, _ in models:
-        if not extrapolate.is_decoder(config):
+        if not is_decoder(config):
             parser.error(f"--task {args.task}: {name} is an encoder; the tasks score decoders (the answer comes last)")
         if args.task in ("mqar", "copy") and config.vocab_size < 256 + BYTE_OFFSET:
             parser.error(
@@ -518,12 +528,12 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
             model, task, train_length, args.factors, args.task_eval_examples, args.per_device_eval_batch_size,
             args.seed, args.passkey_depths,
         )  # fmt: skip
-        label = extrapolate.model_label(name, config)
+        label = model_label(name, config)
         rows.append({
             "model": str(name), "label": label, "train_length": train_length, **scores,
-            "recipe": extrapolate.training_recipe(name),
+            "recipe": training_recipe(name),
         })  # fmt: skip
-        cells = ", ".join(f"{k} {extrapolate.format_cell(v)}" for k, v in scores["accuracy"].items())
+        cells = ", ".join(f"{k} {format_cell(v)}" for k, v in scores["accuracy"].items())
         accelerator.print(f"{name} ({label}): {cells}")
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
@@ -534,9 +544,7 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
         summary.append(
             {"label": label, "models": models, **accuracy_summary(members, args.factors, args.passkey_depths)}
         )
-    labels = extrapolate.unique_labels(
-        [entry["label"] for entry in summary], [entry["models"][0] for entry in summary]
-    )
+    labels = unique_labels([entry["label"] for entry in summary], [entry["models"][0] for entry in summary])
     for entry, label in zip(summary, labels, strict=True):
         entry["label"] = label
         entry["model"] = entry["models"][0] if len(entry["models"]) == 1 else f"{len(entry['models'])} models"

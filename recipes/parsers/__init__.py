@@ -1,5 +1,5 @@
 """Every recipe's command line, one parser module per recipe beside the flag types and groups they share
-(:mod:`hf_posenc_cli.parsers.common`). Standard library only: ``--help`` and a bad flag are answered before torch
+(:mod:`hf_posenc_recipes.parsers.common`). Standard library only: ``--help`` and a bad flag are answered before torch
 loads."""
 
 from __future__ import annotations
@@ -20,4 +20,4 @@ PARSERS = {
     "probe": probe_parser,
     "retrofit": retrofit_parser,
 }
-"""The parser of each recipe of :data:`hf_posenc_cli.recipes.RECIPES`, by name."""
+"""The parser of each recipe of :data:`hf_posenc_recipes.RECIPES`, by name."""

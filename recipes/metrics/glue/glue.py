@@ -1,6 +1,6 @@
 """GLUE metrics as a local `evaluate` module: load it by path, online or offline.
 
-    metric = evaluate.load("hf_posenc_cli/recipes/metrics/glue", "mrpc")
+    metric = evaluate.load("recipes/metrics/glue", "mrpc")
     metric.compute(predictions=[0, 1, 1], references=[0, 1, 0])  # {"accuracy": 0.667, "f1": 0.667}
 
 The metrics per task are GLUE's (Wang et al. 2019, https://gluebenchmark.com, table 1): CoLA Matthews correlation;

@@ -1,4 +1,4 @@
-"""The command line of ``hf-posenc pretrain`` (:mod:`hf_posenc_cli.recipes.pretrain`), with the flags of Transformers'
+"""The command line of ``hf-posenc pretrain`` (:mod:`hf_posenc_recipes.pretrain`), with the flags of Transformers'
 ``run_clm_no_trainer.py`` / ``run_mlm_no_trainer.py``. Standard library only."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import catalogue
+from hf_posenc_recipes import catalogue
+
 from .common import (
     SCHEDULER_TYPES,
     add_hub_flags,
@@ -35,7 +36,7 @@ flags. The output folder holds the model (save_pretrained: weights, config, mode
 card (README.md), results.json, train_log.jsonl and training_args.json.
 
   hf-posenc pretrain --position_encoding rope --output_dir out/rope
-  accelerate launch -m hf_posenc_cli pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
+  accelerate launch -m hf_posenc_recipes pretrain --task mlm --position_encoding t5 --attention_normalizer l2 \\
       --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name bert-base-uncased \\
       --checkpointing_steps 1000 --output_dir out/t5-l2 --push_to_hub
 """,
@@ -109,7 +110,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         const=True,
         default=True,
         help="initialise each scheme's parameters as its reference does "
-        "(hf_posenc_cli.recipes.pretrain.reference_init); --reference_init false or --no_reference_init: as "
+        "(hf_posenc_recipes.pretrain.reference_init); --reference_init false or --no_reference_init: as "
         "GPT-2 / BERT do",
     )
     model.add_argument(

@@ -4,8 +4,8 @@ of flags several recipes take (layouts, tracking, the Hub), and the parser they 
 Only the standard library is imported here and in the recipes' parsers beside it, so ``hf-posenc <recipe> --help``
 answers without loading torch or transformers (``hf_posenc`` itself registers its models with Transformers on
 import). Scheme and normalizer names, their options and the options' types are checked while parsing, against
-:mod:`hf_posenc_cli.catalogue`, as is an ``--output_dir`` under a file; each recipe module parses with its parser and
-checks the rest (files, ranges).
+:mod:`hf_posenc_recipes.catalogue`, as is an ``--output_dir`` under a file; each recipe module parses with its
+parser and checks the rest (files, ranges).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import catalogue
-from ..recipes import RECIPES
+from hf_posenc_recipes import catalogue
+from hf_posenc_recipes.registry import RECIPES
 
 
 DEFAULT_FACTORS = (1, 2, 4, 8)

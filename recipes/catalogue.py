@@ -1,7 +1,7 @@
 """The names and options of every position encoding and attention normalizer, read without torch.
 
 ``catalogue.json`` beside this module is a snapshot of hf_posenc's two registries (``POSITION_ENCODINGS``,
-``ATTENTION_NORMALIZERS``, the one source of names and options), written by ``python -m hf_posenc_cli.catalogue``;
+``ATTENTION_NORMALIZERS``, the one source of names and options), written by ``python -m hf_posenc_recipes.catalogue``;
 ``tests/test_cli.py`` fails when it differs from them. The command checks flag values against it while parsing, so an
 unknown name, an unknown option, an option of the wrong type or a number out of its range stops a recipe before torch
 is imported. Constraints between options, and the choices of a string option, are checked by the config

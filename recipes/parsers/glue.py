@@ -1,4 +1,4 @@
-"""The command line of ``hf-posenc glue`` (:mod:`hf_posenc_cli.recipes.glue`), with the flags of Transformers'
+"""The command line of ``hf-posenc glue`` (:mod:`hf_posenc_recipes.glue`), with the flags of Transformers'
 ``run_glue_no_trainer.py``. Standard library only."""
 
 from __future__ import annotations

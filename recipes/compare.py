@@ -1,18 +1,18 @@
 """``hf-posenc compare``: the main job. Pretrain one small model per position encoding x attention normalizer on
 an equal budget, then report for each: loss at the training length, loss at 2x, 4x, 8x that length (sliding
-windows, :mod:`hf_posenc_cli.recipes.extrapolate`), the position probe (relative fit error), parameters and tokens/s.
+windows, :mod:`hf_posenc_recipes.extrapolate`), the position probe (relative fit error), parameters and tokens/s.
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--output_dir`` and the models under ``models/``.
 
-The recipe is one for every scheme (:mod:`hf_posenc_cli.recipes.pretrain`): the same data (the embedded corpus by
+The recipe is one for every scheme (:mod:`hf_posenc_recipes.pretrain`): the same data (the embedded corpus by
 default, as bytes), seed, batches, steps, AdamW with linear warm-up and cosine decay, gradient clipping, and no
 weight decay on any embedding table, so that no scheme's position parameters are pulled to zero; each scheme's own
-parameters start as its reference initialises them (:func:`hf_posenc_cli.recipes.pretrain.reference_init`). Only the
+parameters start as its reference initialises them (:func:`hf_posenc_recipes.pretrain.reference_init`). Only the
 position encoding and the normalizer differ between runs. Torch runs ``--threads`` threads per process (default 1:
 on a shared 2-core CPU the fastest, and a rerun gives the same numbers)::
 
     hf-posenc compare                    # decoders, 6 schemes, softmax, one thread: 11-19 min on 2 CPU cores
     hf-posenc compare --schemes rope alibi --normalizers softmax l2 --encoders --max_train_steps 2000
-    accelerate launch -m hf_posenc_cli compare ...       # the same on accelerate's devices
+    accelerate launch -m hf_posenc_recipes compare ...       # the same on accelerate's devices
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import statistics
 import sys
 import time
@@ -33,13 +32,29 @@ import transformers
 from accelerate.utils import broadcast_object_list
 
 import hf_posenc
-
-from ..parsers.common import check_layout_sizes, layout_sizes, parse_scheme
-from ..parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
-from ..parsers.pretrain import pretrain_parser
-from . import long_context, pretrain
-from .common import checked_input, hub_repository, recipe_accelerator, torch_threads, warn_short_schedule
-from .extrapolate import evaluation_ids, extrapolation_row, format_cell, mean_and_spread, summary_cell
+from hf_posenc_recipes import long_context, pretrain
+from hf_posenc_recipes.cli import run_recipe
+from hf_posenc_recipes.common import (
+    checked_input,
+    hub_repository,
+    recipe_accelerator,
+    torch_threads,
+    warn_short_schedule,
+)
+from hf_posenc_recipes.extrapolate import evaluation_ids, extrapolation_row
+from hf_posenc_recipes.parsers.common import check_layout_sizes, layout_sizes, parse_scheme
+from hf_posenc_recipes.parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
+from hf_posenc_recipes.parsers.pretrain import pretrain_parser
+from hf_posenc_recipes.reporting import (
+    Run,
+    format_cell,
+    mean_and_spread,
+    recipe_argv,
+    run_folder,
+    run_name,
+    smoothed_curve,
+    summary_cell,
+)
 
 
 TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
@@ -95,69 +110,6 @@ def check_run_configs(parser: argparse.ArgumentParser, args: argparse.Namespace)
             pretrain.build_config(run_args, vocab_size=384, pad_token_id=0, eos_token_id=1)
         except ValueError as error:
             parser.error(f"{TASK_NAMES[task]} {entry} + {normalizer}: {' '.join(str(error).split())}")
-
-
-Run = tuple[str, str, str, int]
-"""One model of a comparison: task, scheme (or layout), normalizer, seed."""
-
-
-def folder_name(text: str) -> str:
-    """A scheme or normalizer as a folder and Hub name part: ``softmax:output_gate=elementwise`` ->
-    ``softmax-output_gate_elementwise``."""
-    return text.replace(":", "-").replace(",", "-").replace("=", "_")
-
-
-def run_name(args: argparse.Namespace, run: Run) -> str:
-    """One run's name: ``<task>-<scheme>-<normalizer>``, and ``-seed<s>`` with ``--seeds`` (its Hub suffix)."""
-    task, scheme, normalizer, seed = run
-    name = f"{task}-{folder_name(scheme)}-{folder_name(normalizer)}"
-    return name + (f"-seed{seed}" if args.seeds is not None else "")
-
-
-def run_folder(args: argparse.Namespace, run: Run) -> Path:
-    """``models/<task>-<scheme>-<normalizer>``, with ``--seeds`` one ``seed_<s>`` folder in it per seed."""
-    task, scheme, normalizer, seed = run
-    folder = args.output_dir / "models" / f"{task}-{folder_name(scheme)}-{folder_name(normalizer)}"
-    return folder / f"seed_{seed}" if args.seeds is not None else folder
-
-
-def spec_argument(text: str) -> str:
-    """The pretraining flag value of ``name`` or ``name:key=value,...``: the name, or the spec as JSON."""
-    return json.dumps(parse_scheme(text)) if ":" in text else text
-
-
-def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:
-    """The pretraining command line of one run: everything shared, except the scheme (or layout), the normalizer and
-    the seed; with ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>`` (and
-    ``-seed<s>`` with ``--seeds``)."""
-    task, scheme, normalizer, seed = run
-    if scheme in args.layouts:
-        argv = ["--task", task, "--layout", scheme]
-        window, chunk = layout_sizes(scheme, args.sliding_window, args.attention_chunk_size)
-        argv += ["--sliding_window", str(window)] if window is not None else []
-        argv += ["--attention_chunk_size", str(chunk)] if chunk is not None else []
-    else:
-        argv = ["--task", task, "--position_encoding", spec_argument(scheme)]
-    argv += ["--attention_normalizer", spec_argument(normalizer)]
-    for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
-        argv += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
-        argv += [f"--{flag}", str(getattr(args, flag))]
-    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(seed), "--threads", str(args.threads)]
-    if args.with_tracking:
-        argv += ["--with_tracking", "--report_to", args.report_to]
-    if args.train_file is not None:
-        argv += ["--train_file", str(args.train_file)]
-    if args.dataset_name is not None:
-        argv += ["--dataset_name", args.dataset_name, "--text_column_name", args.text_column_name]
-        argv += ["--dataset_config_name", args.dataset_config_name] if args.dataset_config_name is not None else []
-    if args.tokenizer_name is not None:
-        argv += ["--tokenizer_name", args.tokenizer_name]
-    if args.push_to_hub:
-        prefix = args.hub_model_id or args.output_dir.resolve().name
-        argv += ["--push_to_hub", "--hub_model_id", f"{prefix}-{run_name(args, run)}"]
-        argv += ["--hub_token", args.hub_token] if args.hub_token is not None else []
-    return [*argv, "--output_dir", str(output_dir)]
 
 
 def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
@@ -291,16 +243,6 @@ def plot_comparison(summary: list[dict[str, Any]], rows: list[dict[str, Any]], f
     plt.close(figure)
 
 
-def smoothed_curve(log_path: Path, points: int = 100) -> list[tuple[int, float]]:
-    """The training loss from ``train_log.jsonl``: every step of a run of up to ``points`` steps, else the mean of
-    consecutive windows (the last one may be shorter), at most ``points`` of them, so every run length shows its
-    whole curve."""
-    records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    every = max(1, math.ceil(len(records) / points))
-    windows = [records[i : i + every] for i in range(0, len(records), every)]
-    return [(window[-1]["step"], sum(r["loss"] for r in window) / len(window)) for window in windows]
-
-
 def eval_curve(log_path: Path) -> list[tuple[int, float]]:
     """``(step, held-out loss)`` of every evaluation in ``train_log.jsonl``."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
@@ -431,3 +373,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     (args.output_dir / "compare.json").write_text(json.dumps(document, indent=2))
     plot_comparison(summary, rows, args.factors, args.output_dir / "compare.png")
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")
+
+
+if __name__ == "__main__":  # python recipes/compare.py ..., accelerate launch recipes/compare.py ...
+    raise SystemExit(run_recipe("compare", sys.argv[1:], main))

@@ -1,10 +1,11 @@
-"""The ``hf-posenc`` command: ``hf-posenc <recipe> [flags]``, one recipe (:mod:`hf_posenc_cli.recipes`) per
-subcommand.
+"""The ``hf-posenc`` command, the recipes' front door: ``hf-posenc <recipe> [flags]`` runs ``recipes/<recipe>.py``.
 
-A package of its own beside ``hf_posenc``, which never imports it: importing ``hf_posenc`` registers its models with
-Transformers (torch and transformers loaded), and ``--help`` must answer before that. The flags are parsed here first
-(:mod:`hf_posenc_cli.parsers`, standard library only); only then is the recipe's module imported and run.
-Under accelerate: ``accelerate launch -m hf_posenc_cli pretrain ...``.
+Three ways in, one code path (:func:`run_recipe`): the console command, ``python -m hf_posenc_recipes <recipe>``
+(and ``accelerate launch -m hf_posenc_recipes <recipe>``), and the recipe file as a script (``python
+recipes/pretrain.py``, ``accelerate launch recipes/pretrain.py``), the way Transformers' example scripts run. The
+library, ``hf_posenc``, never imports this package: importing it registers its models with Transformers (torch and
+transformers loaded), and ``hf-posenc <recipe> --help`` must answer before that. The flags are parsed here first
+(:mod:`hf_posenc_recipes.parsers`, standard library only); only then is the recipe's module imported and run.
 
 Exit status: 0 when the recipe succeeds; 2 for a bad flag (argparse: ``hf-posenc <recipe>: error: <message>``);
 1 for a user error met while running, one line, ``hf-posenc <recipe>: error: <message>``. User errors are
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from .parsers import PARSERS
-from .recipes import RECIPES
+from hf_posenc_recipes.parsers import PARSERS
+from hf_posenc_recipes.registry import RECIPES
 
 
 USER_ERRORS = (ValueError, OSError)
@@ -34,7 +37,7 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one recipe; returns the exit status (0: done). The recipe's results are in its ``--output_dir``; a
-    caller wanting them as objects calls the recipe module's ``main`` (``hf_posenc_cli.recipes.pretrain.main``)."""
+    caller wanting them as objects calls the recipe module's ``main`` (``hf_posenc_recipes.pretrain.main``)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\n`hf-posenc <recipe> --help` lists a recipe's flags and their defaults.")
@@ -43,13 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     if recipe not in PARSERS:
         print(f"hf-posenc: error: unknown recipe {recipe!r}; valid: {', '.join(PARSERS)}", file=sys.stderr)
         raise SystemExit(2)
-    PARSERS[recipe]().parse_args(rest)  # --help and unknown flags answered before torch is imported
+    return run_recipe(recipe, rest)
+
+
+def run_recipe(recipe: str, argv: list[str], recipe_main: Callable[[list[str]], Any] | None = None) -> int:
+    """Parse ``argv`` with the recipe's parser (``--help`` and a bad flag end here, before torch is imported), then
+    run the recipe's ``main`` (its module's, imported now, unless the running script passes its own) and return
+    the exit status, a user error reported in one line."""
+    PARSERS[recipe]().parse_args(argv)
     try:
-        module = RECIPES[recipe].load()
-        from .recipes.common import library_progress_bars_on_a_terminal
+        recipe_main = recipe_main or RECIPES[recipe].load().main
+        from hf_posenc_recipes.common import library_progress_bars_on_a_terminal
 
         with library_progress_bars_on_a_terminal():
-            module.main(rest)
+            recipe_main(argv)
     except USER_ERRORS as error:
         if os.environ.get("HF_POSENC_TRACEBACK") == "1":
             raise

@@ -32,7 +32,7 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
         choices=TASKS,
         default="lm",
         help=f"lm: language modelling, the loss on held-out text; mqar, copy, passkey: {what}, the accuracy at each "
-        "length (hf_posenc_cli.recipes.tasks)",
+        "length (hf_posenc_recipes.tasks)",
     )
     group.add_argument(
         "--mqar_pairs", type=positive_int, default=4, help="mqar: key-value pairs per example (Zoology's num_kv_pairs)"

@@ -1,4 +1,4 @@
-"""The command line of ``hf-posenc compare`` (:mod:`hf_posenc_cli.recipes.compare`), the main job. Standard library
+"""The command line of ``hf-posenc compare`` (:mod:`hf_posenc_recipes.compare`), the main job. Standard library
 only."""
 
 from __future__ import annotations

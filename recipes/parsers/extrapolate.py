@@ -1,4 +1,4 @@
-"""The command line of ``hf-posenc extrapolate`` (:mod:`hf_posenc_cli.recipes.extrapolate`). Standard library only."""
+"""The command line of ``hf-posenc extrapolate`` (:mod:`hf_posenc_recipes.extrapolate`). Standard library only."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The command line of ``hf-posenc probe`` (:mod:`hf_posenc_cli.recipes.probe`): a grid of family x scheme x
+"""The command line of ``hf-posenc probe`` (:mod:`hf_posenc_recipes.probe`): a grid of family x scheme x
 normalizer variant. Standard library only."""
 
 from __future__ import annotations
 
 import argparse
 
-from .. import catalogue
+from hf_posenc_recipes import catalogue
+
 from .common import (
     add_layout_flags,
     add_threads_flag,
