@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .options import ALONG_THE_SEQUENCE, RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
+from .options import RING_ATTENTION_ONLY, ULYSSES_KERNEL_ONLY, Option
 from .position_interface import (
     AttentionDims,
     AttentionInputs,
@@ -786,95 +786,6 @@ class TUPE(PositionEncoding):
             return score + bias[0 if shared else batch_idx, head_idx, q_idx, kv_idx].to(score.dtype)
 
         return tupe_score_mod
-
-
-class CoPETerm(LayerPositionTerm):
-    """One layer's CoPE position embeddings ``e`` ``(head_dim, max_positions)``, shared by the heads, initialised to
-    zero (as the reference's ``pos_emb``). The term is computed ``query_chunk`` queries at a time
-    (:func:`in_query_chunks`)."""
-
-    query_chunk: int | None = None  # None: by the device's chunk budget (relative_tables.chunk_elements)
-
-    def __init__(self, spec: dict, dims: AttentionDims):
-        super().__init__()
-        self.position_embeddings = nn.Parameter(torch.zeros(dims.head_dim, spec["max_positions"]))
-
-    def init_weights(self, initializer_range):
-        init.zeros_(self.position_embeddings)
-
-    def score_term(self, query, key, attention_inputs, scaling, project_query_key):
-        visible = attention_inputs["visible"]
-
-        def chunk_scores(start: int, stop: int) -> torch.Tensor:
-            chunk_visible = None if visible is None else visible[..., start:stop, :]
-            return cope_scores(query[..., start:stop, :], key, chunk_visible, embeddings, scaling)
-
-        embeddings = self.read_by_all_heads(self.position_embeddings)
-
-        return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device, self.query_chunk)
-
-
-def cope_scores(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    visible: torch.Tensor | None,
-    position_embeddings: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """CoPE's term ``q_i . e[p_ij]`` ``(batch, heads, q_len, kv_len)`` for queries ``(batch, heads, q_len,
-    head_dim)`` (a chunk of them), every key, ``visible`` ``(batch|1, 1, q_len, kv_len)`` or None, and ``e``
-    ``(head_dim, max_positions)``; computed in at least float32."""
-    compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    query = query.to(compute_dtype)
-    gates = torch.sigmoid(torch.matmul(query * scaling, key.to(compute_dtype).transpose(-1, -2)))
-    if visible is not None:
-        gates = gates * visible  # masked keys (the future, padding) count nothing
-    # p_ij = sum_{t >= j} g_it over visible keys, i.e. t = j..i in a decoder.
-    positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=position_embeddings.shape[-1] - 1)
-    floor = positions.floor()
-    fraction, index = positions - floor, floor.long()
-    # q.e[p] at every integer p, then linear between floor(p) and floor(p) + 1 (the step past the last is 0).
-    integer_scores = torch.matmul(query, position_embeddings.to(compute_dtype))
-    steps = nn.functional.pad(integer_scores.diff(dim=-1), (0, 1))
-    return integer_scores.gather(-1, index) + fraction * steps.gather(-1, index)
-
-
-class CoPE(PositionEncoding):
-    """CoPE, Contextual Position Encoding (Golovneva et al. 2024, eqs. (3)-(5); reference code in the paper's
-    appendix), decoder only:
-
-    ``g_ij = sigmoid(q_i . k_j / sqrt(d))``, ``p_ij = sum_{t=j..i} g_it``, clamped to ``max_positions - 1``,
-    ``e[p_ij] = (ceil(p) - p) e[floor(p)] + (p - floor(p)) e[ceil(p)]``, and ``q_i . e[p_ij]`` (unscaled) added to the
-    scores. ``e`` ``(head_dim, max_positions)`` per layer, shared by the heads, zero at init. The gates read the
-    layer's scaled scores with masked keys (the future, padding, unwritten cache slots) at 0, so cached keys count as
-    in one forward. ``q . e`` is computed at the integer positions, ``(batch, heads, q_len, max_positions)``, then
-    gathered and interpolated. An encoder form (gates counted on both sides) is not in the paper: an encoder config
-    raises ``ValueError``.
-    """
-
-    name = "cope"
-    parallel_refusals = {
-        "context": f"its gates are summed over the keys: {ALONG_THE_SEQUENCE}",
-        "sequence": ULYSSES_KERNEL_ONLY,
-    }
-    description = "CoPE (decoder): gates sigmoid(q_i.k_j), positions p_ij = sum_{t=j..i} g_it, interpolated q.e[p_ij]"
-    relative = True
-    families = ("decoder",)
-    has_layer_term = True
-    backends = ("eager", "sdpa")
-    options = {
-        "max_positions": Option(
-            64,
-            (int,),
-            "position embeddings; contextual positions are clamped below it",
-            lambda v: v >= 2,
-            "an int >= 2",
-        ),
-    }
-
-    @classmethod
-    def layer_term(cls, spec, dims, layer_idx):
-        return CoPETerm(spec, dims)
 
 
 class RelativeKeyTerm(LayerPositionTerm):

@@ -16,7 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from .attention_backends import build_attention_mask, build_dense_mask, choose_route, forward_facts
-from .attention_normalizers import ATTENTION_NORMALIZERS, AttentionNormalizer
+from .attention_normalizers import ATTENTION_NORMALIZERS
 from .configuration_posenc import (
     config_layer_types,
     layer_position_specs,
@@ -24,6 +24,7 @@ from .configuration_posenc import (
     resolve_position_layout,
     training_length,
 )
+from .normalizer_interface import AttentionNormalizer
 from .options import PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
 from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module

@@ -23,9 +23,9 @@ from .attention_backends import (
     flex_attend,
     flex_kernel_options,
 )
-from .attention_normalizers import AttentionNormalizer, additive_mask, flex_pass, implicit_visible
 from .fla_kernels import fla_attention
 from .learned_bias_attention import attention_with_learned_bias
+from .normalizer_interface import AttentionNormalizer, additive_mask, flex_pass, implicit_visible
 from .position_interface import (
     AttentionInputs,
     LayerPositionTerm,
@@ -358,7 +358,7 @@ def attention_in_query_chunks(
     heads, chunk, kv_len)`` scores and weights exist at a time and the backward recomputes them; a layer keeps q, k,
     v, its output and, with a layer term, that ``(q, k)`` term. Every normalizer's weights are a function of its
     row's scores, so the chunks give eager's numbers. The mask is SDPA's (:func:`build_dense_mask`): additive,
-    boolean, or None (``attention_normalizers.implicit_last_keys``: SDPA's top-left ``is_causal``, or every key);
+    boolean, or None (``normalizer_interface.implicit_last_keys``: SDPA's top-left ``is_causal``, or every key);
     dropout masks are recomputed from the saved RNG state. ``logit_softcapping`` caps the scores as eager does."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])  # as eager reads them

@@ -21,8 +21,8 @@ from .absolute_encodings import (
     RecurrentAbsolute,
     SinusoidalAbsolute,
 )
-from .content_position_encodings import TUPE, CoPE, DeBERTa, RelativeKey, Shaw, TransformerXL
-from .data_dependent_encodings import FoX, PaTH
+from .content_position_encodings import TUPE, DeBERTa, RelativeKey, Shaw, TransformerXL
+from .data_dependent_encodings import CoPE, FoX, PaTH
 from .position_interface import AttentionDims, PositionEncoding
 from .rotary_encodings import PoPE, RoPE, XPos
 from .score_bias_encodings import FIRE, KERPLE, ALiBi, T5Bias

@@ -1,9 +1,10 @@
-"""Attention normalizers (``attention_normalizers.py``) and the Toeplitz gate (kexue.fm/archives/9105) against float64
-references of their formulas, inside both model families, with padding, causal masks and rows that see no key; their
-numerics; their init. Stick-breaking attention (Tan et al. 2025) against a hand loop, its row laws, the decoder-only
-rule and its chunked ``sdpa`` path against eager (values, gradients, what it keeps for the backward); gated attention
-(option ``output_gate``) against a hand loop on the layer's input, and the ``differential`` normalizer against
-Transformers' ``DiffLlamaAttention`` on the same weights; their options, init and backends."""
+"""Attention normalizers (``softmax_normalizers.py``, ``softmax_free_normalizers.py``) and the Toeplitz gate
+(kexue.fm/archives/9105) against float64 references of their formulas, inside both model families, with padding,
+causal masks and rows that see no key; their numerics; their init. Stick-breaking attention (Tan et al. 2025)
+against a hand loop, its row laws, the decoder-only rule and its chunked ``sdpa`` path against eager (values,
+gradients, what it keeps for the backward); gated attention (option ``output_gate``) against a hand loop on the
+layer's input, and the ``differential`` normalizer against Transformers' ``DiffLlamaAttention`` on the same weights;
+their options, init and backends."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def test_a_missing_mask_means_what_transformers_sdpa_makes_of_it(q_len, kv_len, 
     ssmax (``visible_key_counts``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_posenc.attention_normalizers import additive_mask, visible_key_counts
+    from hf_posenc.normalizer_interface import additive_mask, visible_key_counts
 
     query, key = torch.zeros(1, 1, q_len, 4), torch.randn(1, 1, kv_len, 4)
     one_hot = torch.eye(kv_len)[None, None]

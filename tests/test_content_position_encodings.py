@@ -33,13 +33,13 @@ from transformers.models.deberta_v2 import modeling_deberta_v2
 import hf_posenc
 from hf_posenc import attention_backends, posenc_attention, relative_tables
 from hf_posenc.attention_backends import build_dense_mask
-from hf_posenc.attention_normalizers import Softmax
 from hf_posenc.configuration_posenc import resolve_attention_normalizer
 from hf_posenc.content_position_encodings import DeBERTaBuckets, deberta_log_bucket
 from hf_posenc.modeling_posenc_common import build_layer_position_term, build_position_encoding
 from hf_posenc.posenc_attention import positional_attention, value_rows_term
 from hf_posenc.position_interface import ValueRows
 from hf_posenc.score_bias_encodings import t5_relative_bucket
+from hf_posenc.softmax_normalizers import Softmax
 
 
 ATOL = 1e-5

@@ -259,36 +259,54 @@ def test_folder_saved_under_one_transformers_loads_as_remote_code_under_the_othe
     )
 
 
-# The last commit whose saved folders carry FoX and PaTH in content_position_encodings.py (before
-# data_dependent_encodings.py): a folder saved by that release carries those modules, and still loads.
-PREVIOUS_LAYOUT_COMMIT = "bbce60fe7464cb7ae52346f3878aff9ea9679453"
+PREVIOUS_LAYOUTS = {
+    # the last commit whose saved folders carry FoX and PaTH in content_position_encodings.py
+    "fox and path before data_dependent_encodings.py": (
+        "bbce60fe7464cb7ae52346f3878aff9ea9679453",
+        {"position_encoding": ["fox", {"type": "path", "forget_gate": True}]},
+        "content_position_encodings.py",
+        "data_dependent_encodings.py",
+    ),
+    # the last commit whose saved folders carry every normalizer in attention_normalizers.py and CoPE in
+    # content_position_encodings.py
+    "cope and ssmax before the normalizers' modules": (
+        "efe25ace5e8ef1d6557e9e820a93eb735446fb44",
+        {"position_encoding": "cope", "attention_normalizer": "ssmax"},
+        "attention_normalizers.py",
+        "normalizer_interface.py",
+    ),
+}
+"""A folder saved by each earlier layout of the modules: the commit, the model, a module it carries and one it
+does not."""
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-def test_folder_saved_by_the_previous_layout_loads_as_remote_code_and_into_this_release(tmp_path):
-    """A folder saved by the release before FoX and PaTH had their own module (its ``hf_posenc`` taken from git)
-    loads with ``trust_remote_code=True`` where hf_posenc cannot import, and into this release's classes, with the
-    saving model's logits."""
+@pytest.mark.parametrize("layout", list(PREVIOUS_LAYOUTS))
+def test_folder_saved_by_a_previous_layout_loads_as_remote_code_and_into_this_release(layout, tmp_path):
+    """A folder saved by a release whose modules were laid out otherwise (its ``hf_posenc`` taken from git) loads
+    with ``trust_remote_code=True`` where hf_posenc cannot import, and into this release's classes, with the saving
+    model's logits."""
+    commit, model_kwargs, carried, not_carried = PREVIOUS_LAYOUTS[layout]
     has_commit = subprocess.run(
-        ["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{PREVIOUS_LAYOUT_COMMIT}^{{commit}}"], capture_output=True
+        ["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True
     )
     if has_commit.returncode != 0:
-        pytest.skip(f"needs the git history holding {PREVIOUS_LAYOUT_COMMIT} (a full clone of the repository)")
+        pytest.skip(f"needs the git history holding {commit} (a full clone of the repository)")
     previous = tmp_path / "previous_release"
     previous.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(REPOSITORY), "archive", PREVIOUS_LAYOUT_COMMIT, "hf_posenc"], capture_output=True, check=True
+        ["git", "-C", str(REPOSITORY), "archive", commit, "hf_posenc"], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(previous)], input=archive.stdout, check=True)
     folder = tmp_path / "saved"
     folder.mkdir()
     torch.save(random_ids(2, 9), folder / "ids.pt")
     sizes = dict(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, n_positions=64)
-    kwargs = {**sizes, "position_encoding": ["fox", {"type": "path", "forget_gate": True}]}
+    kwargs = {**sizes, **model_kwargs}
     env = {**os.environ, "PYTHONPATH": str(previous)}  # ahead of the installed hf_posenc
     run_python(sys.executable, SAVE_WITH_HF_POSENC, str(folder), "gpt2", json.dumps(kwargs), cwd=folder, env=env)
-    assert (folder / "content_position_encodings.py").is_file()
-    assert not (folder / "data_dependent_encodings.py").exists()  # saved by the previous release's code
+    assert (folder / carried).is_file()
+    assert not (folder / not_carried).exists()  # saved by the previous release's code
     expected = torch.load(folder / "expected.pt")
 
     run_python(sys.executable, LOAD_WITHOUT_HF_POSENC, str(folder), "AutoModelForCausalLM", cwd=folder)
