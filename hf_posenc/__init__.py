@@ -18,29 +18,14 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from . import modeling_posenc_bert, modeling_posenc_gpt2
 from .attention_normalizers import ATTENTION_NORMALIZERS
 from .configuration_posenc import LAYOUT_PRESETS, PosEncBertConfig, PosEncGPT2Config, layout_preset
 from .conversion import convert
-from .modeling_posenc_bert import (
-    POSENC_BERT_MODELS,
-    PosEncBertForMaskedLM,
-    PosEncBertForMultipleChoice,
-    PosEncBertForNextSentencePrediction,
-    PosEncBertForPreTraining,
-    PosEncBertForQuestionAnswering,
-    PosEncBertForSequenceClassification,
-    PosEncBertForTokenClassification,
-    PosEncBertLMHeadModel,
-    PosEncBertModel,
-    PosEncBertPreTrainedModel,
-)
-from .modeling_posenc_gpt2 import (
-    POSENC_GPT2_MODELS,
-    PosEncGPT2ForSequenceClassification,
-    PosEncGPT2LMHeadModel,
-    PosEncGPT2Model,
-    PosEncGPT2PreTrainedModel,
-)
+from .modeling_posenc_bert import *  # noqa: F403 (the family's classes, its __all__)
+from .modeling_posenc_bert import POSENC_BERT_MODELS
+from .modeling_posenc_gpt2 import *  # noqa: F403
+from .modeling_posenc_gpt2 import POSENC_GPT2_MODELS
 from .position_encodings import POSITION_ENCODINGS
 from .position_extension import extend_positions
 from .probe import probe
@@ -82,20 +67,8 @@ __all__ = [
     "layout_preset",
     "PosEncBertConfig",
     "PosEncGPT2Config",
-    "PosEncBertModel",
-    "PosEncBertForMaskedLM",
-    "PosEncBertForSequenceClassification",
-    "PosEncBertForTokenClassification",
-    "PosEncBertForQuestionAnswering",
-    "PosEncBertForPreTraining",
-    "PosEncBertLMHeadModel",
-    "PosEncBertForNextSentencePrediction",
-    "PosEncBertForMultipleChoice",
-    "PosEncBertPreTrainedModel",
-    "PosEncGPT2Model",
-    "PosEncGPT2LMHeadModel",
-    "PosEncGPT2ForSequenceClassification",
-    "PosEncGPT2PreTrainedModel",
+    *modeling_posenc_bert.__all__,
+    *modeling_posenc_gpt2.__all__,
     "convert",
     "extend_positions",
     "retrofit",

@@ -51,9 +51,7 @@ class LearnedAbsolute(PositionEncoding):
     parallel_refusals = {}
     description = "trainable absolute position table added to the input (BERT/GPT-2 default)"
     options = {
-        "max_positions": Option(
-            None, (int,), "table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
-        ),
+        "max_positions": Option.int_at_least(None, "table length (default: max_position_embeddings)", 1),
     }
 
     @classmethod
@@ -154,16 +152,8 @@ class MultiplicativeAbsolute(PositionEncoding):
     parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "x_k * p_k (elementwise) instead of x_k + p_k; p learned (init near 1) or 1 + sin/cos"
     options = {
-        "table": Option(
-            "learned",
-            (str,),
-            "'learned' or 'sinusoidal'",
-            lambda v: v in ("learned", "sinusoidal"),
-            "learned, sinusoidal",
-        ),
-        "max_positions": Option(
-            None, (int,), "learned table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
-        ),
+        "table": Option.one_of("learned", "'learned' or 'sinusoidal'", ("learned", "sinusoidal")),
+        "max_positions": Option.int_at_least(None, "learned table length (default: max_position_embeddings)", 1),
         "base": Option(
             10000.0, (float, int), "wavelength base of the sinusoidal table", lambda v: v > 1, "a number > 1"
         ),
@@ -224,9 +214,7 @@ class HierarchicalAbsolute(PositionEncoding):
     parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "learned table read past its length n (up to n^2) by hierarchical decomposition (kexue 7947)"
     options = {
-        "max_positions": Option(
-            None, (int,), "learned rows n (default: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
-        ),
+        "max_positions": Option.int_at_least(None, "learned rows n (default: max_position_embeddings)", 2),
         "alpha": Option(0.4, (float, int), "weight of the high digit", lambda v: 0 < v < 1, "a number in (0, 1)"),
     }
 
@@ -360,7 +348,7 @@ class ConvAbsolute(PositionEncoding):
         "sequence": f"its convolution: {ALONG_THE_SEQUENCE}",
     }
     description = "x + depthwise convolution with zero padding: position leaks from the padding (causal in a decoder)"
-    options = {"kernel_size": Option(3, (int,), "convolution width", lambda v: v >= 2, "an int >= 2")}
+    options = {"kernel_size": Option.int_at_least(3, "convolution width", 2)}
     cache_states = ("conv_inputs",)
 
     @classmethod
@@ -779,14 +767,8 @@ class Floater(GeneratedTable):
     parallel_refusals = {"context": UNDECLARED_PARALLELISM, "sequence": UNDECLARED_PARALLELISM}
     description = "FLOATER: dp/dt = h(p, t) solved at integer positions with torchdiffeq, added to the input"
     options = {
-        "dynamics": Option(
-            "mlp",
-            (str,),
-            "h: 'mlp' (rotation + MLP) or 'linear' (rotation)",
-            lambda v: v in ("mlp", "linear"),
-            "mlp, linear",
-        ),
-        "width": Option(32, (int,), "hidden units of the MLP dynamics", lambda v: v >= 1, "an int >= 1"),
+        "dynamics": Option.one_of("mlp", "h: 'mlp' (rotation + MLP) or 'linear' (rotation)", ("mlp", "linear")),
+        "width": Option.int_at_least(32, "hidden units of the MLP dynamics", 1),
         "method": Option(
             "dopri5",
             (str,),

@@ -37,7 +37,7 @@ from .relative_tables import (
     sorted_gather,
     toeplitz,
 )
-from .score_bias_encodings import t5_relative_bucket
+from .score_bias_encodings import check_log_buckets, t5_relative_bucket
 
 
 def relative_distances(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -153,14 +153,10 @@ class Shaw(PositionEncoding):
     backends = ("eager", "sdpa", "flex_attention")
     flex_compiles_on_cpu = False  # reads a length-sized table per pair: see TUPE (torch 2.13's CPU template)
     options = {
-        "max_distance": Option(16, (int,), "clip distance k (tables of 2k+1 rows)", lambda v: v >= 1, "an int >= 1"),
+        "max_distance": Option.int_at_least(16, "clip distance k (tables of 2k+1 rows)", 1),
         "use_value": Option(True, (bool,), "add the value term sum_j a_ij R^V"),
-        "table": Option(
-            "learned",
-            (str,),
-            "'learned' (per layer) or 'sinusoidal' (NEZHA, fixed)",
-            lambda v: v in ("learned", "sinusoidal"),
-            "'learned' or 'sinusoidal'",
+        "table": Option.one_of(
+            "learned", "'learned' (per layer) or 'sinusoidal' (NEZHA, fixed)", ("learned", "sinusoidal")
         ),
     }
 
@@ -390,6 +386,26 @@ def query_and_key_row_terms(
     return in_query_chunks(chunk_scores, (*query.shape[:-1], key.shape[-2]), query.device)
 
 
+def plus_row_scores(
+    score: torch.Tensor,
+    query_row_scores: torch.Tensor | None,
+    key_row_scores: torch.Tensor | None,
+    batch_idx: torch.Tensor,
+    head_idx: torch.Tensor,
+    q_idx: torch.Tensor,
+    kv_idx: torch.Tensor,
+    row: torch.Tensor,
+) -> torch.Tensor:
+    """Inside a ``score_mod``: ``score + q_i . R[row] + k_j . R'[row]``, the query's and the key's scores against
+    the pair's row, read from ``(batch, heads, q_len, rows)`` and ``(batch, heads, kv_len, rows)`` tables (None:
+    that term is off), in the score's dtype."""
+    if query_row_scores is not None:
+        score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
+    if key_row_scores is not None:
+        score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
+    return score
+
+
 def windowed_row_terms(
     query: torch.Tensor, key: torch.Tensor, query_rows: torch.Tensor | None, key_rows: torch.Tensor | None
 ) -> torch.Tensor:
@@ -478,11 +494,7 @@ class DeBERTaTerm(LayerPositionTerm):
                 row = row_of_distance[q_idx - kv_idx + last_key]
             else:
                 row = buckets.index(query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx))
-            if query_row_scores is not None:
-                score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
-            if key_row_scores is not None:
-                score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
-            return score
+            return plus_row_scores(score, query_row_scores, key_row_scores, batch_idx, head_idx, q_idx, kv_idx, row)
 
         return deberta_score_mod
 
@@ -514,13 +526,7 @@ class DeBERTa(PositionEncoding):
     backends = ("eager", "sdpa", "flex_attention")
     flex_compiles_on_cpu = False  # reads length-sized tables per pair: see TUPE (torch 2.13's CPU template)
     options = {
-        "att_type": Option(
-            "c2p|p2c",
-            (str,),
-            "position terms, '|'-separated",
-            lambda v: v in ("c2p|p2c", "p2c|c2p", "c2p", "p2c"),
-            "'c2p|p2c', 'c2p' or 'p2c'",
-        ),
+        "att_type": Option.one_of("c2p|p2c", "position terms, '|'-separated", ("c2p|p2c", "p2c|c2p", "c2p", "p2c")),
         "position_buckets": Option(
             256,
             (int,),
@@ -528,7 +534,7 @@ class DeBERTa(PositionEncoding):
             lambda v: v >= 0 and v % 2 == 0,
             "an even int >= 0",
         ),
-        "max_relative_positions": Option(512, (int,), "distance of the last bucket", lambda v: v >= 1, "an int >= 1"),
+        "max_relative_positions": Option.int_at_least(512, "distance of the last bucket", 1),
         "share_att_key": Option(True, (bool,), "project the relative embeddings with the layer's own W_Q, W_K"),
     }
 
@@ -613,11 +619,9 @@ class TUPE(PositionEncoding):
     backends = ("eager", "sdpa", "flex_attention")
     flex_compiles_on_cpu = False  # the (q, k) untied table's read: C++ compile error at a second length (torch 2.13)
     options = {
-        "max_positions": Option(
-            None, (int,), "absolute table length (default: max_position_embeddings)", lambda v: v >= 1, "an int >= 1"
-        ),
+        "max_positions": Option.int_at_least(None, "absolute table length (default: max_position_embeddings)", 1),
         "num_buckets": Option(32, (int,), "relative buckets", lambda v: v >= 4 and v % 2 == 0, "an even int >= 4"),
-        "max_distance": Option(128, (int,), "distance of the last bucket", lambda v: v >= 2, "an int >= 2"),
+        "max_distance": Option.int_at_least(128, "distance of the last bucket", 2),
         "cls_untying": Option(
             None, (bool,), "learned [CLS] (position 0) correlations (default: on in the encoder, off in the decoder)"
         ),
@@ -629,11 +633,7 @@ class TUPE(PositionEncoding):
 
     @classmethod
     def check_spec(cls, spec):
-        if spec["max_distance"] <= spec["num_buckets"] // 2:
-            raise ValueError(
-                f"position_encoding 'tupe': max_distance={spec['max_distance']} must be larger than num_buckets / 2 "
-                f"= {spec['num_buckets'] // 2}, where the logarithmic buckets start."
-            )
+        check_log_buckets(cls.name, spec)
 
     @classmethod
     def check_family(cls, spec, causal):
@@ -850,10 +850,7 @@ class RelativeKeyTerm(LayerPositionTerm):
             else:
                 distance = query_position(batch_idx, q_idx) - key_position(batch_idx, kv_idx)
                 row = distance.clamp(-reach, reach) + reach  # in range for every visible pair (checked in prepare)
-            score = score + query_row_scores[batch_idx, head_idx, q_idx, row].to(score.dtype)
-            if key_row_scores is not None:
-                score = score + key_row_scores[batch_idx, head_idx, kv_idx, row].to(score.dtype)
-            return score
+            return plus_row_scores(score, query_row_scores, key_row_scores, batch_idx, head_idx, q_idx, kv_idx, row)
 
         return relative_key_score_mod
 
@@ -891,19 +888,13 @@ class RelativeKey(PositionEncoding):
     backends = ("eager", "sdpa", "flex_attention")
     flex_compiles_on_cpu = False  # reads length-sized tables per pair: see TUPE (torch 2.13's CPU template)
     options = {
-        "variant": Option(
+        "variant": Option.one_of(
             "key_query",
-            (str,),
             "'key_query' (q.r + k.r, 4.x relative_key_query) or 'key' (q.r, 4.x relative_key)",
-            lambda v: v in ("key_query", "key"),
-            "'key_query' or 'key'",
+            ("key_query", "key"),
         ),
-        "max_positions": Option(
-            None,
-            (int,),
-            "distances up to max_positions - 1, 2 max_positions - 1 rows (default: max_position_embeddings)",
-            lambda v: v >= 1,
-            "an int >= 1",
+        "max_positions": Option.int_at_least(
+            None, "distances up to max_positions - 1, 2 max_positions - 1 rows (default: max_position_embeddings)", 1
         ),
     }
 

@@ -340,12 +340,8 @@ class PaTH(PositionEncoding):
     has_layer_term = True
     backends = ("eager", "sdpa")
     options = {
-        "w_rank": Option(
-            32,
-            (int,),
-            "rank of the w projection hidden -> rank -> heads*head_dim (the reference's 32); 0: one full matrix",
-            lambda v: v >= 0,
-            "an int >= 0",
+        "w_rank": Option.int_at_least(
+            32, "rank of the w projection hidden -> rank -> heads*head_dim (the reference's 32); 0: one full matrix", 0
         ),
         "forget_gate": Option(False, (bool,), "PaTH-FoX: add FoX's forget-gate bias sum_(l=j+1..i) log f_l"),
     }
@@ -439,13 +435,7 @@ class CoPE(PositionEncoding):
     has_layer_term = True
     backends = ("eager", "sdpa")
     options = {
-        "max_positions": Option(
-            64,
-            (int,),
-            "position embeddings; contextual positions are clamped below it",
-            lambda v: v >= 2,
-            "an int >= 2",
-        ),
+        "max_positions": Option.int_at_least(64, "position embeddings; contextual positions are clamped below it", 2),
     }
 
     @classmethod

@@ -42,9 +42,7 @@ GATE_OPTIONS = {
         '"elementwise" or "headwise"',
     ),
     "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
-    "toeplitz_max_distance": Option(
-        128, (int,), "k of clip(i - j, -k, k) in the Toeplitz gate", lambda v: v >= 1, "an int >= 1"
-    ),
+    "toeplitz_max_distance": Option.int_at_least(128, "k of clip(i - j, -k, k) in the Toeplitz gate", 1),
 }
 
 
@@ -364,8 +362,6 @@ def flex_pass(
 
 
 LSE_ONLY_VALUE_WIDTH = 16
-"""The value width of a pass read for its log-sum-exp only: the narrowest value head the Triton FlexAttention kernel
-takes, so that such a pass makes no ``P V`` worth the name and, its value being a constant, no ``dV``."""
 """The value width of a pass read for its log-sum-exp only: the narrowest value head the Triton FlexAttention kernel
 takes, so that such a pass makes no ``P V`` worth the name and, its value being a constant, no ``dV``."""
 

@@ -40,6 +40,18 @@ class Option:
     check: Callable[[Any], bool] | None = None
     valid: str = ""
 
+    @classmethod
+    def int_at_least(cls, default: int | None, doc: str, minimum: int) -> Option:
+        """An int option whose values start at ``minimum``: the check and its words, ``"an int >= minimum"``."""
+        return cls(default, (int,), doc, lambda v: v >= minimum, f"an int >= {minimum}")
+
+    @classmethod
+    def one_of(cls, default: str, doc: str, choices: tuple[str, ...]) -> Option:
+        """A string option taking one of ``choices``: the check and its words, ``"'a', 'b' or 'c'"``."""
+        quoted = [repr(choice) for choice in choices]
+        words = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+        return cls(default, (str,), doc, lambda v: v in choices, words)
+
     def validate(self, owner: str, key: str, value: Any) -> Any:
         if value is None and self.default is None:
             return None

@@ -49,9 +49,7 @@ def _factor_option() -> Option:
 
 
 def _original_length_option() -> Option:
-    return Option(
-        None, (int,), "the length pretrained on (None: max_position_embeddings)", lambda v: v >= 2, "an int >= 2"
-    )
+    return Option.int_at_least(None, "the length pretrained on (None: max_position_embeddings)", 2)
 
 
 ROPE_SCALING_OPTIONS: dict[str, dict[str, Option]] = {

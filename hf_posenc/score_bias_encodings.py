@@ -23,6 +23,16 @@ from .position_interface import (
 from .relative_tables import chunk_elements
 
 
+def check_log_buckets(name: str, spec: dict) -> None:
+    """T5's buckets (:func:`t5_relative_bucket`): the log buckets span ``[num_buckets / 2, max_distance)`` in a
+    decoder (a quarter in an encoder), so ``max_distance`` must pass ``num_buckets / 2``."""
+    if spec["max_distance"] <= spec["num_buckets"] // 2:
+        raise ValueError(
+            f"position_encoding {name!r}: max_distance={spec['max_distance']} must be larger than num_buckets / 2 "
+            f"= {spec['num_buckets'] // 2}, where the logarithmic buckets start."
+        )
+
+
 def t5_relative_bucket(
     distance: torch.Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> torch.Tensor:
@@ -146,7 +156,7 @@ class T5Bias(RelativeScoreBias):
     description = "T5 bucketed scalar bias per head (bidirectional in the encoder, causal in the decoder)"
     options = {
         "num_buckets": Option(32, (int,), "number of buckets", lambda v: v >= 4 and v % 2 == 0, "an even int >= 4"),
-        "max_distance": Option(128, (int,), "distance of the last bucket", lambda v: v >= 2, "an int >= 2"),
+        "max_distance": Option.int_at_least(128, "distance of the last bucket", 2),
         "table_scale": Option(
             None, (float, int), "bias = table_scale * table (None: sqrt(head_dim))", lambda v: v > 0, "a number > 0"
         ),
@@ -162,12 +172,7 @@ class T5Bias(RelativeScoreBias):
 
     @classmethod
     def check_spec(cls, spec):
-        # The log buckets span [num_buckets / 2, max_distance) in a decoder (a quarter in an encoder): it must be wide.
-        if spec["max_distance"] <= spec["num_buckets"] // 2:
-            raise ValueError(
-                f"position_encoding 't5': max_distance={spec['max_distance']} must be larger than num_buckets / 2 "
-                f"= {spec['num_buckets'] // 2}, where the logarithmic buckets start."
-            )
+        check_log_buckets(cls.name, spec)
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
@@ -279,7 +284,7 @@ class KERPLE(RelativeScoreBias):
     }
     description = "KERPLE kernel bias: -r1*log(1+r2*|i-j|) (log) or -r1*|i-j|^r2 (power), r1, r2 learned per head"
     options = {
-        "variant": Option("log", (str,), "kernel", lambda v: v in ("log", "power"), "'log' or 'power'"),
+        "variant": Option.one_of("log", "kernel", ("log", "power")),
     }
     minimum = 0.01
 
@@ -438,7 +443,7 @@ class FIRE(RelativeScoreBias):
     description = "FIRE: MLP of log-distance normalised by log(max(L, position)), learned c, L (Li et al. 2024)"
     relative = False
     options = {
-        "mlp_width": Option(32, (int,), "hidden units of the MLP", lambda v: v >= 1, "an int >= 1"),
+        "mlp_width": Option.int_at_least(32, "hidden units of the MLP", 1),
         "threshold": Option(512.0, (float, int), "initial threshold L", lambda v: v > 0, "a number > 0"),
     }
     eps = 1e-6

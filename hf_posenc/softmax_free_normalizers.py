@@ -1,9 +1,6 @@
-"""The attention normalizers without a softmax: ``l2``, ``exp``, ``relu2``, ``swish_l2``, ``sigmoid`` and
-``stick_breaking``. Their rows of weights need not sum to 1, so n identical tokens under a relative-only scheme can
-tell their positions apart (Su Jianlin, kexue.fm/archives/9105).
-
-Sources: the papers and reference implementations cited per class; the base class and what the normalizers share are
-in :mod:`hf_posenc.normalizer_interface`.
+"""Normalizers with no softmax: ``l2``, ``exp``, ``relu2``, ``swish_l2``, ``sigmoid``, ``stick_breaking``. A row of
+their weights need not sum to 1, which is what lets n identical tokens under a relative-only scheme tell their
+positions apart (Su Jianlin, kexue.fm/archives/9105). Papers and reference code are cited per class.
 """
 
 from __future__ import annotations

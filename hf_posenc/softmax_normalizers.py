@@ -1,9 +1,7 @@
-"""The softmax family of attention normalizers: ``softmax`` (with attention sinks), ``ssmax`` (a softmax of scores
-rescaled by the row's length), ``softpick`` (a rectified softmax whose rows may sum below 1) and ``differential``
-(the difference of two softmax maps). Every one but ``softpick`` keeps softmax's rows summing to 1.
-
-Sources: the papers and reference implementations cited per class; the base class and what the normalizers share are
-in :mod:`hf_posenc.normalizer_interface`.
+"""The softmax family: ``softmax`` itself (optionally with a sink), ``ssmax`` (Scalable-Softmax: the scores of a row of
+n keys times ``s log n`` first), ``softpick`` (rectified, ``relu(e^b - 1) / sum |e^b - 1|``) and ``differential``
+(one softmax map minus lambda times another). Each class cites its paper and reference code; what they share with
+the other normalizers lives in :mod:`hf_posenc.normalizer_interface`.
 """
 
 from __future__ import annotations
