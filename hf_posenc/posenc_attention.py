@@ -583,5 +583,6 @@ def positional_attention(
             logit_softcapping,
         )
         weights = normalizer.output_weights(weights)
+    outputs = [encoding.transform_output(output, tables) for output in outputs]
     output = normalizer.attention_output(outputs, hidden_states)
     return output.transpose(1, 2).contiguous(), weights

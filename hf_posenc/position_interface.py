@@ -691,6 +691,12 @@ class PositionEncoding(HeadSharded, CatalogueEntry, nn.Module):
         """q/k/v side, on ``(batch, heads, seq, head_dim)`` tensors of the current tokens, before the KV cache."""
         return query, key, value
 
+    def transform_output(self, output: torch.Tensor, tables: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The output of one attention, ``(batch, heads, q_len, head_dim)`` at the current tokens (the queries),
+        before the normalizer combines and gates its outputs: a scheme whose values carry their positions maps the
+        output back to the query's (VO-RoPE). Unchanged by default."""
+        return output
+
 
 class RelativeScoreBias(PositionEncoding):
     """A scalar bias per head that depends only on positions: ``b_ij = q_i.k_j / sqrt(d_h) + f_h(i, j)``.

@@ -208,6 +208,12 @@ class RoPE(PositionEncoding):
     absolute positions are still needed, apply it to v as well"), so ``o_i = sum_j a_ij R_j v_j`` carries absolute
     positions and the model is no longer shift-invariant.
 
+    ``vo_rope`` (VO-RoPE, Su Jianlin, kexue.fm/archives/10862; DeepSeek-V4): the values' rotary features are rotated
+    by the key's position and each output rotated back by its query's, ``o_i = R_i^T sum_j a_ij R_j v_j =
+    sum_j a_ij R_(j-i) v_j``: the value path is relative too, and the model stays shift-invariant. The values are
+    rotated before the KV cache (so cached values carry their own positions), the output by
+    :meth:`transform_output`; the attention factor of a scaling stays on q and k.
+
     ``scaling`` = ``{"type": ..., "factor": ..., ...}`` runs inputs longer than the ``original_max_positions`` the
     model was trained on (default ``max_position_embeddings``). Where Transformers has the type (``linear``,
     ``yarn``, ``llama3``, ``longrope``: :data:`TRANSFORMERS_SCALINGS`) its ``modeling_rope_utils.ROPE_INIT_FUNCTIONS``
@@ -252,6 +258,9 @@ class RoPE(PositionEncoding):
             "0 < x <= 1",
         ),
         "apply_to_value": Option(False, (bool,), "rotate v too (absolute positions in the output)"),
+        "vo_rope": Option(
+            False, (bool,), "VO-RoPE: rotate v by the key's position and the output back by the query's (relative)"
+        ),
         "scaling": Option(
             None, (dict,), "longer inputs: {'type': linear|ntk|dynamic|yarn|llama3|longrope, 'factor': ..., ...}"
         ),
@@ -261,6 +270,12 @@ class RoPE(PositionEncoding):
     def check_spec(cls, spec):
         if spec["scaling"] is not None:
             spec["scaling"] = resolve_rope_scaling(spec["scaling"])
+        if spec["vo_rope"] and spec["apply_to_value"]:
+            raise ValueError(
+                "position_encoding 'rope': vo_rope=True (values rotated by the key's position, the output back by the "
+                "query's: relative) and apply_to_value=True (values rotated, the output not: absolute) are two forms "
+                "of rotating the values; give one of them."
+            )
         if spec["kept_frequency_fraction"] == 1:
             return
         if spec["rotary_fraction"] != 1:
@@ -357,7 +372,7 @@ class RoPE(PositionEncoding):
 
     def transform_qkv(self, query, key, value, tables):
         cos, sin = tables["cos"], tables["sin"]
-        if self.spec["apply_to_value"]:
+        if self.spec["apply_to_value"] or self.spec["vo_rope"]:
             value = apply_rotary(value, cos.to(value.dtype), sin.to(value.dtype))
         # The attention factor rides on cos and sin, as in Transformers' rotary embeddings: it scales the rotated
         # features only, and with rotary_fraction < 1 the others keep their scale (GPT-NeoX, Phi-3).
@@ -365,6 +380,11 @@ class RoPE(PositionEncoding):
         query = apply_rotary(query, cos.to(query.dtype), sin.to(query.dtype))
         key = apply_rotary(key, cos.to(key.dtype), sin.to(key.dtype))
         return query, key, value
+
+    def transform_output(self, output, tables):
+        if not self.spec["vo_rope"]:
+            return output
+        return apply_rotary(output, tables["cos"].to(output.dtype), -tables["sin"].to(output.dtype))  # R_i^T o_i
 
 
 def clamp_with_gradient_at_bounds(x: torch.Tensor, low: float, high: float) -> torch.Tensor:

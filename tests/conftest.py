@@ -52,7 +52,9 @@ LAYOUTS = [
     [{"type": "none", "attn_temperature_tuning": True, "floor_scale": 4}, "shaw"],
     ["alibi", "fox"],
 ]
-COMBOS = [(scheme, "softmax") for scheme in SCHEMES + LAYOUTS] + [
+# Options that make a scheme another formula, run through the same properties as the registry's names.
+SCHEME_VARIANTS = [{"type": "rope", "vo_rope": True}]
+COMBOS = [(scheme, "softmax") for scheme in SCHEMES + SCHEME_VARIANTS + LAYOUTS] + [
     (scheme, normalizer)
     for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS
     for scheme in REPRESENTATIVE_SCHEMES

@@ -48,6 +48,7 @@ def test_config_json_stores_the_full_spec(config_class, tmp_path):
         "rotary_fraction": 1.0,
         "kept_frequency_fraction": 1.0,
         "apply_to_value": False,
+        "vo_rope": False,
         "scaling": None,
     }
     assert saved["model_type"] == config_class.model_type
@@ -155,6 +156,7 @@ def test_a_field_reassigned_after_construction_is_resolved_when_the_model_is_bui
         "rotary_fraction": 1.0,
         "kept_frequency_fraction": 1.0,
         "apply_to_value": False,
+        "vo_rope": False,
         "scaling": None,
     }
     config.position_encoding = "rotary"

@@ -40,6 +40,7 @@ OPTION_VARIANTS = [
     {"type": "rope", "scaling": {"type": "yarn", "factor": 2.0, "original_max_positions": 8}},
     {"type": "rope", "scaling": {"type": "linear", "factor": 2.0}},
     {"type": "rope", "kept_frequency_fraction": 0.5},
+    {"type": "rope", "vo_rope": True},
 ]
 
 

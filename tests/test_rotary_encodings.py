@@ -700,3 +700,57 @@ def test_pope_phase_bias_starts_at_zero_and_learns():
     ids = random_ids(2, 8)
     model(ids, labels=ids).loss.backward()
     assert bias.grad is not None and bias.grad.abs().min() > 0
+
+
+def vo_rope_attention_by_hand(x, weights, biases, output_projection, heads: int, causal: bool, first_position: int):
+    """VO-RoPE (kexue.fm/archives/10862) by a loop over queries and keys: ``a_ij = softmax_j((R_i q_i).(R_j k_j) /
+    sqrt(d))``, ``o_i = R_i^T sum_j a_ij R_j v_j``, heads merged, then the output projection."""
+    length, hidden = x.shape
+    head_dim = hidden // heads
+    q, k, v = (x @ weight + bias for weight, bias in zip(weights, biases, strict=True))
+    rotations = [rotation_matrix(first_position + t, head_dim) for t in range(length)]
+    output = torch.zeros(length, hidden, dtype=torch.float64)
+    for h in range(heads):
+        part = slice(h * head_dim, (h + 1) * head_dim)
+        for i in range(length):
+            keys = range(i + 1) if causal else range(length)
+            scores = torch.stack([(rotations[i] @ q[i, part]) @ (rotations[j] @ k[j, part]) for j in keys])
+            a = torch.softmax(scores / math.sqrt(head_dim), dim=0)
+            mixed = sum(a[n] * (rotations[j] @ v[j, part]) for n, j in enumerate(keys))
+            output[i, part] = rotations[i].T @ mixed
+    weight, bias = output_projection
+    return output @ weight + bias
+
+
+def test_vo_rope_rotates_values_by_the_keys_position_and_the_output_back_by_the_querys(family):
+    """A layer's attention output against the hand loop of ``o_i = R_i^T sum_j a_ij R_j v_j``, at positions that do
+    not start at 0, in both families (BERT's self-attention has no output projection)."""
+    model = make_model(family, {"type": "rope", "vo_rope": True}).double()
+    ids, first = random_ids(1, 7), 5
+    positions = torch.arange(first, first + 7)[None]
+    if family == "gpt2":
+        attention = model.transformer.h[0].attn
+        weight, bias = attention.c_attn.weight, attention.c_attn.bias
+        parts = [slice(i * 32, (i + 1) * 32) for i in range(3)]
+        weights, biases = [weight[:, p] for p in parts], [bias[p] for p in parts]
+        output_projection = (attention.c_proj.weight, attention.c_proj.bias)
+    else:
+        attention = model.bert.encoder.layer[0].attention.self
+        linears = (attention.query, attention.key, attention.value)
+        weights, biases = [linear.weight.T for linear in linears], [linear.bias for linear in linears]
+        output_projection = (torch.eye(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64))
+    seen = {}
+    handle = attention.register_forward_hook(lambda module, args, output: seen.update(x=args[0], y=output[0]))
+    with torch.no_grad():
+        model(ids, position_ids=positions)
+        handle.remove()
+        expected = vo_rope_attention_by_hand(
+            seen["x"][0], weights, biases, output_projection, heads=4, causal=family == "gpt2", first_position=first
+        )
+    # the model's angles are float32 (RoPE's tables), the loop's float64
+    torch.testing.assert_close(seen["y"][0], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_vo_rope_and_rope_on_values_are_two_forms_of_one_option():
+    with pytest.raises(ValueError, match="vo_rope=True .* and apply_to_value=True .* give one of them"):
+        make_config("gpt2", {"type": "rope", "vo_rope": True, "apply_to_value": True})
