@@ -46,54 +46,33 @@ from .retrofit import load_stock_model
 
 BERT_POSITIONS = "embeddings.position_embeddings.weight"
 
-STOCK_TO_POSENC: dict[type, tuple[type, type, str]] = {
-    # stock class: (PosEnc class, PosEnc config class, name of the stock position table's parameter)
-    BertModel: (PosEncBertModel, PosEncBertConfig, BERT_POSITIONS),
-    BertForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, BERT_POSITIONS),
-    BertForSequenceClassification: (
-        PosEncBertForSequenceClassification,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    BertForTokenClassification: (
-        PosEncBertForTokenClassification,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    BertForQuestionAnswering: (
-        PosEncBertForQuestionAnswering,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    BertForPreTraining: (PosEncBertForPreTraining, PosEncBertConfig, BERT_POSITIONS),
-    BertLMHeadModel: (PosEncBertLMHeadModel, PosEncBertConfig, BERT_POSITIONS),
-    BertForNextSentencePrediction: (
-        PosEncBertForNextSentencePrediction,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    BertForMultipleChoice: (PosEncBertForMultipleChoice, PosEncBertConfig, BERT_POSITIONS),
-    GPT2Model: (PosEncGPT2Model, PosEncGPT2Config, "wpe.weight"),
-    GPT2LMHeadModel: (PosEncGPT2LMHeadModel, PosEncGPT2Config, "wpe.weight"),
-    GPT2ForSequenceClassification: (PosEncGPT2ForSequenceClassification, PosEncGPT2Config, "wpe.weight"),
-    RobertaModel: (PosEncBertModel, PosEncBertConfig, BERT_POSITIONS),
-    RobertaForMaskedLM: (PosEncBertForMaskedLM, PosEncBertConfig, BERT_POSITIONS),
-    RobertaForSequenceClassification: (
-        PosEncBertForSequenceClassification,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    RobertaForTokenClassification: (
-        PosEncBertForTokenClassification,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
-    RobertaForQuestionAnswering: (
-        PosEncBertForQuestionAnswering,
-        PosEncBertConfig,
-        BERT_POSITIONS,
-    ),
+POSENC_OF_STOCK_BERT = {
+    BertModel: PosEncBertModel,
+    BertForMaskedLM: PosEncBertForMaskedLM,
+    BertForSequenceClassification: PosEncBertForSequenceClassification,
+    BertForTokenClassification: PosEncBertForTokenClassification,
+    BertForQuestionAnswering: PosEncBertForQuestionAnswering,
+    BertForPreTraining: PosEncBertForPreTraining,
+    BertLMHeadModel: PosEncBertLMHeadModel,
+    BertForNextSentencePrediction: PosEncBertForNextSentencePrediction,
+    BertForMultipleChoice: PosEncBertForMultipleChoice,
+    RobertaModel: PosEncBertModel,
+    RobertaForMaskedLM: PosEncBertForMaskedLM,
+    RobertaForSequenceClassification: PosEncBertForSequenceClassification,
+    RobertaForTokenClassification: PosEncBertForTokenClassification,
+    RobertaForQuestionAnswering: PosEncBertForQuestionAnswering,
 }
+POSENC_OF_STOCK_GPT2 = {
+    GPT2Model: PosEncGPT2Model,
+    GPT2LMHeadModel: PosEncGPT2LMHeadModel,
+    GPT2ForSequenceClassification: PosEncGPT2ForSequenceClassification,
+}
+STOCK_TO_POSENC: dict[type, tuple[type, type, str]] = {
+    **{stock: (posenc, PosEncBertConfig, BERT_POSITIONS) for stock, posenc in POSENC_OF_STOCK_BERT.items()},
+    **{stock: (posenc, PosEncGPT2Config, "wpe.weight") for stock, posenc in POSENC_OF_STOCK_GPT2.items()},
+}
+"""Each stock class ``convert`` takes: its PosEnc class, the PosEnc config class and the name of the stock position
+table's parameter."""
 
 # RoBERTa's parameter names -> PosEnc BERT's (prefixes). Its classification head (dense, tanh, out_proj on the first
 # token) is BERT's pooler + classifier; its LM head (dense, gelu, LayerNorm, decoder) is BERT's prediction head.

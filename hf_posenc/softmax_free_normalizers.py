@@ -30,12 +30,25 @@ from .options import (
 from .position_interface import AttentionDims
 
 
+class UnitL2Rows(AttentionNormalizer):
+    """What the normalizers whose rows of weights have unit l2 norm share (``l2``, ``swish_l2``): a uniform row of
+    ``n`` keys sums to ``sqrt(n)`` (softmax's to 1), so W_V and W_O start ``max_positions^(-1/4)`` times softmax's
+    (F: "l2 needs a smaller initial variance of W_V, W_O"); eager, and FlexAttention from the passes' log-sum-exps.
+    Not in the catalogue itself."""
+
+    backends = ("eager", "flex_attention")
+    flex_needs_lse = True
+
+    def value_init_scale(self) -> float:
+        return self.dims.max_positions**-0.25
+
+
 def _double(score: torch.Tensor) -> torch.Tensor:
     """``2 b``: ``lse(2b) = log sum_j e^(2 b_ij)``, the squared l2 norm of ``e^b`` in log space."""
     return 2 * score
 
 
-class L2(AttentionNormalizer):
+class L2(UnitL2Rows):
     """``a_ij = e^(b_ij) / sqrt(sum_j e^(2 b_ij))``: each row has unit l2 norm, its sum is free in ``[1, sqrt(n)]``
     (F, "new normalisation").
 
@@ -48,11 +61,6 @@ class L2(AttentionNormalizer):
     name = "l2"
     parallel_refusals = {"context": f"l2 is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "e^b / sqrt(sum_j e^(2b)) (rows have unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
-    backends = ("eager", "flex_attention")
-    flex_needs_lse = True
-
-    def value_init_scale(self) -> float:
-        return self.dims.max_positions**-0.25
 
     def normalize(self, scores, attention_inputs):
         # The row max is a constant shift the ratio does not see (its gradient is 0): detached, so that autograd does
@@ -170,7 +178,7 @@ def _log_swish_squared(score: torch.Tensor) -> torch.Tensor:
     return log_where(score != 0, lambda b: 2 * (torch.log(b.abs()) + nn.functional.logsigmoid(b)), score, 1.0)
 
 
-class SwishL2(AttentionNormalizer):
+class SwishL2(UnitL2Rows):
     """``a_ij = swish(b_ij) / sqrt(sum_j swish(b_ij)^2)``, ``swish(b) = b sigmoid(b)`` (F, "swish + l2"): unit l2
     norm, signed weights.
 
@@ -190,11 +198,6 @@ class SwishL2(AttentionNormalizer):
     name = "swish_l2"
     parallel_refusals = {"context": f"swish_l2 is not softmax; {RING_ATTENTION_ONLY}", "sequence": ULYSSES_KERNEL_ONLY}
     description = "swish(b) / sqrt(sum_j swish(b)^2) (signed, unit l2 norm); W_V, W_O init x max_positions^(-1/4)"
-    backends = ("eager", "flex_attention")
-    flex_needs_lse = True
-
-    def value_init_scale(self) -> float:
-        return self.dims.max_positions**-0.25
 
     def normalize(self, scores, attention_inputs):
         swish = nn.functional.silu(scores)
