@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
+import types
 from pathlib import Path
 
 import pytest
@@ -259,6 +262,18 @@ def write_corpus_slice(path: Path, lines: int = 1000) -> Path:
 
     path.write_text("".join(embedded_corpus_file().read_text().splitlines(keepends=True)[:lines]))
     return path
+
+
+def load_benchmark(monkeypatch, name: str) -> types.ModuleType:
+    """The script ``benchmarks/<name>.py`` imported as the module ``name``, with ``benchmarks/`` on ``sys.path`` as
+    when it runs (its shared helpers, and spawned workers that import it by name), both undone after the test."""
+    folder = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
