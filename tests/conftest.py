@@ -284,11 +284,11 @@ def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess
 @pytest.fixture
 def uncompiled_flex(monkeypatch):
     """FlexAttention's uncompiled path in place of the compiled kernel: the same semantics, the log-sum-exp on CPU,
-    any head width, no compile per combination. Returns the list of its calls (one entry each)."""
+    any head width, no compile per combination. Returns the list of its calls (each call's ``block_mask``)."""
     calls = []
 
     def flex(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("block_mask"))
         return flex_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)

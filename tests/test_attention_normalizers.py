@@ -452,21 +452,13 @@ FLEX_CALLS["ssmax"] = 2  # the visible-key count (log n_i), then softmax with s_
 
 
 @pytest.mark.parametrize(("family", "name"), FUSED)  # uncompiled flex is slow
-def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeypatch):
+def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, uncompiled_flex):
     """``O = softmax(b) V x exp(lse(b) - lse(2b)/2)`` (l2), ``x exp(lse(b))`` (exp), ``softmax(2 log relu b) V x
     exp(lse - log n)`` (relu2), the positive and negative parts of swish over its l2 norm (swish_l2). Compiled
     FlexAttention returns the log-sum-exp off CPU only (torch 2.13); uncompiled FlexAttention returns it on CPU (and
     is right for any head width), so it stands in here. With a padded row, and in BERT a row that sees no key
     (FlexAttention: lse = -inf, output 0)."""
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs.get("return_aux"))
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    calls = uncompiled_flex
     ids = random_ids(3, 8)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 5:] = 0

@@ -13,12 +13,10 @@ import torch
 import transformers
 from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
 from packaging import version
-from torch.nn.attention.flex_attention import flex_attention
 from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
-from hf_posenc import attention_backends
 from hf_posenc.absolute_encodings import attention_temperature
 from hf_posenc.configuration_posenc import PER_LAYER_CACHE_WINDOWS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -380,28 +378,25 @@ def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
 # The sliding BlockMask in each family: a score bias and a content term in the encoder, a rotation in the decoder
 # (the decoder's score biases on flex: test_chunked_layers_agree_on_eager_sdpa_and_flex).
 @pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("bert", "shaw"), ("gpt2", "rope")])
-def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, uncompiled_flex):
     """The flex path (a sliding ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, as in
     ``test_flex_path_of_every_combination_equals_eager``; padding included."""
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    calls = []
+    assert_windowed_layers_agree_on_eager_sdpa_and_flex(family, scheme, SLIDING, uncompiled_flex)
 
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs["block_mask"])
-        return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
+def assert_windowed_layers_agree_on_eager_sdpa_and_flex(family: str, scheme: str, windows: dict, calls: list) -> None:
+    """The logits of the visible tokens (the first row right-padded) on sdpa and flex against eager, for models with
+    the ``windows`` fields; ``calls``: the block masks the (uncompiled) FlexAttention got, two (a windowed and a full
+    ``BlockMask``)."""
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 7:] = 0
     logits = {}
     for attn in ("eager", "sdpa", "flex_attention"):
-        model = make_model(family, scheme, attn=attn, **SLIDING)
+        model = make_model(family, scheme, attn=attn, **windows)
         with torch.no_grad():
             logits[attn] = model(ids, attention_mask=attention_mask).logits
-    assert len({id(block_mask) for block_mask in calls}) == 2  # a sliding and a full BlockMask
+    assert len({id(block_mask) for block_mask in calls}) == 2  # a windowed and a full BlockMask
     visible = attention_mask.bool()
     for attn in ("sdpa", "flex_attention"):
         torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
@@ -409,20 +404,26 @@ def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_sliding_layers_keep_checkpointing_save_load_and_bf16(family, tmp_path):
+    assert_windowed_layers_keep_checkpointing_save_load_and_bf16(family, SLIDING, tmp_path)
+
+
+def assert_windowed_layers_keep_checkpointing_save_load_and_bf16(family: str, windows: dict, tmp_path) -> None:
+    """A ``["t5", "rope"]`` model with the ``windows`` fields: the same gradients with activation checkpointing as
+    without, its windows and logits back from ``save_pretrained``, and bf16 logits near float32's."""
     ids = random_ids(2, 8)
     grads = []
     for checkpointing in (False, True):
-        model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING).train()
+        model = make_model(family, ["t5", "rope"], attn="sdpa", **windows).train()
         if checkpointing:
             assert enable_activation_checkpointing(model, use_reentrant=True)
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING)
+    model = make_model(family, ["t5", "rope"], attn="sdpa", **windows)
     model.save_pretrained(tmp_path)
     reloaded = type(model).from_pretrained(tmp_path).eval()
-    assert (reloaded.config.layer_types, reloaded.config.sliding_window) == (SLIDING["layer_types"], 3)
+    assert {key: getattr(reloaded.config, key) for key in windows} == windows
     with torch.no_grad():
         reference = model(ids).logits
         assert torch.equal(reloaded(ids).logits, reference)
@@ -580,53 +581,16 @@ def test_chunked_sliding_and_full_layers_keep_one_key_slot_per_window(cache):
 
 
 @pytest.mark.parametrize(("family", "scheme"), [("gpt2", "t5"), ("gpt2", "rope"), ("bert", "t5")])
-def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, uncompiled_flex):
     """The flex path (a chunked ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, padding
     included (right padding; a BERT decoder)."""
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs["block_mask"])
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
-    ids = random_ids(2, 10)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[0, 7:] = 0
     decoder = {"is_decoder": True} if family == "bert" else {}
-    logits = {}
-    for attn in ("eager", "sdpa", "flex_attention"):
-        model = make_model(family, scheme, attn=attn, **CHUNKED, **decoder)
-        with torch.no_grad():
-            logits[attn] = model(ids, attention_mask=attention_mask).logits
-    assert len({id(block_mask) for block_mask in calls}) == 2  # a chunked and a full BlockMask
-    visible = attention_mask.bool()
-    for attn in ("sdpa", "flex_attention"):
-        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
+    assert_windowed_layers_agree_on_eager_sdpa_and_flex(family, scheme, {**CHUNKED, **decoder}, uncompiled_flex)
 
 
 def test_chunked_layers_keep_checkpointing_save_load_and_compile(tmp_path):
+    assert_windowed_layers_keep_checkpointing_save_load_and_bf16("gpt2", CHUNKED, tmp_path)
     ids = random_ids(2, 8)
-    grads = []
-    for checkpointing in (False, True):
-        model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
-        if checkpointing:
-            assert enable_activation_checkpointing(model, use_reentrant=True)
-        model(ids, labels=ids).loss.backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED)
-    model.save_pretrained(tmp_path)
-    reloaded = type(model).from_pretrained(tmp_path).eval()
-    assert (reloaded.config.layer_types, reloaded.config.attention_chunk_size) == (CHUNKED["layer_types"], 3)
-    with torch.no_grad():
-        reference = model(ids).logits
-        assert torch.equal(reloaded(ids).logits, reference)
-        torch.testing.assert_close(model.to(torch.bfloat16)(ids).logits.float(), reference, atol=0.2, rtol=0.05)
     model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
     torch._dynamo.reset()
     loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss
