@@ -61,6 +61,7 @@ COMBOS = [(scheme, "softmax") for scheme in SCHEMES + LAYOUTS] + [
     for scheme in REPRESENTATIVE_SCHEMES
 ]
 VOCAB = 61
+HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the width of make_config's models
 
 
 def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
@@ -98,6 +99,15 @@ def make_config(family: str, position_encoding="learned", attention_normalizer="
     return hf_posenc.PosEncGPT2Config(
         position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
     )
+
+
+def stock_attention_config(config_class: type, **fields) -> transformers.PretrainedConfig:
+    """A stock Llama-style attention's config (``config_class``) as wide as :func:`make_config`'s models (biased
+    projections, one key-value head per query head), on eager; ``fields`` add to it or replace."""
+    width = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM)
+    config = config_class(**{**width, "attention_bias": True, **fields})
+    config._attn_implementation = "eager"
+    return config
 
 
 def make_model(family: str, position_encoding="learned", attention_normalizer="softmax", attn="eager", seed=0, **kw):

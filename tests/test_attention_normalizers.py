@@ -13,7 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from conftest import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    cache_of,
+    make_config,
+    make_model,
+    random_ids,
+    stock_attention_config,
+    with_cache,
+)
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers.models.diffllama.configuration_diffllama import DiffLlamaConfig
 from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, lambda_init_fn
@@ -1085,9 +1095,6 @@ def test_every_request_but_eager_runs_the_chunked_path(device):
         assert choose_backend(None, spec, normalizer, torch.device(device), need_weights=True) == "eager"
 
 
-HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
-
-
 def attention_of(model, family: str, layer: int) -> torch.nn.Module:
     """The module around ``positional_attention`` of a layer: GPT-2's attention (output projection included) or
     BERT's self-attention (the context, before ``output.dense``)."""
@@ -1199,16 +1206,9 @@ def test_output_gate_refuses_an_unknown_kind_naming_the_choices():
 
 
 def diffllama_attention(layer_idx: int, num_key_value_heads: int = HEADS) -> DiffLlamaAttention:
-    config = DiffLlamaConfig(
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=HEAD_DIM,
-        attention_bias=True,
-        attention_dropout=0.0,
-        rms_norm_eps=1e-5,
+    config = stock_attention_config(
+        DiffLlamaConfig, num_key_value_heads=num_key_value_heads, attention_dropout=0.0, rms_norm_eps=1e-5
     )
-    config._attn_implementation = "eager"
     return DiffLlamaAttention(config, layer_idx=layer_idx).eval()
 
 
