@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import types
 from pathlib import Path
 
@@ -29,6 +30,21 @@ CLI_ENV = {
     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # this checkout first
     "HF_HUB_OFFLINE": "1",  # no command here needs the Hub; a name that is not a folder must not wait for it
 }
+
+# The start of a ``python -c`` script that loads a saved folder as a user without hf_posenc does: every import of
+# hf_posenc raises ImportError (checked), torch and transformers are imported.
+WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    try:
+        import hf_posenc  # noqa: F401
+        raise SystemExit("hf_posenc should not be importable here")
+    except ImportError:
+        pass
+    """
+)
 
 SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZER_CATALOGUE = hf_posenc.list_attention_normalizers()

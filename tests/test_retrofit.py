@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, enable_activation_checkpointing, random_ids
+from conftest import VOCAB, WITHOUT_HF_POSENC, enable_activation_checkpointing, random_ids
 
 import hf_posenc
 
@@ -433,11 +433,8 @@ def test_saved_folder_needs_trust_remote_code(saved_stock, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
 
 
-LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
+LOAD_WITHOUT_HF_POSENC = WITHOUT_HF_POSENC + textwrap.dedent(
     """
-    import sys
-    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
-    import torch, transformers
     folder = sys.argv[1]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
