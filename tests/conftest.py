@@ -178,6 +178,19 @@ def with_cache(cache) -> dict:
     return {CACHE_NAME: cache}
 
 
+def forward_in_two_chunks(
+    model, ids: torch.Tensor, split: int
+) -> tuple[torch.Tensor, torch.Tensor, transformers.Cache]:
+    """The logits of ``ids`` fed in two chunks (the first ``split`` tokens, then the rest through the KV cache),
+    those of one forward of the whole sequence, and the cache the chunks filled."""
+    with torch.no_grad():
+        first = model(ids[:, :split], use_cache=True)
+        cache = cache_of(first)
+        second = model(ids[:, split:], **with_cache(cache), use_cache=True)
+        full = model(ids).logits
+    return torch.cat([first.logits, second.logits], 1), full, cache
+
+
 def enable_activation_checkpointing(model, use_reentrant: bool) -> bool:
     """Transformers' activation checkpointing under the installed version's name (``activation_checkpointing_enable``
     from 5.23 on, which deprecates ``gradient_checkpointing_enable``); returns whether the model reports it on."""

@@ -11,7 +11,14 @@ import re
 import pytest
 import torch
 import transformers
-from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
+from conftest import (
+    enable_activation_checkpointing,
+    forward_in_two_chunks,
+    make_config,
+    make_model,
+    random_ids,
+    with_cache,
+)
 from packaging import version
 from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -365,13 +372,9 @@ def test_generate_past_the_window_with_cache_equals_without(scheme, cache_implem
 @pytest.mark.parametrize("scheme", SLIDING_SCHEMES)
 def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
     model = make_model("gpt2", scheme, attn="eager", **SLIDING)
-    ids = random_ids(2, 12, seed=4)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-5, rtol=1e-4)
-    layer_classes = [type(layer).__name__ for layer in cache_of(first).layers[:2]]
+    chunked, full, cache = forward_in_two_chunks(model, random_ids(2, 12, seed=4), 7)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-4)
+    layer_classes = [type(layer).__name__ for layer in cache.layers[:2]]
     assert layer_classes == ["DynamicSlidingWindowLayer", "DynamicLayer"]
 
 

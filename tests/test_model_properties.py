@@ -16,6 +16,7 @@ from conftest import (
     combos_in_turn_by_family,
     enable_activation_checkpointing,
     family_combos,
+    forward_in_two_chunks,
     make_config,
     make_model,
     normalizer_supports,
@@ -113,12 +114,8 @@ def test_generate_with_cache_equals_without_cache(scheme, normalizer):
 def test_cached_forward_continues_positions(scheme, normalizer):
     """Feeding a sequence in two chunks through the KV cache gives the logits of one full forward."""
     model = make_model("gpt2", scheme, normalizer, attn="eager")
-    ids = random_ids(2, 12, seed=4)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+    chunked, full, _ = forward_in_two_chunks(model, random_ids(2, 12, seed=4), 7)
+    torch.testing.assert_close(chunked, full, atol=ATOL, rtol=1e-4)
 
 
 # Every scheme and layout in each family; every other normalizer with the representative absolute scheme in the
