@@ -207,6 +207,33 @@ def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
+def left_padded_prompt(length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of two prompts and their attention mask, the second prompt left-padded by 2 (as generate expects)."""
+    prompt = random_ids(2, length, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    return prompt, attention_mask
+
+
+def generate_kwargs() -> dict:
+    """Greedy generation of 8 new tokens, with their scores."""
+    return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+def assert_same_generation(first, second) -> None:
+    assert torch.equal(first.sequences, second.sequences)
+    for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def assert_generates_with_cache_as_without(model, prompt: torch.Tensor, attention_mask: torch.Tensor, **cache) -> None:
+    """:func:`generate_kwargs`' generation with the KV cache (``cache``: its ``cache_implementation``, say) gives the
+    tokens and scores of generation without one."""
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, use_cache=True, **cache, **kwargs)
+    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
 def supports(family: str, scheme: str | dict | list) -> bool:
     """Whether the family has a form for the scheme (a name or spec), or for every layer's of a per-layer list."""
     if isinstance(scheme, list):

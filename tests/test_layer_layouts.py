@@ -12,8 +12,10 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    assert_generates_with_cache_as_without,
     enable_activation_checkpointing,
     forward_in_two_chunks,
+    left_padded_prompt,
     make_config,
     make_model,
     random_ids,
@@ -357,16 +359,8 @@ def test_generate_past_the_window_with_cache_equals_without(scheme, cache_implem
     """A window of 3 tokens, a prompt of 6 and 8 new tokens: the sliding layers' caches evict keys (their key
     positions and FoX's per-layer gates with them), left padding included."""
     model = make_model("gpt2", scheme, attn="sdpa", **SLIDING)
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    kwargs.update(output_scores=True, return_dict_in_generate=True)
-    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    prompt, attention_mask = left_padded_prompt()
+    assert_generates_with_cache_as_without(model, prompt, attention_mask, cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize("scheme", SLIDING_SCHEMES)
@@ -532,16 +526,8 @@ def test_generate_past_a_chunk_boundary_with_cache_equals_without(scheme, cache_
     """Chunks of 3 tokens, a prompt of 5 and 8 new tokens: the chunked layers' caches keep a window of 3 keys as
     Transformers' do (their key positions and FoX's per-layer gates evicted with them), left padding included."""
     model = make_model("gpt2", scheme, attn="sdpa", **CHUNKED)
-    prompt = random_ids(2, 5, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    kwargs.update(output_scores=True, return_dict_in_generate=True)
-    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    prompt, attention_mask = left_padded_prompt(5)
+    assert_generates_with_cache_as_without(model, prompt, attention_mask, cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static", "plain"])

@@ -12,11 +12,15 @@ from conftest import (
     FAMILIES,
     REPRESENTATIVE_SCHEMES,
     SCHEMES,
+    assert_generates_with_cache_as_without,
+    assert_same_generation,
     cache_of,
     combos_in_turn_by_family,
     enable_activation_checkpointing,
     family_combos,
     forward_in_two_chunks,
+    generate_kwargs,
+    left_padded_prompt,
     make_config,
     make_model,
     normalizer_supports,
@@ -322,25 +326,12 @@ def recorded_input_lengths(model):
         handle.remove()
 
 
-def generate_kwargs() -> dict:
-    return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
-
-
-def assert_same_generation(first, second) -> None:
-    assert torch.equal(first.sequences, second.sequences)
-    for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
-
-
 @pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
 def test_generate_with_a_gapped_mask_equals_without_cache(scheme, normalizer):
     """A mask with a hole: generate's positions are not contiguous, so cached keys must keep theirs."""
     model = make_model("gpt2", scheme, normalizer, attn="sdpa")
-    prompt = random_ids(2, 8, seed=3)
     attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, random_ids(2, 8, seed=3), attention_mask)
 
 
 @pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
@@ -474,12 +465,7 @@ def test_every_layer_windowed_generates_past_the_window_with_cache_as_without(
     """No full layer keeps every token: what a scheme keeps with the cache (``conv``'s inputs) lives in a windowed
     cache layer, which evicts its oldest tokens as the attention layers do."""
     model = make_model("gpt2", scheme, normalizer, attn="sdpa", **EVERY_LAYER_WINDOWED[window])
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, *left_padded_prompt(), cache_implementation=cache_implementation)
 
 
 def repeating_prompt() -> torch.Tensor:
@@ -576,12 +562,7 @@ def option_id(value):
 )
 def test_attention_options_generate_with_cache_as_without(scheme, normalizer, options, cache_implementation):
     model = make_model("gpt2", scheme, normalizer, attn="sdpa", **options)
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, *left_padded_prompt(), cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize(("family", "scheme", "normalizer", "options"), FAMILY_OPTION_CASES, ids=option_id)
