@@ -80,24 +80,20 @@ VOCAB = 61
 HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the width of make_config's models
 
 
-def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
-    if family == "bert":
-        kwargs = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=48,
-            max_position_embeddings=40,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            initializer_range=0.2,  # peaky attention, so that positions visibly matter
-        )
-        kwargs.update(overrides)
-        return hf_posenc.PosEncBertConfig(
-            position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
-        )
-    kwargs = dict(
+# The stock config fields of make_config's models, by family.
+TINY_FIELDS = {
+    "bert": dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,  # peaky attention, so that positions visibly matter
+    ),
+    "gpt2": dict(
         vocab_size=VOCAB,
         n_embd=32,
         n_layer=2,
@@ -110,11 +106,15 @@ def make_config(family: str, position_encoding="learned", attention_normalizer="
         eos_token_id=2,
         pad_token_id=0,
         initializer_range=0.2,
-    )
-    kwargs.update(overrides)
-    return hf_posenc.PosEncGPT2Config(
-        position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
-    )
+    ),
+}
+
+
+def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
+    """A PosEnc config of the family (``"bert"``, else GPT-2) with :data:`TINY_FIELDS`, ``overrides`` on top."""
+    config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
+    kwargs = {**TINY_FIELDS["bert" if family == "bert" else "gpt2"], **overrides}
+    return config_class(position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs)
 
 
 def stock_attention_config(config_class: type, **fields) -> transformers.PretrainedConfig:
