@@ -243,10 +243,18 @@ def hand_gpt2_logits(
     return model.lm_head(base.ln_f(hidden))
 
 
+def rope_around_temperature(attn: str, window_type: str | None = None, **window):
+    """The 3-layer GPT-2 that the hand-written GPT-2 checks: ``rope`` (theta 100), Llama 4's NoPE layer with its
+    temperature, ``rope``; with ``window_type``, the two rope layers of that type (``window``: its size)."""
+    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
+    if window_type is not None:
+        window["layer_types"] = [window_type, "full_attention", window_type]
+    return make_model("gpt2", layers, attn=attn, n_layer=3, **window)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_each_layer_runs_its_own_scheme_as_a_hand_written_gpt2(attn):
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3)
+    model = rope_around_temperature(attn)
     ids = random_ids(2, 9)
     positions = torch.arange(9)[None].expand(2, -1) + torch.tensor([[3], [11]])  # the temperature steps inside
     specs = model.config.position_encoding
@@ -320,9 +328,7 @@ def test_a_sliding_window_alone_makes_every_layer_slide_as_transformers_infers(t
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_sliding_layers_see_their_window_as_a_hand_written_gpt2(attn):
     """Transformers' causal window (``sliding_window_overlay``): query i sees keys ``i - window < j <= i``."""
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    types = ["sliding_attention", "full_attention", "sliding_attention"]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, sliding_window=3)
+    model = rope_around_temperature(attn, "sliding_attention", sliding_window=3)
     ids = random_ids(2, 9)
     positions = torch.arange(9)[None].expand(2, -1)
     with torch.no_grad():
@@ -489,9 +495,7 @@ def test_a_chunk_size_alone_makes_every_layer_chunked_as_transformers_infers(tmp
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_chunked_layers_see_their_chunk_as_a_hand_written_gpt2(attn):
     """Transformers' chunked mask (``chunked_overlay``): query i sees keys ``j <= i`` with ``j // C == i // C``."""
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    types = ["chunked_attention", "full_attention", "chunked_attention"]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, attention_chunk_size=4)
+    model = rope_around_temperature(attn, "chunked_attention", attention_chunk_size=4)
     ids = random_ids(2, 10)
     positions = torch.arange(10)[None].expand(2, -1)
     specs = model.config.position_encoding
