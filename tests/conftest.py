@@ -84,9 +84,9 @@ HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the width of make_config's models
 TINY_FIELDS = {
     "bert": dict(
         vocab_size=VOCAB,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=HEADS,
         intermediate_size=48,
         max_position_embeddings=40,
         hidden_dropout_prob=0.0,
@@ -95,9 +95,9 @@ TINY_FIELDS = {
     ),
     "gpt2": dict(
         vocab_size=VOCAB,
-        n_embd=32,
+        n_embd=HIDDEN,
         n_layer=2,
-        n_head=4,
+        n_head=HEADS,
         n_positions=40,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -108,6 +108,21 @@ TINY_FIELDS = {
         initializer_range=0.2,
     ),
 }
+
+# The stock config fields of a tiny Llama-family decoder (grouped-query attention), as wide as make_config's models.
+TINY_LLAMA = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=2,  # grouped-query attention
+    intermediate_size=48,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
@@ -221,6 +236,7 @@ def generate_kwargs() -> dict:
 
 
 def assert_same_generation(first, second) -> None:
+    """Two generate outputs (``return_dict_in_generate``) with the same tokens and, within tolerance, scores."""
     assert torch.equal(first.sequences, second.sequences)
     for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from conftest import TINY_FIELDS, VOCAB, WITHOUT_HF_POSENC, enable_activation_checkpointing, random_ids
+from conftest import TINY_FIELDS, TINY_LLAMA, VOCAB, WITHOUT_HF_POSENC, enable_activation_checkpointing, random_ids
 
 import hf_posenc
 
@@ -23,19 +23,7 @@ DECODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "decoder" in ent
 MINILM_SCHEMES = ["rope", "t5", "deberta"]
 
 ENCODER = TINY_FIELDS["bert"]  # each encoder sets its own max_position_embeddings
-DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention
-    intermediate_size=48,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+DECODER = TINY_LLAMA
 CONFIGS = {
     "bert": dict(ENCODER, max_position_embeddings=40, pad_token_id=0),
     "roberta": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),  # 40 positions after padding_idx

@@ -14,6 +14,7 @@ import torch
 import transformers
 from conftest import (
     DECODER_SCHEMES,
+    TINY_LLAMA,
     VOCAB,
     cache_of,
     enable_activation_checkpointing,
@@ -513,15 +514,7 @@ def test_library_paths_trigger_no_deprecation_warning(tmp_path):
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "posenc").generate(ids, **greedy)
             stock_configs = {
                 "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64),
-                "llama": transformers.LlamaConfig(
-                    vocab_size=VOCAB,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=64,
-                ),
+                "llama": transformers.LlamaConfig(**TINY_LLAMA),
             }
             for name, config in stock_configs.items():
                 stock = transformers.AutoModelForCausalLM.from_config(config).eval()
