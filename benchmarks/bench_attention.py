@@ -44,14 +44,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import transformers
-from bench_common import Size, architecture
+from bench_common import Size, add_catalogue_argument, architecture
 
 import hf_posenc
-from hf_posenc_recipes.parsers.common import catalogue_name, layout_sizes, parse_scheme
+from hf_posenc_recipes.parsers.common import layout_sizes, parse_scheme
 
 
-SCHEMES = list(hf_posenc.list_position_encodings())
-NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
 
 
@@ -71,20 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument(
-        "--schemes",
-        nargs="+",
-        type=catalogue_name("position_encoding", options=True),
-        default=SCHEMES,
-        help="names or name:key=value,...; `none` is always added",
+    add_catalogue_argument(
+        parser, "--schemes", "position_encoding", "names or name:key=value,...; `none` is always added"
     )
-    parser.add_argument(
-        "--normalizers",
-        nargs="+",
-        type=catalogue_name("attention_normalizer", options=True),
-        default=NORMALIZERS,
-        help="names or name:key=value,...",
-    )
+    add_catalogue_argument(parser, "--normalizers", "attention_normalizer", "names or name:key=value,...")
     parser.add_argument("--layouts", nargs="+", choices=list(hf_posenc.LAYOUT_PRESETS), default=[])
     parser.add_argument("--sliding-window", type=int, default=None, help="the window of the --layouts that slide")
     parser.add_argument("--attention-chunk-size", type=int, default=None, help="the chunk of the chunked --layouts")

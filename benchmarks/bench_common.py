@@ -1,9 +1,14 @@
-"""What the benchmark scripts beside this file share: the model shape they time and how a result table is given
-back. Each script runs as ``python benchmarks/<name>.py``, which puts this folder on ``sys.path``."""
+"""What the benchmark scripts beside this file share: their scheme and normalizer arguments, the model shape they
+time and how a result table is given back. Each script runs as ``python benchmarks/<name>.py``, which puts this
+folder on ``sys.path``."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+import hf_posenc
+from hf_posenc_recipes.parsers.common import catalogue_name
 
 
 @dataclass(frozen=True)
@@ -13,6 +18,20 @@ class Size:
     layers: int = 6
     ffn: int = 3072
     vocab: int = 8192
+
+
+CATALOGUES = {
+    "position_encoding": hf_posenc.list_position_encodings(),
+    "attention_normalizer": hf_posenc.list_attention_normalizers(),
+}
+
+
+def add_catalogue_argument(parser: argparse.ArgumentParser, flag: str, kind: str, help: str) -> None:
+    """``flag``: one or more names of the ``kind`` catalogue (``position_encoding`` or ``attention_normalizer``), each
+    with options as ``name:key=value,...``; all of them by default."""
+    parser.add_argument(
+        flag, nargs="+", type=catalogue_name(kind, options=True), default=list(CATALOGUES[kind]), help=help
+    )
 
 
 def architecture(family: str, size: Size, max_len: int) -> dict:

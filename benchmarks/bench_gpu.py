@@ -49,16 +49,15 @@ from functools import partial
 import bench_common
 import torch
 import transformers
-from bench_common import Size, print_and_write
+from bench_common import Size, add_catalogue_argument, print_and_write
 
 import hf_posenc
 from hf_posenc import attention_backends, modeling_posenc_common
 from hf_posenc.attention_backends import clear_flex_compile_cache
 from hf_posenc.position_interface import PositionEncoding
-from hf_posenc_recipes.parsers.common import catalogue_name, parse_scheme
+from hf_posenc_recipes.parsers.common import parse_scheme
 
 
-SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
 BACKENDS = ["sdpa", "flex_attention", "eager"]
@@ -399,13 +398,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--tiny", action="store_true", help="tiny model and shapes (2x16): a smoke test on CPU")
     parser.add_argument("--shapes", nargs="+", help="batch x tokens, e.g. 8x2048 (default: 8x2048 1x8192)")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument(
-        "--schemes",
-        nargs="+",
-        type=catalogue_name("position_encoding", options=True),
-        default=SCHEMES,
-        help="names, or name:key=value,... for a scheme's options (floater:method=rk4)",
-    )
+    schemes_help = "names, or name:key=value,... for a scheme's options (floater:method=rk4)"
+    add_catalogue_argument(parser, "--schemes", "position_encoding", schemes_help)
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
     parser.add_argument(
         "--backends", nargs="*", choices=BACKENDS, default=BACKENDS, help="explicit requests timed (none: --backends)"
