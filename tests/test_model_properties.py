@@ -12,6 +12,7 @@ from conftest import (
     FAMILIES,
     REPRESENTATIVE_SCHEMES,
     SCHEMES,
+    TINY_LLAMA,
     assert_generates_with_cache_as_without,
     assert_same_generation,
     cache_of,
@@ -501,16 +502,7 @@ def test_decoding_with_an_assistant_model_and_windowed_layers_equals_greedy_deco
 def test_stock_mistral_with_a_window_decodes_with_prompt_lookup_as_greedy():
     """The reference behaviour of the two tests above: Transformers' own windowed model."""
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-        initializer_range=0.2,
-    )
+    config = transformers.MistralConfig(**TINY_LLAMA, sliding_window=4)
     model = transformers.MistralForCausalLM(config).eval()
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
     greedy = model.generate(repeating_prompt(), **kwargs)
