@@ -44,13 +44,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import transformers
+from bench_common import Size, add_catalogue_argument, architecture
 
 import hf_posenc
-from hf_posenc_recipes.parsers.common import catalogue_name, layout_sizes, parse_scheme
+from hf_posenc_recipes.parsers.common import layout_sizes, parse_scheme
 
 
-SCHEMES = list(hf_posenc.list_position_encodings())
-NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
 
 
@@ -70,20 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument(
-        "--schemes",
-        nargs="+",
-        type=catalogue_name("position_encoding", options=True),
-        default=SCHEMES,
-        help="names or name:key=value,...; `none` is always added",
+    add_catalogue_argument(
+        parser, "--schemes", "position_encoding", "names or name:key=value,...; `none` is always added"
     )
-    parser.add_argument(
-        "--normalizers",
-        nargs="+",
-        type=catalogue_name("attention_normalizer", options=True),
-        default=NORMALIZERS,
-        help="names or name:key=value,...",
-    )
+    add_catalogue_argument(parser, "--normalizers", "attention_normalizer", "names or name:key=value,...")
     parser.add_argument("--layouts", nargs="+", choices=list(hf_posenc.LAYOUT_PRESETS), default=[])
     parser.add_argument("--sliding-window", type=int, default=None, help="the window of the --layouts that slide")
     parser.add_argument("--attention-chunk-size", type=int, default=None, help="the chunk of the chunked --layouts")
@@ -157,30 +146,12 @@ def converted(stock, scheme: str, normalizer: str, args: argparse.Namespace) -> 
 def stock_model(family: str, args: argparse.Namespace) -> transformers.PreTrainedModel:
     """A randomly initialised stock BertModel / GPT2Model on sdpa, dropout off so train and eval do the same work."""
     max_len = max(args.seq_lens + [args.memory_seq_len or 0])
+    size = Size(hidden=args.hidden, heads=args.heads, layers=args.layers, ffn=4 * args.hidden, vocab=args.vocab)
+    fields = architecture(family, size, max_len)
     if family == "bert":
-        config = transformers.BertConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            intermediate_size=4 * args.hidden,
-            max_position_embeddings=max_len,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
+        config = transformers.BertConfig(**fields)
     else:
-        config = transformers.GPT2Config(
-            vocab_size=args.vocab,
-            n_embd=args.hidden,
-            n_layer=args.layers,
-            n_head=args.heads,
-            n_positions=max_len,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        config = transformers.GPT2Config(**fields, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(args.seed)
     return transformers.AutoModel.from_config(config, attn_implementation="sdpa").to(args.device)
 

@@ -46,17 +46,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import bench_common
 import torch
 import transformers
+from bench_common import Size, add_catalogue_argument, print_and_write
 
 import hf_posenc
 from hf_posenc import attention_backends, modeling_posenc_common
 from hf_posenc.attention_backends import clear_flex_compile_cache
 from hf_posenc.position_interface import PositionEncoding
-from hf_posenc_recipes.parsers.common import catalogue_name, parse_scheme
+from hf_posenc_recipes.parsers.common import parse_scheme
 
 
-SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZERS = list(hf_posenc.list_attention_normalizers())
 FAMILIES = ["bert", "gpt2"]
 BACKENDS = ["sdpa", "flex_attention", "eager"]
@@ -102,15 +103,6 @@ def routing(name: str):
         attention_backends.flex_preference, attention_backends.FLEX_CUDA_KERNEL_OPTIONS = saved
 
 
-@dataclass(frozen=True)
-class Size:
-    hidden: int = 768
-    heads: int = 12
-    layers: int = 6
-    ffn: int = 3072
-    vocab: int = 8192
-
-
 TINY = Size(hidden=32, heads=2, layers=1, ffn=64, vocab=64)
 
 
@@ -132,30 +124,11 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def architecture(family: str, size: Size, max_len: int) -> dict:
-    """The stock config fields of the benchmarked shape (dropout off), shared by the stock and the PosEnc model."""
-    if family == "bert":
-        return dict(
-            vocab_size=size.vocab,
-            hidden_size=size.hidden,
-            num_attention_heads=size.heads,
-            num_hidden_layers=size.layers,
-            intermediate_size=size.ffn,
-            max_position_embeddings=max_len,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    return dict(
-        vocab_size=size.vocab,
-        n_embd=size.hidden,
-        n_head=size.heads,
-        n_layer=size.layers,
-        n_inner=size.ffn,
-        n_positions=max_len,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
+    """The shared stock fields of the shape, without GPT-2's KV cache (a training step builds none)."""
+    fields = bench_common.architecture(family, size, max_len)
+    if family != "bert":
+        fields["use_cache"] = False
+    return fields
 
 
 def posenc_model(family: str, size: Size, max_len: int, scheme: str, normalizer: str, attn: str | None):
@@ -425,13 +398,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--tiny", action="store_true", help="tiny model and shapes (2x16): a smoke test on CPU")
     parser.add_argument("--shapes", nargs="+", help="batch x tokens, e.g. 8x2048 (default: 8x2048 1x8192)")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
-    parser.add_argument(
-        "--schemes",
-        nargs="+",
-        type=catalogue_name("position_encoding", options=True),
-        default=SCHEMES,
-        help="names, or name:key=value,... for a scheme's options (floater:method=rk4)",
-    )
+    schemes_help = "names, or name:key=value,... for a scheme's options (floater:method=rk4)"
+    add_catalogue_argument(parser, "--schemes", "position_encoding", schemes_help)
     parser.add_argument("--normalizers", nargs="+", choices=NORMALIZERS, default=NORMALIZERS)
     parser.add_argument(
         "--backends", nargs="*", choices=BACKENDS, default=BACKENDS, help="explicit requests timed (none: --backends)"
@@ -501,10 +469,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "|---|---|---|---|---|---|---|---|",
         *(format_row(row, stock_ms.get((row.family, row.shape))) for row in rows),
     ]
-    print("\n".join(table))
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write("\n".join(table) + "\n")
+    print_and_write(table, args.output)
     return rows
 
 

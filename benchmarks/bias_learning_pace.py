@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_common import Size, architecture
 from torch import nn
 from tqdm import tqdm
 
@@ -72,19 +73,8 @@ def parse_scheme(text: str):
 
 def byte_model(position_encoding, max_length: int, seed: int) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
-    config = hf_posenc.PosEncGPT2Config(
-        position_encoding=position_encoding,
-        vocab_size=256,
-        n_embd=128,
-        n_layer=3,
-        n_head=4,
-        n_positions=max_length,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    fields = architecture("gpt2", Size(hidden=128, heads=4, layers=3, ffn=4 * 128, vocab=256), max_length)
+    config = hf_posenc.PosEncGPT2Config(position_encoding=position_encoding, **fields, bos_token_id=0, eos_token_id=0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 

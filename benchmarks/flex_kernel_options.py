@@ -25,6 +25,7 @@ import typing
 from functools import partial
 
 import torch
+from bench_common import print_and_write
 from torch.nn.attention.flex_attention import FlexKernelOptions, flex_attention
 
 from hf_posenc.attention_backends import FLEX_CUDA_BACKWARD_OPTIONS, FLEX_CUDA_KERNEL_OPTIONS
@@ -174,10 +175,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float | None, str]]:
     for name, ms, error in rows:
         ratio = f"{ms / library:.2f}" if ms is not None and library else "-"
         table.append(f"| {name} | {'-' if ms is None else f'{ms:.2f}'} | {ratio} | {OPTION_SETS[name]} | {error} |")
-    print("\n".join(table))
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write("\n".join(table) + "\n")
+    print_and_write(table, args.output)
     return rows
 
 

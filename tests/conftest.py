@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
+import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,21 @@ CLI_ENV = {
     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # this checkout first
     "HF_HUB_OFFLINE": "1",  # no command here needs the Hub; a name that is not a folder must not wait for it
 }
+
+# The start of a ``python -c`` script that loads a saved folder as a user without hf_posenc does: every import of
+# hf_posenc raises ImportError (checked), torch and transformers are imported.
+WITHOUT_HF_POSENC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
+    import torch, transformers
+    try:
+        import hf_posenc  # noqa: F401
+        raise SystemExit("hf_posenc should not be importable here")
+    except ImportError:
+        pass
+    """
+)
 
 SCHEMES = list(hf_posenc.list_position_encodings())
 NORMALIZER_CATALOGUE = hf_posenc.list_attention_normalizers()
@@ -60,30 +79,27 @@ COMBOS = [(scheme, "softmax") for scheme in SCHEMES + SCHEME_VARIANTS + LAYOUTS]
     for scheme in REPRESENTATIVE_SCHEMES
 ]
 VOCAB = 61
+HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the width of make_config's models
 
 
-def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
-    if family == "bert":
-        kwargs = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=48,
-            max_position_embeddings=40,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            initializer_range=0.2,  # peaky attention, so that positions visibly matter
-        )
-        kwargs.update(overrides)
-        return hf_posenc.PosEncBertConfig(
-            position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
-        )
-    kwargs = dict(
+# The stock config fields of make_config's models, by family.
+TINY_FIELDS = {
+    "bert": dict(
         vocab_size=VOCAB,
-        n_embd=32,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=48,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,  # peaky attention, so that positions visibly matter
+    ),
+    "gpt2": dict(
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
         n_layer=2,
-        n_head=4,
+        n_head=HEADS,
         n_positions=40,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -92,11 +108,39 @@ def make_config(family: str, position_encoding="learned", attention_normalizer="
         eos_token_id=2,
         pad_token_id=0,
         initializer_range=0.2,
-    )
-    kwargs.update(overrides)
-    return hf_posenc.PosEncGPT2Config(
-        position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs
-    )
+    ),
+}
+
+# The stock config fields of a tiny Llama-family decoder (grouped-query attention), as wide as make_config's models.
+TINY_LLAMA = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=2,  # grouped-query attention
+    intermediate_size=48,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_config(family: str, position_encoding="learned", attention_normalizer="softmax", **overrides):
+    """A PosEnc config of the family (``"bert"``, else GPT-2) with :data:`TINY_FIELDS`, ``overrides`` on top."""
+    config_class = hf_posenc.PosEncBertConfig if family == "bert" else hf_posenc.PosEncGPT2Config
+    kwargs = {**TINY_FIELDS["bert" if family == "bert" else "gpt2"], **overrides}
+    return config_class(position_encoding=position_encoding, attention_normalizer=attention_normalizer, **kwargs)
+
+
+def stock_attention_config(config_class: type, **fields) -> transformers.PretrainedConfig:
+    """A stock Llama-style attention's config (``config_class``) as wide as :func:`make_config`'s models (biased
+    projections, one key-value head per query head), on eager; ``fields`` add to it or replace."""
+    width = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM)
+    config = config_class(**{**width, "attention_bias": True, **fields})
+    config._attn_implementation = "eager"
+    return config
 
 
 def make_model(family: str, position_encoding="learned", attention_normalizer="softmax", attn="eager", seed=0, **kw):
@@ -151,6 +195,19 @@ def with_cache(cache) -> dict:
     return {CACHE_NAME: cache}
 
 
+def forward_in_two_chunks(
+    model, ids: torch.Tensor, split: int
+) -> tuple[torch.Tensor, torch.Tensor, transformers.Cache]:
+    """The logits of ``ids`` fed in two chunks (the first ``split`` tokens, then the rest through the KV cache),
+    those of one forward of the whole sequence, and the cache the chunks filled."""
+    with torch.no_grad():
+        first = model(ids[:, :split], use_cache=True)
+        cache = cache_of(first)
+        second = model(ids[:, split:], **with_cache(cache), use_cache=True)
+        full = model(ids).logits
+    return torch.cat([first.logits, second.logits], 1), full, cache
+
+
 def enable_activation_checkpointing(model, use_reentrant: bool) -> bool:
     """Transformers' activation checkpointing under the installed version's name (``activation_checkpointing_enable``
     from 5.23 on, which deprecates ``gradient_checkpointing_enable``); returns whether the model reports it on."""
@@ -165,6 +222,34 @@ def enable_activation_checkpointing(model, use_reentrant: bool) -> bool:
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def left_padded_prompt(length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of two prompts and their attention mask, the second prompt left-padded by 2 (as generate expects)."""
+    prompt = random_ids(2, length, seed=3)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :2] = 0
+    return prompt, attention_mask
+
+
+def generate_kwargs() -> dict:
+    """Greedy generation of 8 new tokens, with their scores."""
+    return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+def assert_same_generation(first, second) -> None:
+    """Two generate outputs (``return_dict_in_generate``) with the same tokens and, within tolerance, scores."""
+    assert torch.equal(first.sequences, second.sequences)
+    for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def assert_generates_with_cache_as_without(model, prompt: torch.Tensor, attention_mask: torch.Tensor, **cache) -> None:
+    """:func:`generate_kwargs`' generation with the KV cache (``cache``: its ``cache_implementation``, say) gives the
+    tokens and scores of generation without one."""
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, use_cache=True, **cache, **kwargs)
+    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
 
 
 def supports(family: str, scheme: str | dict | list) -> bool:
@@ -263,6 +348,18 @@ def write_corpus_slice(path: Path, lines: int = 1000) -> Path:
     return path
 
 
+def load_benchmark(monkeypatch, name: str) -> types.ModuleType:
+    """The script ``benchmarks/<name>.py`` imported as the module ``name``, with ``benchmarks/`` on ``sys.path`` as
+    when it runs (its shared helpers, and spawned workers that import it by name), both undone after the test."""
+    folder = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """A command as a user runs it, with this checkout's code (``CLI_ENV``)."""
     return subprocess.run(command, capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)
@@ -271,11 +368,11 @@ def run_command(command: list[str], cwd: Path, timeout: int = 300) -> subprocess
 @pytest.fixture
 def uncompiled_flex(monkeypatch):
     """FlexAttention's uncompiled path in place of the compiled kernel: the same semantics, the log-sum-exp on CPU,
-    any head width, no compile per combination. Returns the list of its calls (one entry each)."""
+    any head width, no compile per combination. Returns the list of its calls (each call's ``block_mask``)."""
     calls = []
 
     def flex(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("block_mask"))
         return flex_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)

@@ -14,7 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from conftest import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    forward_in_two_chunks,
+    make_config,
+    make_model,
+    random_ids,
+    stock_attention_config,
+)
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers.models.diffllama.configuration_diffllama import DiffLlamaConfig
 from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, lambda_init_fn
@@ -357,12 +366,8 @@ def gated_model(family, scheme="t5", name="softmax", **kwargs):
 @pytest.mark.parametrize("name", ["softmax", "l2"])
 def test_gated_decoder_cached_forward_and_generate_equal_uncached(name):
     model = gated_model("gpt2", name=name, attn="eager")
-    ids = random_ids(2, 12, seed=4)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+    chunked, full, _ = forward_in_two_chunks(model, random_ids(2, 12, seed=4), 7)
+    torch.testing.assert_close(chunked, full, atol=ATOL, rtol=1e-4)
     prompt = random_ids(2, 6, seed=3)
     attention_mask = torch.ones_like(prompt)
     attention_mask[1, :2] = 0
@@ -453,21 +458,13 @@ FLEX_CALLS["ssmax"] = 2  # the visible-key count (log n_i), then softmax with s_
 
 
 @pytest.mark.parametrize(("family", "name"), FUSED)  # uncompiled flex is slow
-def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, monkeypatch):
+def test_fused_flex_path_from_the_log_sum_exp_equals_eager(family, name, uncompiled_flex):
     """``O = softmax(b) V x exp(lse(b) - lse(2b)/2)`` (l2), ``x exp(lse(b))`` (exp), ``softmax(2 log relu b) V x
     exp(lse - log n)`` (relu2), the positive and negative parts of swish over its l2 norm (swish_l2). Compiled
     FlexAttention returns the log-sum-exp off CPU only (torch 2.13); uncompiled FlexAttention returns it on CPU (and
     is right for any head width), so it stands in here. With a padded row, and in BERT a row that sees no key
     (FlexAttention: lse = -inf, output 0)."""
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs.get("return_aux"))
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
+    calls = uncompiled_flex
     ids = random_ids(3, 8)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 5:] = 0
@@ -1094,9 +1091,6 @@ def test_every_request_but_eager_runs_the_chunked_path(device):
         assert choose_backend(None, spec, normalizer, torch.device(device), need_weights=True) == "eager"
 
 
-HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
-
-
 def attention_of(model, family: str, layer: int) -> torch.nn.Module:
     """The module around ``positional_attention`` of a layer: GPT-2's attention (output projection included) or
     BERT's self-attention (the context, before ``output.dense``)."""
@@ -1208,16 +1202,9 @@ def test_output_gate_refuses_an_unknown_kind_naming_the_choices():
 
 
 def diffllama_attention(layer_idx: int, num_key_value_heads: int = HEADS) -> DiffLlamaAttention:
-    config = DiffLlamaConfig(
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=HEAD_DIM,
-        attention_bias=True,
-        attention_dropout=0.0,
-        rms_norm_eps=1e-5,
+    config = stock_attention_config(
+        DiffLlamaConfig, num_key_value_heads=num_key_value_heads, attention_dropout=0.0, rms_norm_eps=1e-5
     )
-    config._attn_implementation = "eager"
     return DiffLlamaAttention(config, layer_idx=layer_idx).eval()
 
 

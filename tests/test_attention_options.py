@@ -12,15 +12,20 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import combos_in_turn_by_family, make_config, make_model, random_ids
+from conftest import (
+    HEAD_DIM,
+    HIDDEN,
+    combos_in_turn_by_family,
+    make_config,
+    make_model,
+    random_ids,
+    stock_attention_config,
+)
 from test_remote_code import LOAD_WITHOUT_HF_POSENC
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.qwen3 import modeling_qwen3
 
 from hf_posenc import attention_backends
-
-
-HIDDEN, HEADS, HEAD_DIM = 32, 4, 8  # the conftest models
 
 
 def first_attention_call(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +65,19 @@ def causal_additive_mask(length: int) -> torch.Tensor:
 STOCK_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def stock_rope_config(config_class: type, **fields) -> transformers.PretrainedConfig:
+    """A one-layer stock config of the conftest models' width, full attention with default RoPE."""
+    return stock_attention_config(
+        config_class,
+        vocab_size=61,
+        rope_parameters=STOCK_ROPE,
+        max_position_embeddings=40,
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+        **fields,
+    )
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_qk_norm_with_rope_is_qwen3_attention(attn):
     """A PosEnc GPT-2 layer with ``rope`` and ``use_qk_norm`` computes ``Qwen3Attention`` (its ``q_norm``/``k_norm``
@@ -71,20 +89,7 @@ def test_qk_norm_with_rope_is_qwen3_attention(attn):
     with torch.no_grad():  # away from their init (1), so that a missing or misplaced norm shows
         attention.q_norm.weight.normal_(1.0, 0.5)
         attention.k_norm.weight.normal_(1.0, 0.5)
-    config = transformers.Qwen3Config(
-        vocab_size=61,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM,
-        attention_bias=True,
-        rms_norm_eps=model.config.layer_norm_epsilon,
-        rope_parameters=STOCK_ROPE,
-        max_position_embeddings=40,
-        num_hidden_layers=1,
-        layer_types=["full_attention"],
-    )
-    config._attn_implementation = "eager"
+    config = stock_rope_config(transformers.Qwen3Config, rms_norm_eps=model.config.layer_norm_epsilon)
     qwen3 = modeling_qwen3.Qwen3Attention(config, layer_idx=0).eval()
     copy_gpt2_projections(attention, qwen3)
     with torch.no_grad():
@@ -104,21 +109,7 @@ def test_logit_softcapping_with_rope_is_gemma2_eager_attention(cap):
     (``c tanh(s / c)`` of the scaled scores, then the mask and softmax), with ``query_pre_attn_scalar = head_dim``
     (its scaling GPT-2's ``1/sqrt(head_dim)``). SDPA was requested: the cap sends it to eager."""
     model = make_model("gpt2", "rope", attn="sdpa", attn_logit_softcapping=cap)
-    config = transformers.Gemma2Config(
-        vocab_size=61,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM,
-        attention_bias=True,
-        query_pre_attn_scalar=HEAD_DIM,
-        attn_logit_softcapping=cap,
-        rope_parameters=STOCK_ROPE,
-        max_position_embeddings=40,
-        num_hidden_layers=1,
-        layer_types=["full_attention"],
-    )
-    config._attn_implementation = "eager"
+    config = stock_rope_config(transformers.Gemma2Config, query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=cap)
     gemma2 = modeling_gemma2.Gemma2Attention(config, layer_idx=0).eval()
     copy_gpt2_projections(model.transformer.h[0].attn, gemma2)
     hidden_states, ours = first_attention_call(model, random_ids(2, 12))

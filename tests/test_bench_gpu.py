@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 from hf_posenc import attention_backends
 from hf_posenc.attention_backends import choose_route
@@ -18,22 +18,13 @@ from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import ForwardFacts
 
 
-def load_benchmark(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_gpu_tiny_on_cpu_times_stock_and_each_scheme_on_the_backend_that_ran(tmp_path, monkeypatch):
     """Each row names the backend the model actually chose during its timed steps: a CPU training step refuses
     FlexAttention, so the explicit flex request shows that it ran SDPA."""
     output = tmp_path / "bench.md"
     argv = ["--device", "cpu", "--tiny", "--families", "gpt2", "--schemes", "alibi", "t5", "--normalizers", "softmax"]
     argv += ["--backends", "sdpa", "flex_attention", "--warmup", "0", "--repeats", "1", "--no-x-transformers"]
-    rows = load_benchmark(monkeypatch).main([*argv, "--output", str(output)])
+    rows = load_benchmark(monkeypatch, "bench_gpu").main([*argv, "--output", str(output)])
     assert [(row.model, row.requested, row.runs_on) for row in rows] == [
         ("stock", "sdpa", "sdpa"),
         ("alibi", "default", "sdpa"),
@@ -50,8 +41,7 @@ def test_bench_gpu_tiny_on_cpu_times_stock_and_each_scheme_on_the_backend_that_r
 def test_bench_gpu_compiles_rows_in_worker_processes_and_lists_rows_past_the_time_budget(monkeypatch, capsys):
     """``--compile-jobs``: each row runs a step in a spawned process first, and the rows are still timed; with
     ``--time-budget 0`` no row starts, and each is listed as not run."""
-    bench = load_benchmark(monkeypatch)
-    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the spawned workers import bench_gpu by name
+    bench = load_benchmark(monkeypatch, "bench_gpu")
     argv = ["--device", "cpu", "--tiny", "--families", "gpt2", "--schemes", "alibi", "--normalizers", "softmax"]
     argv += ["--backends", "--warmup", "0", "--repeats", "1", "--no-x-transformers"]
     rows = bench.main([*argv, "--compile-jobs", "1", "--time-budget", "600"])
@@ -68,7 +58,7 @@ def test_bench_gpu_compiles_rows_in_worker_processes_and_lists_rows_past_the_tim
 def test_the_old_routing_is_selectable_row_by_row_and_restored(monkeypatch):
     """``--routings new old``: each default row also runs on the routing before the routing table (layer terms and
     dense biases on SDPA on CUDA, the single 64 x 64 one-stage tile); the library's routing is back afterwards."""
-    bench = load_benchmark(monkeypatch)
+    bench = load_benchmark(monkeypatch, "bench_gpu")
     args = bench.argparse.Namespace(
         families=["gpt2"], schemes=["shaw"], normalizers=["softmax"], backends=[], routings=["new", "old"]
     )
@@ -92,19 +82,10 @@ def test_the_old_routing_is_selectable_row_by_row_and_restored(monkeypatch):
         pass
 
 
-def load_sweep(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "flex_kernel_options.py"
-    spec = importlib.util.spec_from_file_location("flex_kernel_options", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "flex_kernel_options", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_kernel_option_sweep_lists_its_sets_and_dry_runs_on_cpu(monkeypatch, capsys):
     """6-8 option sets, the library's and the previous one among them, every name a FlexKernelOptions name (checked
     with the fwd_/bwd_ prefixes), the per-distance score_mod equal to eager attention with the table added."""
-    sweep = load_sweep(monkeypatch)
+    sweep = load_benchmark(monkeypatch, "flex_kernel_options")
     sweep.main(["--list"])
     listed = capsys.readouterr().out.splitlines()
     assert 6 <= len(listed) <= 8 and listed[0].startswith("library: ")

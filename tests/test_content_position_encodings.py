@@ -81,6 +81,24 @@ def softmax_attention_loop(scores: torch.Tensor, value: torch.Tensor) -> torch.T
     return torch.matmul(scores.softmax(-1), value).transpose(1, 2)
 
 
+def seven_token_attention(spec) -> tuple:
+    """A BERT layer's scheme and attention module for ``spec``, ``(query, key, value)`` of 7 tokens, their positions
+    (0 to 6) and the eager attention inputs of those positions."""
+    _, encoding, attention = scheme_and_term("bert", spec)
+    positions = torch.arange(7)[None]
+    return encoding, attention, qkv(q_len=7), positions, attention_inputs(encoding, positions, positions)
+
+
+def assert_output_is_softmax_loop(attention_module, encoding, tensors: tuple, inputs, scores: torch.Tensor) -> None:
+    """The module's softmax attention (:func:`run_attention`) gives :func:`softmax_attention_loop` over ``scores``,
+    the whole pre-softmax scores written out by the test, with nothing added to the values."""
+    query, key, value = tensors
+    with torch.no_grad():
+        expected = softmax_attention_loop(scores, value)
+        output = run_attention(attention_module, encoding, query, key, value, inputs)
+    torch.testing.assert_close(output, expected, atol=ATOL, rtol=1e-4)
+
+
 def run_attention(attention_module, encoding, query, key, value, inputs):
     output, _ = positional_attention(
         query,
@@ -223,15 +241,11 @@ def test_xlnet_terms_2_3_4_equal_the_loop(family, contiguous):
 
 
 def test_xlnet_attention_adds_the_content_term_and_nothing_to_the_values():
-    _, encoding, attention = scheme_and_term("bert", "xlnet")
-    query, key, value = qkv(q_len=7)
-    positions = torch.arange(7)[None]
-    inputs = attention_inputs(encoding, positions, positions)
+    encoding, attention, (query, key, value), _, inputs = seven_token_attention("xlnet")
     with torch.no_grad():
         position_terms = attention.position_term.score_term(query, key, inputs, HEAD_DIM**-0.5, None)
-        expected = softmax_attention_loop(query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM) + position_terms, value)
-        output = run_attention(attention, encoding, query, key, value, inputs)
-    torch.testing.assert_close(output, expected, atol=ATOL, rtol=1e-4)
+    scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM) + position_terms
+    assert_output_is_softmax_loop(attention, encoding, (query, key, value), inputs, scores)
 
 
 def test_xlnet_init_follows_transformer_xl():
@@ -427,15 +441,11 @@ def test_tupe_untied_term_relative_bias_and_cls_untying_equal_the_loop(family, u
 
 
 def test_tupe_scales_the_content_term_by_one_over_sqrt_2d():
-    _, encoding, attention = scheme_and_term("bert", "tupe")
-    query, key, value = qkv(q_len=7)
-    positions = torch.arange(7)[None]
-    inputs = attention_inputs(encoding, positions, positions)
+    encoding, attention, (query, key, value), positions, inputs = seven_token_attention("tupe")
     with torch.no_grad():
         bias = encoding.prepare(positions, positions, "eager")["score_bias"]
-        expected = softmax_attention_loop(query @ key.transpose(-1, -2) / math.sqrt(2 * HEAD_DIM) + bias, value)
-        output = run_attention(attention, encoding, query, key, value, inputs)
-    torch.testing.assert_close(output, expected, atol=ATOL, rtol=1e-4)
+    scores = query @ key.transpose(-1, -2) / math.sqrt(2 * HEAD_DIM) + bias
+    assert_output_is_softmax_loop(attention, encoding, (query, key, value), inputs, scores)
 
 
 def test_tupe_untying_defaults_by_family_and_is_refused_in_a_decoder():

@@ -5,27 +5,17 @@ passes within tolerance and records what falls outside it, in bf16 with eager's 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 import hf_posenc
 
 
-def load_grid(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_interpret_grid.py"
-    spec = importlib.util.spec_from_file_location("cuda_interpret_grid", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "cuda_interpret_grid", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_model_of_the_grid_builds_and_runs(monkeypatch):
-    grid = load_grid(monkeypatch)
+    grid = load_benchmark(monkeypatch, "cuda_interpret_grid")
     models = list(grid.grid_models())
     catalogue = hf_posenc.list_position_encodings()
     assert {scheme for _, scheme, normalizer in models if isinstance(scheme, str) and normalizer == "softmax"} >= set(
@@ -47,7 +37,7 @@ def test_every_model_of_the_grid_builds_and_runs(monkeypatch):
 
 
 def test_a_resumed_grid_skips_the_recorded_tasks(monkeypatch, tmp_path, capsys):
-    grid = load_grid(monkeypatch)
+    grid = load_benchmark(monkeypatch, "cuda_interpret_grid")
     tasks = grid.tasks((32,), ("float32",))
     gated = next(task for task in tasks if isinstance(task[2], dict) and "output_gate" in task[2])
     train, infer = grid.case_names(gated)
@@ -68,7 +58,7 @@ def test_a_resumed_grid_skips_the_recorded_tasks(monkeypatch, tmp_path, capsys):
 
 
 def test_running_the_grid_without_the_tool_names_the_missing_file(monkeypatch, tmp_path, capsys):
-    grid = load_grid(monkeypatch)
+    grid = load_benchmark(monkeypatch, "cuda_interpret_grid")
     absent = tmp_path / "cuda_proxy.py"
     monkeypatch.setattr(sys, "argv", ["cuda_interpret_grid.py", str(tmp_path / "grid.log"), "--proxy", str(absent)])
     with pytest.raises(SystemExit) as exit_info:
@@ -79,7 +69,7 @@ def test_running_the_grid_without_the_tool_names_the_missing_file(monkeypatch, t
 
 
 def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypatch):
-    grid = load_grid(monkeypatch)
+    grid = load_benchmark(monkeypatch, "cuda_interpret_grid")
     task = ("bert", "t5", "softmax", "default", "float32", 32)
     train, infer = grid.case_names(task)
     assert train.startswith("bert t5+softmax hd32 L32 train") and infer.endswith("infer attn=default float32")
@@ -106,6 +96,6 @@ def test_the_device_check_passes_within_tolerance_and_fails_outside_it(monkeypat
 )
 def test_grid_cases_on_cuda_equal_eager(monkeypatch, task):
     """A few of the grid's cases as ``--gpu`` runs them: compiled for CUDA, training and inference, against eager."""
-    grid = load_grid(monkeypatch)
+    grid = load_benchmark(monkeypatch, "cuda_interpret_grid")
     for train in (True, False):
         assert " on " in grid.run_case_on_device(task, train=train, device="cuda")

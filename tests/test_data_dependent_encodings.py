@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from conftest import cache_of, forward_in_two_chunks, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
@@ -57,18 +57,13 @@ def test_fox_keeps_each_layers_gates_with_the_cache():
     """The cached keys' log gates are kept per layer (extra cache layers after the positions): a second chunk's bias
     reads them, so chunked forwards equal one forward only if each layer's own gates come back."""
     model = make_model("gpt2", "fox", attn="eager")
-    ids = random_ids(1, 9)
-    with torch.no_grad():
-        first = model(ids[:, :5], use_cache=True)
-        cache = cache_of(first)
-        logits = model(ids[:, 5:], **with_cache(cache)).logits
-        full = model(ids).logits
+    chunked, full, cache = forward_in_two_chunks(model, random_ids(1, 9), 5)
     # attention layers, key positions (full layers; the sliding layers' slot unused), one log-gate slot per layer
     assert len(cache.layers) == 2 + 2 + 2
     stored = [cache.layers[4 + layer].keys[0, 0] for layer in range(2)]  # (kv_len, heads)
     assert stored[0].shape == (9, 4) and not torch.allclose(stored[0], stored[1])
     assert (stored[0] < 0).all()
-    torch.testing.assert_close(logits, full[:, 5:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked[:, 5:], full[:, 5:], atol=1e-5, rtol=1e-4)
 
 
 def test_fox_in_an_encoder_config_says_why_it_is_refused():
@@ -222,15 +217,10 @@ def test_path_keeps_each_layers_factors_with_the_cache():
     """One state per layer (w, beta, and log f with the forget gate), after the key-position slots; a second chunk
     applies the cached keys' factors: chunked forwards equal one forward."""
     model = make_model("gpt2", PATH_FOX, attn="eager")
-    ids = random_ids(1, 9)
-    with torch.no_grad():
-        first = model(ids[:, :5], use_cache=True)
-        cache = cache_of(first)
-        logits = model(ids[:, 5:], **with_cache(cache)).logits
-        full = model(ids).logits
+    chunked, full, cache = forward_in_two_chunks(model, random_ids(1, 9), 5)
     assert len(cache.layers) == 2 + 2 + 2
     assert cache.layers[4].keys.shape == (1, 1, 9, 4 * 8 + 4 + 4)
-    torch.testing.assert_close(logits, full[:, 5:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked[:, 5:], full[:, 5:], atol=1e-5, rtol=1e-4)
 
 
 def generate(model, ids, **kwargs):

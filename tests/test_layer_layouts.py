@@ -11,14 +11,21 @@ import re
 import pytest
 import torch
 import transformers
-from conftest import cache_of, enable_activation_checkpointing, make_config, make_model, random_ids, with_cache
+from conftest import (
+    assert_generates_with_cache_as_without,
+    enable_activation_checkpointing,
+    forward_in_two_chunks,
+    left_padded_prompt,
+    make_config,
+    make_model,
+    random_ids,
+    with_cache,
+)
 from packaging import version
-from torch.nn.attention.flex_attention import flex_attention
 from transformers import GPT2Config, GPT2LMHeadModel, Llama4TextConfig, SmolLM3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
-from hf_posenc import attention_backends
 from hf_posenc.absolute_encodings import attention_temperature
 from hf_posenc.configuration_posenc import PER_LAYER_CACHE_WINDOWS
 from hf_posenc.position_encodings import POSITION_ENCODINGS
@@ -236,10 +243,18 @@ def hand_gpt2_logits(
     return model.lm_head(base.ln_f(hidden))
 
 
+def rope_around_temperature(attn: str, window_type: str | None = None, **window):
+    """The 3-layer GPT-2 that the hand-written GPT-2 checks: ``rope`` (theta 100), Llama 4's NoPE layer with its
+    temperature, ``rope``; with ``window_type``, the two rope layers of that type (``window``: its size)."""
+    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
+    if window_type is not None:
+        window["layer_types"] = [window_type, "full_attention", window_type]
+    return make_model("gpt2", layers, attn=attn, n_layer=3, **window)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_each_layer_runs_its_own_scheme_as_a_hand_written_gpt2(attn):
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3)
+    model = rope_around_temperature(attn)
     ids = random_ids(2, 9)
     positions = torch.arange(9)[None].expand(2, -1) + torch.tensor([[3], [11]])  # the temperature steps inside
     specs = model.config.position_encoding
@@ -313,9 +328,7 @@ def test_a_sliding_window_alone_makes_every_layer_slide_as_transformers_infers(t
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_sliding_layers_see_their_window_as_a_hand_written_gpt2(attn):
     """Transformers' causal window (``sliding_window_overlay``): query i sees keys ``i - window < j <= i``."""
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    types = ["sliding_attention", "full_attention", "sliding_attention"]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, sliding_window=3)
+    model = rope_around_temperature(attn, "sliding_attention", sliding_window=3)
     ids = random_ids(2, 9)
     positions = torch.arange(9)[None].expand(2, -1)
     with torch.no_grad():
@@ -352,56 +365,41 @@ def test_generate_past_the_window_with_cache_equals_without(scheme, cache_implem
     """A window of 3 tokens, a prompt of 6 and 8 new tokens: the sliding layers' caches evict keys (their key
     positions and FoX's per-layer gates with them), left padding included."""
     model = make_model("gpt2", scheme, attn="sdpa", **SLIDING)
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    kwargs.update(output_scores=True, return_dict_in_generate=True)
-    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    prompt, attention_mask = left_padded_prompt()
+    assert_generates_with_cache_as_without(model, prompt, attention_mask, cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize("scheme", SLIDING_SCHEMES)
 def test_a_forward_in_chunks_through_a_sliding_cache_equals_one_forward(scheme):
     model = make_model("gpt2", scheme, attn="eager", **SLIDING)
-    ids = random_ids(2, 12, seed=4)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-5, rtol=1e-4)
-    layer_classes = [type(layer).__name__ for layer in cache_of(first).layers[:2]]
+    chunked, full, cache = forward_in_two_chunks(model, random_ids(2, 12, seed=4), 7)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-4)
+    layer_classes = [type(layer).__name__ for layer in cache.layers[:2]]
     assert layer_classes == ["DynamicSlidingWindowLayer", "DynamicLayer"]
 
 
 # The sliding BlockMask in each family: a score bias and a content term in the encoder, a rotation in the decoder
 # (the decoder's score biases on flex: test_chunked_layers_agree_on_eager_sdpa_and_flex).
 @pytest.mark.parametrize(("family", "scheme"), [("bert", "t5"), ("bert", "shaw"), ("gpt2", "rope")])
-def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, uncompiled_flex):
     """The flex path (a sliding ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, as in
     ``test_flex_path_of_every_combination_equals_eager``; padding included."""
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    calls = []
+    assert_windowed_layers_agree_on_eager_sdpa_and_flex(family, scheme, SLIDING, uncompiled_flex)
 
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs["block_mask"])
-        return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
+def assert_windowed_layers_agree_on_eager_sdpa_and_flex(family: str, scheme: str, windows: dict, calls: list) -> None:
+    """The logits of the visible tokens (the first row right-padded) on sdpa and flex against eager, for models with
+    the ``windows`` fields; ``calls``: the block masks the (uncompiled) FlexAttention got, two (a windowed and a full
+    ``BlockMask``)."""
     ids = random_ids(2, 10)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, 7:] = 0
     logits = {}
     for attn in ("eager", "sdpa", "flex_attention"):
-        model = make_model(family, scheme, attn=attn, **SLIDING)
+        model = make_model(family, scheme, attn=attn, **windows)
         with torch.no_grad():
             logits[attn] = model(ids, attention_mask=attention_mask).logits
-    assert len({id(block_mask) for block_mask in calls}) == 2  # a sliding and a full BlockMask
+    assert len({id(block_mask) for block_mask in calls}) == 2  # a windowed and a full BlockMask
     visible = attention_mask.bool()
     for attn in ("sdpa", "flex_attention"):
         torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
@@ -409,20 +407,26 @@ def test_sliding_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_sliding_layers_keep_checkpointing_save_load_and_bf16(family, tmp_path):
+    assert_windowed_layers_keep_checkpointing_save_load_and_bf16(family, SLIDING, tmp_path)
+
+
+def assert_windowed_layers_keep_checkpointing_save_load_and_bf16(family: str, windows: dict, tmp_path) -> None:
+    """A ``["t5", "rope"]`` model with the ``windows`` fields: the same gradients with activation checkpointing as
+    without, its windows and logits back from ``save_pretrained``, and bf16 logits near float32's."""
     ids = random_ids(2, 8)
     grads = []
     for checkpointing in (False, True):
-        model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING).train()
+        model = make_model(family, ["t5", "rope"], attn="sdpa", **windows).train()
         if checkpointing:
             assert enable_activation_checkpointing(model, use_reentrant=True)
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    model = make_model(family, ["t5", "rope"], attn="sdpa", **SLIDING)
+    model = make_model(family, ["t5", "rope"], attn="sdpa", **windows)
     model.save_pretrained(tmp_path)
     reloaded = type(model).from_pretrained(tmp_path).eval()
-    assert (reloaded.config.layer_types, reloaded.config.sliding_window) == (SLIDING["layer_types"], 3)
+    assert {key: getattr(reloaded.config, key) for key in windows} == windows
     with torch.no_grad():
         reference = model(ids).logits
         assert torch.equal(reloaded(ids).logits, reference)
@@ -491,9 +495,7 @@ def test_a_chunk_size_alone_makes_every_layer_chunked_as_transformers_infers(tmp
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_chunked_layers_see_their_chunk_as_a_hand_written_gpt2(attn):
     """Transformers' chunked mask (``chunked_overlay``): query i sees keys ``j <= i`` with ``j // C == i // C``."""
-    layers = [{"type": "rope", "theta": 100.0}, TEMPERATURE, {"type": "rope", "theta": 100.0}]
-    types = ["chunked_attention", "full_attention", "chunked_attention"]
-    model = make_model("gpt2", layers, attn=attn, n_layer=3, layer_types=types, attention_chunk_size=4)
+    model = rope_around_temperature(attn, "chunked_attention", attention_chunk_size=4)
     ids = random_ids(2, 10)
     positions = torch.arange(10)[None].expand(2, -1)
     specs = model.config.position_encoding
@@ -528,16 +530,8 @@ def test_generate_past_a_chunk_boundary_with_cache_equals_without(scheme, cache_
     """Chunks of 3 tokens, a prompt of 5 and 8 new tokens: the chunked layers' caches keep a window of 3 keys as
     Transformers' do (their key positions and FoX's per-layer gates evicted with them), left padding included."""
     model = make_model("gpt2", scheme, attn="sdpa", **CHUNKED)
-    prompt = random_ids(2, 5, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    kwargs.update(output_scores=True, return_dict_in_generate=True)
-    cached = model.generate(prompt, use_cache=True, cache_implementation=cache_implementation, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    prompt, attention_mask = left_padded_prompt(5)
+    assert_generates_with_cache_as_without(model, prompt, attention_mask, cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static", "plain"])
@@ -580,53 +574,16 @@ def test_chunked_sliding_and_full_layers_keep_one_key_slot_per_window(cache):
 
 
 @pytest.mark.parametrize(("family", "scheme"), [("gpt2", "t5"), ("gpt2", "rope"), ("bert", "t5")])
-def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, monkeypatch):
+def test_chunked_layers_agree_on_eager_sdpa_and_flex(family, scheme, uncompiled_flex):
     """The flex path (a chunked ``BlockMask`` from ``masking_utils``) with uncompiled FlexAttention, padding
     included (right padding; a BERT decoder)."""
-    monkeypatch.setattr(attention_backends, "flex_returns_lse", lambda device: True)
-    monkeypatch.setattr(attention_backends, "FLEX_CPU_MIN_HEAD_DIM", 0)
-    calls = []
-
-    def uncompiled_flex(*args, **kwargs):
-        calls.append(kwargs["block_mask"])
-        return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention_backends, "_compiled_flex_attention", lambda *region: uncompiled_flex)
-    monkeypatch.setattr(POSITION_ENCODINGS[scheme], "flex_compiles_on_cpu", True)
-    ids = random_ids(2, 10)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[0, 7:] = 0
     decoder = {"is_decoder": True} if family == "bert" else {}
-    logits = {}
-    for attn in ("eager", "sdpa", "flex_attention"):
-        model = make_model(family, scheme, attn=attn, **CHUNKED, **decoder)
-        with torch.no_grad():
-            logits[attn] = model(ids, attention_mask=attention_mask).logits
-    assert len({id(block_mask) for block_mask in calls}) == 2  # a chunked and a full BlockMask
-    visible = attention_mask.bool()
-    for attn in ("sdpa", "flex_attention"):
-        torch.testing.assert_close(logits[attn][visible], logits["eager"][visible], atol=1e-5, rtol=1e-4)
+    assert_windowed_layers_agree_on_eager_sdpa_and_flex(family, scheme, {**CHUNKED, **decoder}, uncompiled_flex)
 
 
 def test_chunked_layers_keep_checkpointing_save_load_and_compile(tmp_path):
+    assert_windowed_layers_keep_checkpointing_save_load_and_bf16("gpt2", CHUNKED, tmp_path)
     ids = random_ids(2, 8)
-    grads = []
-    for checkpointing in (False, True):
-        model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
-        if checkpointing:
-            assert enable_activation_checkpointing(model, use_reentrant=True)
-        model(ids, labels=ids).loss.backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED)
-    model.save_pretrained(tmp_path)
-    reloaded = type(model).from_pretrained(tmp_path).eval()
-    assert (reloaded.config.layer_types, reloaded.config.attention_chunk_size) == (CHUNKED["layer_types"], 3)
-    with torch.no_grad():
-        reference = model(ids).logits
-        assert torch.equal(reloaded(ids).logits, reference)
-        torch.testing.assert_close(model.to(torch.bfloat16)(ids).logits.float(), reference, atol=0.2, rtol=0.05)
     model = make_model("gpt2", ["t5", "rope"], attn="sdpa", **CHUNKED).train()
     torch._dynamo.reset()
     loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids).loss

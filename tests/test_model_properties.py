@@ -12,10 +12,16 @@ from conftest import (
     FAMILIES,
     REPRESENTATIVE_SCHEMES,
     SCHEMES,
+    TINY_LLAMA,
+    assert_generates_with_cache_as_without,
+    assert_same_generation,
     cache_of,
     combos_in_turn_by_family,
     enable_activation_checkpointing,
     family_combos,
+    forward_in_two_chunks,
+    generate_kwargs,
+    left_padded_prompt,
     make_config,
     make_model,
     normalizer_supports,
@@ -114,12 +120,8 @@ def test_generate_with_cache_equals_without_cache(scheme, normalizer):
 def test_cached_forward_continues_positions(scheme, normalizer):
     """Feeding a sequence in two chunks through the KV cache gives the logits of one full forward."""
     model = make_model("gpt2", scheme, normalizer, attn="eager")
-    ids = random_ids(2, 12, seed=4)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=ATOL, rtol=1e-4)
+    chunked, full, _ = forward_in_two_chunks(model, random_ids(2, 12, seed=4), 7)
+    torch.testing.assert_close(chunked, full, atol=ATOL, rtol=1e-4)
 
 
 # Every scheme and layout in each family; every other normalizer with the representative absolute scheme in the
@@ -326,25 +328,12 @@ def recorded_input_lengths(model):
         handle.remove()
 
 
-def generate_kwargs() -> dict:
-    return dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
-
-
-def assert_same_generation(first, second) -> None:
-    assert torch.equal(first.sequences, second.sequences)
-    for a, b in zip(first.scores, second.scores, strict=True):  # -inf where min_new_tokens bans EOS
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
-
-
 @pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
 def test_generate_with_a_gapped_mask_equals_without_cache(scheme, normalizer):
     """A mask with a hole: generate's positions are not contiguous, so cached keys must keep theirs."""
     model = make_model("gpt2", scheme, normalizer, attn="sdpa")
-    prompt = random_ids(2, 8, seed=3)
     attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, random_ids(2, 8, seed=3), attention_mask)
 
 
 @pytest.mark.parametrize(("scheme", "normalizer"), DECODER_COMBOS)
@@ -478,12 +467,7 @@ def test_every_layer_windowed_generates_past_the_window_with_cache_as_without(
     """No full layer keeps every token: what a scheme keeps with the cache (``conv``'s inputs) lives in a windowed
     cache layer, which evicts its oldest tokens as the attention layers do."""
     model = make_model("gpt2", scheme, normalizer, attn="sdpa", **EVERY_LAYER_WINDOWED[window])
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, *left_padded_prompt(), cache_implementation=cache_implementation)
 
 
 def repeating_prompt() -> torch.Tensor:
@@ -519,16 +503,7 @@ def test_decoding_with_an_assistant_model_and_windowed_layers_equals_greedy_deco
 def test_stock_mistral_with_a_window_decodes_with_prompt_lookup_as_greedy():
     """The reference behaviour of the two tests above: Transformers' own windowed model."""
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-        initializer_range=0.2,
-    )
+    config = transformers.MistralConfig(**TINY_LLAMA, sliding_window=4)
     model = transformers.MistralForCausalLM(config).eval()
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
     greedy = model.generate(repeating_prompt(), **kwargs)
@@ -580,12 +555,7 @@ def option_id(value):
 )
 def test_attention_options_generate_with_cache_as_without(scheme, normalizer, options, cache_implementation):
     model = make_model("gpt2", scheme, normalizer, attn="sdpa", **options)
-    prompt = random_ids(2, 6, seed=3)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :2] = 0
-    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
-    cached = model.generate(prompt, cache_implementation=cache_implementation, **kwargs)
-    assert_same_generation(cached, model.generate(prompt, use_cache=False, **kwargs))
+    assert_generates_with_cache_as_without(model, *left_padded_prompt(), cache_implementation=cache_implementation)
 
 
 @pytest.mark.parametrize(("family", "scheme", "normalizer", "options"), FAMILY_OPTION_CASES, ids=option_id)

@@ -19,7 +19,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
-from conftest import console_script, run_command, write_corpus_slice
+from conftest import WITHOUT_HF_POSENC, console_script, run_command, write_corpus_slice
 from safetensors.torch import load_file
 
 import hf_posenc
@@ -112,16 +112,8 @@ def test_causal_lm_loss_falls_and_the_model_reloads(alibi_decoder):
     assert json.loads((alibi_decoder / "training_args.json").read_text())["block_size"] == 16
 
 
-LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
+LOAD_WITHOUT_HF_POSENC = WITHOUT_HF_POSENC + textwrap.dedent(
     """
-    import sys
-    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
-    import torch, transformers
-    try:
-        import hf_posenc  # noqa: F401
-        raise SystemExit("hf_posenc should not be importable here")
-    except ImportError:
-        pass
     folder = sys.argv[1]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__

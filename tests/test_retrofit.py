@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, enable_activation_checkpointing, random_ids
+from conftest import TINY_FIELDS, TINY_LLAMA, VOCAB, WITHOUT_HF_POSENC, enable_activation_checkpointing, random_ids
 
 import hf_posenc
 
@@ -22,29 +22,8 @@ CATALOGUE = hf_posenc.list_position_encodings()
 DECODER_SCHEMES = [name for name, entry in CATALOGUE.items() if "decoder" in entry["families"]]
 MINILM_SCHEMES = ["rope", "t5", "deberta"]
 
-ENCODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=48,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    initializer_range=0.2,  # peaky attention, so that positions visibly matter
-)
-DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention
-    intermediate_size=48,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+ENCODER = TINY_FIELDS["bert"]  # each encoder sets its own max_position_embeddings
+DECODER = TINY_LLAMA
 CONFIGS = {
     "bert": dict(ENCODER, max_position_embeddings=40, pad_token_id=0),
     "roberta": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),  # 40 positions after padding_idx
@@ -52,20 +31,7 @@ CONFIGS = {
     "camembert": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),
     "data2vec-text": dict(ENCODER, max_position_embeddings=42, pad_token_id=1),
     "electra": dict(ENCODER, embedding_size=32, max_position_embeddings=40, pad_token_id=0),
-    "gpt2": dict(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        initializer_range=0.2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),  # fmt: skip
+    "gpt2": dict(TINY_FIELDS["gpt2"], n_positions=64),
     "llama": DECODER,
     "mistral": dict(DECODER, sliding_window=None),
     "qwen2": DECODER,
@@ -433,11 +399,8 @@ def test_saved_folder_needs_trust_remote_code(saved_stock, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
 
 
-LOAD_WITHOUT_HF_POSENC = textwrap.dedent(
+LOAD_WITHOUT_HF_POSENC = WITHOUT_HF_POSENC + textwrap.dedent(
     """
-    import sys
-    sys.modules["hf_posenc"] = None  # any import of hf_posenc now raises ImportError
-    import torch, transformers
     folder = sys.argv[1]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__

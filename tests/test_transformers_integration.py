@@ -14,9 +14,11 @@ import torch
 import transformers
 from conftest import (
     DECODER_SCHEMES,
+    TINY_LLAMA,
     VOCAB,
     cache_of,
     enable_activation_checkpointing,
+    forward_in_two_chunks,
     make_config,
     make_model,
     perturb_position_parameters,
@@ -192,12 +194,8 @@ def causal_bert(scheme: str, attn: str) -> hf_posenc.PosEncBertLMHeadModel:
 @pytest.mark.parametrize("scheme", DECODER_SCHEMES)
 def test_bert_decoder_decodes_with_the_cache_as_without(scheme, attn):
     model = causal_bert(scheme, attn)
-    ids = random_ids(2, 9)
-    with torch.no_grad():
-        full = model(ids).logits
-        first = model(ids[:, :6], use_cache=True)
-        step = model(ids[:, 6:], **with_cache(cache_of(first)), use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, step.logits], 1), full, atol=1e-5, rtol=1e-4)
+    chunked, full, _ = forward_in_two_chunks(model, random_ids(2, 9), 6)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-4)
 
 
 def test_bert_decoder_generates_and_trains_on_the_next_token():
@@ -516,15 +514,7 @@ def test_library_paths_trigger_no_deprecation_warning(tmp_path):
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "posenc").generate(ids, **greedy)
             stock_configs = {
                 "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64),
-                "llama": transformers.LlamaConfig(
-                    vocab_size=VOCAB,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=64,
-                ),
+                "llama": transformers.LlamaConfig(**TINY_LLAMA),
             }
             for name, config in stock_configs.items():
                 stock = transformers.AutoModelForCausalLM.from_config(config).eval()
