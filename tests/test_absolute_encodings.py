@@ -645,7 +645,10 @@ def test_constant_input_gives_different_hidden_states_at_different_positions(fam
         ({"type": "recurrent", "cell": "lstm"}, r"option 'cell'='lstm' is out of range; valid: gru, tanh"),
         ({"type": "floater", "method": "rk45"}, r"option 'method'='rk45' is out of range; valid: dopri5"),
         ({"type": "floater", "step_size": 0.3}, r"option 'step_size'=0.3 is out of range; valid: 1/m for an integer"),
-        ({"type": "multiplicative", "table": "rope"}, r"option 'table'='rope' is out of range; valid: learned"),
+        (
+            {"type": "multiplicative", "table": "rope"},
+            r"option 'table'='rope' is out of range; valid: 'learned' or 'sinusoidal'",
+        ),
         ({"type": "hierarchical", "alpha": 1.0}, r"option 'alpha'=1.0 is out of range; valid: a number in \(0, 1\)"),
         ({"type": "conv", "kernel_size": 1}, r"option 'kernel_size'=1 is out of range; valid: an int >= 2"),
     ],
