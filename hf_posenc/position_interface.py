@@ -480,6 +480,15 @@ class LayerPositionTerm(HeadSharded, nn.Module):
         chunk), so only one chunk's tables exist at a time. None (the default): one call for every query."""
         return None
 
+    def transform_query_key(
+        self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's queries ``(batch, heads, q_len, head_dim)`` and every key ``(batch, heads, kv_len, head_dim)``
+        (after the KV cache, which keeps the keys as projected, and repeated for the query heads) as the scores read
+        them, from ``attention_inputs["layer"]``: a rotation by angles computed from the input (Selective RoPE), on
+        every backend. Unchanged by default."""
+        return query, key
+
     def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:
         """The term added to the attention output, ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``), as a table and a
         per-pair row index, or None. The attention computes it from the weights summed per row, on every backend
