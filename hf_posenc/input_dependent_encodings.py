@@ -228,11 +228,12 @@ class SelectiveRotation(LayerPositionTerm):
     ``skip_conv``), ``phi_bias`` (``use_bias``, zeros) and ``phase_gate_proj`` (``use_gate``, ``nn.Linear(hidden,
     heads)``).
 
-    Per token it keeps one state with the KV cache, ``selective_rope_state``: the projected ``phi`` before the
-    convolution (``heads * head_dim / 2``) and, with ``use_gate``, its phase gates (``heads``), from which every
-    forward convolves, gates and sums the angles of every kept key."""
+    Per token it keeps two states with the KV cache: ``selective_rope_inputs``, the projected ``phi`` before the
+    convolution (``heads * head_dim / 2``), which the convolution of the next tokens reads, and
+    ``selective_rope_increments``, its angle increments ``conv(phi)_t`` (bias and gate applied), computed when the
+    token is current, so the angles of every kept key are exact where a window has evicted the tokens before it."""
 
-    cache_states = ("selective_rope_state",)
+    cache_states = ("selective_rope_inputs", "selective_rope_increments")
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -272,34 +273,40 @@ class SelectiveRotation(LayerPositionTerm):
         normed = normed.to(hidden_states.dtype)
         # every head's angles (and gates), read at this rank's heads under tensor parallelism
         phi = self.phi_proj(normed).to(compute_dtype).view(batch, q_len, self.model_num_heads, -1)
-        states = self.heads_read(phi, dim=2).flatten(-2)  # (batch, q_len, heads * head_dim / 2)
-        width = states.shape[-1]
-        if self.use_gate:
-            gate = torch.sigmoid(self.heads_read(self.phase_gate_proj(normed), dim=-1).to(compute_dtype))
-            states = torch.cat((states, gate), dim=-1)
-        first_query = 0
-        if store is not None:
-            states = store("selective_rope_state", states)
-            first_query = states.shape[1] - q_len if visible is None else first_query_index(visible)
-        kv_len = states.shape[1]
-        phi = states[..., :width]
-        if visible is not None:  # a token no query sees (padding, an unwritten static-cache row) has phi = 0
-            phi = phi * visible.any(dim=-2).transpose(-1, -2).to(phi.dtype)
+        phi = self.heads_read(phi, dim=2).flatten(-2)  # (batch, q_len, heads * head_dim / 2)
+        # a token that does not see itself (padding) has phi = 0 and adds no angle
+        first_query = 0 if visible is None else first_query_index(visible)
+        if visible is not None:
+            own = torch.arange(q_len, device=visible.device)
+            is_token = visible[:, 0, own, first_query + own][..., None].to(compute_dtype)  # (batch|1, q_len, 1)
+            phi = phi * is_token
+        inputs = phi if store is None else store("selective_rope_inputs", phi)
+        if visible is None:
+            first_query = inputs.shape[1] - q_len
+        # the convolution of the current tokens reads the d_conv - 1 inputs before them (cached, or zeros)
+        reach = 1 if self.skip_conv else self.phi_conv_weight.shape[-1] - 1
+        window = inputs[:, max(first_query - reach, 0) : first_query + q_len].transpose(1, 2)
+        window = F.pad(window, (reach - min(first_query, reach), 0))
         if self.skip_conv:  # the reference's first difference, summed back below: phi~_t = phi_t
-            increments = torch.diff(phi, dim=1, prepend=torch.zeros_like(phi[:, :1]))
+            increments = window.diff(dim=-1)
         else:
             weight = self.phi_conv_weight.view(self.model_num_heads, -1, *self.phi_conv_weight.shape[1:])
             weight = self.heads_read(weight, dim=0).flatten(0, 1).to(compute_dtype)
-            padded = F.pad(phi.transpose(1, 2), (weight.shape[-1] - 1, 0))
-            increments = F.conv1d(padded, weight, groups=weight.shape[0]).transpose(1, 2)
-        increments = increments.reshape(batch, kv_len, -1, self.head_dim // 2)
+            increments = F.conv1d(window, weight, groups=weight.shape[0])
+        increments = increments.transpose(1, 2).reshape(batch, q_len, -1, self.head_dim // 2)
         if self.use_bias:
             increments = increments + torch.exp(self.heads_read(self.phi_bias, dim=0).to(compute_dtype))
         if self.use_gate:
-            increments = increments * states[..., width:, None]
+            gate = torch.sigmoid(self.heads_read(self.phase_gate_proj(normed), dim=-1).to(compute_dtype))
+            increments = increments * gate[..., None]
+        increments = increments.flatten(-2)
+        if visible is not None:
+            increments = increments * is_token
+        if store is not None:  # every kept key's increments, each computed when its token was current
+            increments = store("selective_rope_increments", increments)
         temperature = rotary_temperature(self.head_dim, self.temp_theta, self.temp_max)
-        angles = increments.cumsum(1) * temperature.to(device=increments.device, dtype=compute_dtype)
-        angles = angles.transpose(1, 2)  # (batch, heads, kv_len, head_dim / 2)
+        angles = increments.unflatten(-1, (-1, self.head_dim // 2)).cumsum(1)
+        angles = (angles * temperature.to(device=angles.device, dtype=compute_dtype)).transpose(1, 2)
         return {
             "selective_rope_key_angles": angles.contiguous(),
             "selective_rope_query_angles": angles[:, :, first_query : first_query + q_len].contiguous(),
@@ -326,14 +333,15 @@ class SelectiveRoPE(PositionEncoding):
     RoPE of base ``temp_theta``). Defaults are the reference class's (``temp_type="rope"``, ``temp_theta`` 500000,
     rank 16, ``d_conv`` 4, fixed temperature).
 
-    Computation (:class:`SelectiveRotation`): the raw keys stay in the KV cache and each token's ``phi`` beside them
-    (``selective_rope_state``); every forward convolves the kept ``phi``, sums the angles and rotates the queries and
-    every key after the cache (``transform_query_key``, float32), so cache = no cache with a full cache and shifting
-    the positions changes nothing. A token no query sees (padding, an unwritten static-cache row) has ``phi = 0``, so a
-    padded row equals the row alone. Backends: every one (q and k are rotated before the kernel, nothing is added to
-    the scores). Not built: the reference's ``temp_type="rfa"``, ``temp_grad``, ``phi_parametrization="full-rank"``,
-    ``conv_act``, the low-rank and GLA phase gates, its Triton kernels; under a sliding or chunked layer the
-    convolution of the oldest ``d_conv - 1`` kept keys lacks the evicted tokens before them.
+    Computation (:class:`SelectiveRotation`): the raw keys stay in the KV cache and each token's ``phi`` and angle
+    increment beside them (two states, each computed when its token is current); every forward sums the kept
+    increments and rotates the queries and every key after the cache (``transform_query_key``, float32), so cache = no
+    cache, with windowed layers too (where every layer is windowed the widest window must keep the ``d_conv - 1``
+    tokens the convolution reads), and shifting the positions changes nothing. A token that does not see itself
+    (padding) has ``phi = 0`` and no increment, so a padded row equals the row alone. Backends: every one (q and k are
+    rotated before the kernel, nothing is added to the scores). Not built: the reference's ``temp_type="rfa"``,
+    ``temp_grad``, ``phi_parametrization="full-rank"``, ``conv_act``, the low-rank and GLA phase gates, its Triton
+    kernels, and Mamba-3's angles (``dt``-scaled, inside its state-space layer).
     """
 
     name = "selective_rope"
@@ -373,6 +381,10 @@ class SelectiveRoPE(PositionEncoding):
                 "key to a later query (Selective RoPE, arXiv 2511.17388), so it runs in a decoder only (posenc_gpt2, "
                 "or PosEncBertConfig(is_decoder=True))."
             )
+
+    @classmethod
+    def past_tokens_read(cls, spec):
+        return 1 if spec["skip_conv"] else spec["d_conv"] - 1
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):

@@ -313,10 +313,12 @@ class PositionCache:
         self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
     ) -> torch.Tensor:
         """:meth:`append` for the per-token state ``name`` (one of ``term.cache_states``) of the layer term of
-        attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own,
-        ``len(term.cache_states)`` per layer."""
-        first = self.num_key_slots + len(scheme.cache_states) + layer_idx * len(term.cache_states)
-        return self.append(first + term.cache_states.index(name), states, like=layer_idx)
+        attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own, every
+        layer's first state, then every layer's second, and so on (``index * num_layers + layer_idx``), so layers
+        whose terms keep different numbers of states never share a slot."""
+        index = term.cache_states.index(name)
+        slot = self.num_key_slots + len(scheme.cache_states) + index * self.num_layers + layer_idx
+        return self.append(slot, states, like=layer_idx)
 
 
 def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:
