@@ -338,11 +338,12 @@ class SelectiveRoPE(PositionEncoding):
     increments and rotates the queries and every key after the cache (``transform_query_key``, float32), so cache = no
     cache, with windowed layers too (where every layer is windowed the widest window must keep the ``d_conv - 1``
     tokens the convolution reads), and shifting the positions changes nothing. A token that does not see itself
-    (padding) has ``phi = 0`` and no increment, so a padded row equals the row alone. Backends: every one (q and k are
-    rotated before the kernel, nothing is added to the scores). Not built: the reference's ``temp_type="rfa"``,
-    ``temp_grad``, ``phi_parametrization="full-rank"``, ``conv_act``, the low-rank and GLA phase gates, its Triton
-    kernels, and Mamba-3's angles (``dt``-scaled, inside its state-space layer).
-    """
+    (padding) has ``phi = 0`` and no increment, so a padded row equals the row alone. Backends: eager and SDPA (q and k
+    are rotated before the kernel, nothing is added to the scores: SDPA's causal kernel, no float mask); FlexAttention
+    would run the same rotated q and k, but is not offered (not checked on CUDA here), so a flex request runs SDPA.
+    Not built: the reference's ``temp_type="rfa"``, ``temp_grad``, ``phi_parametrization="full-rank"``, ``conv_act``,
+    the low-rank and GLA phase gates, its Triton kernels, and Mamba-3's angles (``dt``-scaled, inside its state-space
+    layer)."""
 
     name = "selective_rope"
     parallel_refusals = {
@@ -355,6 +356,7 @@ class SelectiveRoPE(PositionEncoding):
     relative = True
     families = ("decoder",)
     has_layer_term = True
+    backends = ("eager", "sdpa")
     options = {
         "phi_proj_rank": Option.int_at_least(16, "rank of the angle projection hidden -> rank -> heads*head_dim/2", 1),
         "skip_conv": Option(False, (bool,), "no causal convolution of the projected angles (phi~_t = phi_t)"),
