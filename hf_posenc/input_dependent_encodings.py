@@ -57,33 +57,37 @@ def decayed_scores_among(query: torch.Tensor, key: torch.Tensor, cumulative: tor
 
 
 def wall_decay_term(
-    query: torch.Tensor, key: torch.Tensor, cumulative: torch.Tensor, first_query: int
+    query: torch.Tensor, key: torch.Tensor, cumulative: torch.Tensor, first_query: int, block_size: int
 ) -> torch.Tensor:
     """Wall's correction to ``q_i . k_j``: ``sum_n q_in k_jn (exp(P_in - P_jn) - 1)`` for the keys ``j`` at or before
     query ``i`` (0 elsewhere), ``(batch, heads, q_len, kv_len)``, unscaled, in ``cumulative``'s dtype (at least
     float32, autocast off inside).
 
     ``cumulative`` ``P`` ``(batch, heads, kv_len, head_dim)``: the keys' cumulative log decays; query ``i`` is the
-    token at key index ``first_query + i``. The keys before the first query meet the queries through the first query
-    as anchor (one matmul, both factors at most 1); the queries' own tokens through :func:`decayed_scores_among`."""
+    token at key index ``first_query + i``. The queries go ``block_size`` at a time (the reference's kernel tiles its
+    queries alike): the keys before a block meet it through the block's first query as anchor (one matmul, both
+    factors at most 1), the block's own tokens through :func:`decayed_scores_among`."""
     with torch.autocast(query.device.type, enabled=False):
         compute_dtype = cumulative.dtype
         query, key = query.to(compute_dtype), key.to(compute_dtype)
         q_len, kv_len = query.shape[-2], key.shape[-2]
-        own = slice(first_query, first_query + q_len)
-        query_decays = cumulative[..., own, :]
-        pieces = []
-        if first_query > 0:
-            anchor = query_decays[..., :1, :]
-            earlier = key[..., :first_query, :] * torch.exp(anchor - cumulative[..., :first_query, :])
-            pieces.append(torch.matmul(query * torch.exp(query_decays - anchor), earlier.transpose(-1, -2)))
-        pieces.append(decayed_scores_among(query, key[..., own, :], query_decays))
-        scores = F.pad(torch.cat(pieces, dim=-1), (0, kv_len - first_query - q_len))
+        rows = []
+        for start in range(0, q_len, block_size):
+            stop = min(start + block_size, q_len)
+            begin, end = first_query + start, first_query + stop  # the block's tokens among the keys
+            block, decays = query[..., start:stop, :], cumulative[..., begin:end, :]
+            pieces = []
+            if begin > 0:
+                anchor = decays[..., :1, :]
+                earlier = key[..., :begin, :] * torch.exp(anchor - cumulative[..., :begin, :])
+                pieces.append(torch.matmul(block * torch.exp(decays - anchor), earlier.transpose(-1, -2)))
+            pieces.append(decayed_scores_among(block, key[..., begin:end, :], decays))
+            rows.append(F.pad(torch.cat(pieces, dim=-1), (0, kv_len - end)))
         plain = torch.matmul(query, key.transpose(-1, -2))
         keys_seen = torch.arange(kv_len, device=query.device) <= first_query + torch.arange(
             q_len, device=query.device
         ).unsqueeze(-1)
-        return torch.where(keys_seen, scores - plain, 0.0)
+        return torch.where(keys_seen, torch.cat(rows, dim=-2) - plain, 0.0)
 
 
 class WallTerm(LayerPositionTerm):
@@ -96,6 +100,7 @@ class WallTerm(LayerPositionTerm):
     scalar gate, FoX's ``log f`` (``heads``), in float32."""
 
     cache_states = ("wall_state",)
+    block_size: int = 64  # queries per block of wall_decay_term
 
     def __init__(self, spec: dict, dims: AttentionDims):
         super().__init__()
@@ -137,7 +142,7 @@ class WallTerm(LayerPositionTerm):
         cumulative = attention_inputs["layer"]["wall_cumulative"]
         visible = attention_inputs["visible"]
         first_query = key.shape[-2] - query.shape[-2] if visible is None else first_query_index(visible)
-        arguments = (query, key, cumulative, first_query)
+        arguments = (query, key, cumulative, first_query, self.block_size)
         if torch.is_grad_enabled():  # keep the inputs, not the levels' products, for the backward
             term = checkpoint(wall_decay_term, *arguments, use_reentrant=False)
         else:
@@ -164,7 +169,8 @@ class Wall(PositionEncoding):
     Computation (:class:`WallTerm`, :func:`wall_decay_term`): exact, ``q . k`` plus a ``(batch, heads, q, k)`` term
     per layer in float32, checkpointed; each pair meets through an anchor token between them, as the reference's
     kernel anchors a block (``q exp(P_q - R)``, ``k exp(R - P_k)``, both at most 1), here recursively down to single
-    tokens, so no exponent is clamped (the reference's kernel clamps its in-block key factor at ``2^110``). The raw
+    tokens, so no exponent is clamped (the reference's kernel clamps its in-block key factor at ``2^110``); queries in
+    blocks of 64, ``O(n^2 d)`` flops. The raw
     keys stay in the KV cache and each token's ``log g`` is kept beside them (``wall_state``), so cache = no cache
     (the reference's decode cache keeps rescaled keys instead). Backends: eager and SDPA (the term as a per-layer float
     mask, on CPU ``attention_with_learned_bias``); FlexAttention is not offered (the term is a ``(q, k)`` tensor, which

@@ -15,7 +15,7 @@ from conftest import cache_of, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
 import hf_posenc
-from hf_posenc.input_dependent_encodings import wall_decay_term
+from hf_posenc.input_dependent_encodings import WallTerm, wall_decay_term
 
 
 WALL_STRONG = {"type": "wall", "gate_init_bias": 0.0}  # log sigmoid(0) = -0.69 a token: decays the tests can see
@@ -45,10 +45,12 @@ def softmax_output(block, scores, value):
     return weights, block.attn.c_proj((weights @ value).transpose(0, 1).reshape(n, 32))
 
 
-@pytest.mark.parametrize("spec", [WALL_STRONG, WALL_FOX])
-def test_wall_attention_and_output_equal_the_per_channel_decay_loop(spec):
+@pytest.mark.parametrize(("spec", "block_size"), [(WALL_STRONG, 64), (WALL_FOX, 64), (WALL_STRONG, 4)])
+def test_wall_attention_and_output_equal_the_per_channel_decay_loop(spec, block_size, monkeypatch):
     """fla ``WallAttention``: ``s_ij = q_i . (k_j * exp(P_i - P_j)) / sqrt(d)``, ``P = cumsum(log sigmoid(g_proj x))``
-    per head and channel, plus FoX's ``sum_(l=j+1..i) log f_l`` with ``use_scalar_gate``; float64 loops."""
+    per head and channel, plus FoX's ``sum_(l=j+1..i) log f_l`` with ``use_scalar_gate``; float64 loops; queries in
+    one block and in blocks of 4."""
+    monkeypatch.setattr(WallTerm, "block_size", block_size)
     model = make_model("gpt2", spec, n_layer=1, attn="eager").double()
     ids = random_ids(1, 6)
     captured = {}
@@ -87,17 +89,25 @@ def fla_naive_scores(query, key, log_decay):
     return (query[..., :, None, :] * key[..., None, :, :] * torch.exp2(difference)).sum(-1)
 
 
-@pytest.mark.parametrize(("n", "first_query", "per_token"), [(7, 0, 0.3), (11, 4, 0.3), (40, 0, 30.0), (40, 33, 30.0)])
-def test_the_decay_term_equals_fla_naive_oracle_even_where_exp_of_minus_p_overflows(n, first_query, per_token):
-    """Queries from ``first_query`` on (a cache's earlier keys before them), values and gradients, float64. At 30 nats
-    a token ``P`` reaches -1200: ``exp(-P)`` overflows float64, the anchored products do not (and agree)."""
+@pytest.mark.parametrize(
+    ("n", "first_query", "per_token", "block_size"),
+    [(7, 0, 0.3, 64), (11, 4, 0.3, 64), (40, 0, 30.0, 64), (40, 33, 30.0, 64), (40, 0, 30.0, 4), (40, 9, 30.0, 3)],
+)
+def test_the_decay_term_equals_fla_naive_oracle_even_where_exp_of_minus_p_overflows(
+    n, first_query, per_token, block_size
+):
+    """Queries from ``first_query`` on (a cache's earlier keys before them), in blocks of 64, 4 and 3, values and
+    gradients, float64. At 30 nats a token ``P`` reaches -1200: ``exp(-P)`` overflows float64, the anchored products do
+    not (and agree)."""
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(2, 3, n, 5, generator=generator, dtype=torch.float64) for _ in range(2))
     log_decay = -per_token * torch.rand(2, 3, n, 5, generator=generator, dtype=torch.float64)
     assert torch.exp(-log_decay.sum(-2)).isinf().any() == (per_token > 1)
     query, log_decay = query.requires_grad_(), log_decay.requires_grad_()
     queries = query[..., first_query:, :]
-    got = wall_decay_term(queries, key, log_decay.cumsum(-2), first_query) + queries @ key.transpose(-1, -2)
+    got = wall_decay_term(queries, key, log_decay.cumsum(-2), first_query, block_size) + queries @ key.transpose(
+        -1, -2
+    )
     causal = torch.arange(n) <= first_query + torch.arange(n - first_query)[:, None]
     got = got * causal
     expected = fla_naive_scores(query, key, log_decay)[..., first_query:, :]
@@ -246,6 +256,8 @@ def test_the_wall_term_runs_in_float32_under_bf16_autocast():
     query, key = (torch.randn(1, 2, 9, 4, generator=generator).bfloat16() for _ in range(2))
     cumulative = (-0.5 * torch.rand(1, 2, 9, 4, generator=generator)).cumsum(-2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = wall_decay_term(query, key, cumulative, 0)
+        got = wall_decay_term(query, key, cumulative, 0, 64)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, wall_decay_term(query.float(), key.float(), cumulative, 0), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        got, wall_decay_term(query.float(), key.float(), cumulative, 0, 64), atol=1e-6, rtol=1e-6
+    )
