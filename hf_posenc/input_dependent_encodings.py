@@ -232,7 +232,7 @@ class SelectiveRotation(LayerPositionTerm):
     reference's ``ShortConvolution``: a causal depthwise convolution of width ``d_conv`` without bias, ``(heads *
     head_dim / 2, 1, d_conv)``, ``N(0, initializer_range)`` as the reference's ``nn.Conv1d`` init; absent with
     ``skip_conv``), ``phi_bias`` (``use_bias``, zeros) and ``phase_gate_proj`` (``use_gate``, ``nn.Linear(hidden,
-    heads)``).
+    heads)``), ``temperature`` (``temp_grad``, its formula at init).
 
     Per token it keeps two states with the KV cache: ``selective_rope_inputs``, the projected ``phi`` before the
     convolution (``heads * head_dim / 2``), which the convolution of the next tokens reads, and
@@ -262,10 +262,14 @@ class SelectiveRotation(LayerPositionTerm):
         if self.use_gate:
             self.phase_gate_proj = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
         self.temp_theta, self.temp_max = spec["temp_theta"], spec["temp_max"]
+        if spec["temp_grad"]:  # the reference's temperature parameter, trained
+            self.temperature = nn.Parameter(torch.empty(dims.head_dim // 2))
 
     def init_weights(self, initializer_range: float) -> None:
         if not self.skip_conv:
             init.normal_(self.phi_conv_weight, mean=0.0, std=initializer_range)
+        if hasattr(self, "temperature"):
+            init.copy_(self.temperature, rotary_temperature(self.head_dim, self.temp_theta, self.temp_max))
         if self.use_bias:
             init.zeros_(self.phi_bias)
 
@@ -310,7 +314,10 @@ class SelectiveRotation(LayerPositionTerm):
             increments = increments * is_token
         if store is not None:  # every kept key's increments, each computed when its token was current
             increments = store("selective_rope_increments", increments)
-        temperature = rotary_temperature(self.head_dim, self.temp_theta, self.temp_max)
+        if hasattr(self, "temperature"):
+            temperature = self.read_by_all_heads(self.temperature)
+        else:
+            temperature = rotary_temperature(self.head_dim, self.temp_theta, self.temp_max)
         angles = increments.unflatten(-1, (-1, self.head_dim // 2)).cumsum(1)
         angles = (angles * temperature.to(device=angles.device, dtype=compute_dtype)).transpose(1, 2)
         return {
@@ -337,7 +344,8 @@ class SelectiveRoPE(PositionEncoding):
     halves by ``theta_tm = temp_max temp_theta^(-2m/d) phi~_tm``, so ``q_i . k_j`` turns by ``theta_i - theta_j``, the
     sum of the tokens' angles between them: a learned, input-dependent RoPE (``use_bias`` with a zero projection is
     RoPE of base ``temp_theta``). Defaults are the reference class's (``temp_type="rope"``, ``temp_theta`` 500000,
-    rank 16, ``d_conv`` 4, fixed temperature).
+    rank 16, ``d_conv`` 4, fixed temperature; ``temp_grad`` trains it, one per frequency and layer, as the
+    reference's parameter).
 
     Computation (:class:`SelectiveRotation`): the raw keys stay in the KV cache and each token's ``phi`` and angle
     increment beside them (two states, each computed when its token is current); every forward sums the kept
@@ -347,7 +355,7 @@ class SelectiveRoPE(PositionEncoding):
     (padding) has ``phi = 0`` and no increment, so a padded row equals the row alone. Backends: eager and SDPA (q and k
     are rotated before the kernel, nothing is added to the scores: SDPA's causal kernel, no float mask); FlexAttention
     would run the same rotated q and k, but is not offered (not checked on CUDA here), so a flex request runs SDPA.
-    Not built: the reference's ``temp_type="rfa"``, ``temp_grad``, ``phi_parametrization="full-rank"``, ``conv_act``,
+    Not built: the reference's ``temp_type="rfa"``, ``phi_parametrization="full-rank"``, ``conv_act``,
     the low-rank and GLA phase gates, its Triton kernels, and Mamba-3's angles (``dt``-scaled, inside its state-space
     layer)."""
 
@@ -375,6 +383,7 @@ class SelectiveRoPE(PositionEncoding):
             ">= 1",
         ),
         "temp_max": Option(1.0, (int, float), "the largest temperature (frequency 0)", lambda v: v > 0, "> 0"),
+        "temp_grad": Option(False, (bool,), "train the per-frequency temperature (starts at its formula)"),
         "use_bias": Option(
             False, (bool,), "add exp(b) to every token's angles (b learned per head and frequency, 0 at init)"
         ),

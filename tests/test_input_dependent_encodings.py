@@ -20,13 +20,8 @@ from hf_posenc.input_dependent_encodings import WallTerm, wall_decay_term
 
 WALL_STRONG = {"type": "wall", "gate_init_bias": 0.0}  # log sigmoid(0) = -0.69 a token: decays the tests can see
 WALL_FOX = {**WALL_STRONG, "use_scalar_gate": True}
-SELECTIVE_OPTIONS = {
-    "type": "selective_rope",
-    "skip_conv": True,
-    "use_bias": True,
-    "use_gate": True,
-    "temp_theta": 100,
-}
+SELECTIVE_OPTIONS = {"type": "selective_rope", "skip_conv": True, "use_bias": True, "use_gate": True}
+SELECTIVE_OPTIONS.update(temp_theta=100, temp_grad=True)
 
 
 def layer_input(model, ids):
@@ -133,6 +128,21 @@ def test_wall_starts_as_the_reference_initialises_it():
     assert abs(term.g_proj.weight.std().item() - 0.02) < 0.002
 
 
+def test_selective_rope_starts_as_the_reference_initialises_it():
+    """The reference's ``phi_proj`` (hidden -> 16 -> heads * head_dim / 2, no biases) and ``nn.Conv1d`` weights
+    ``N(0, initializer_range)``; the temperature ``temp_max / temp_theta^(2m/d)`` (a parameter with ``temp_grad``)."""
+    torch.manual_seed(0)
+    spec = {"type": "selective_rope", "temp_grad": True}
+    config = make_config("gpt2", spec, n_embd=256, n_head=4, initializer_range=0.02)
+    term = hf_posenc.PosEncGPT2Model(config).h[1].attn.position_term
+    assert [layer.weight.shape for layer in term.phi_proj] == [(16, 256), (128, 16)]
+    assert all(layer.bias is None for layer in term.phi_proj)
+    assert term.phi_conv_weight.shape == (128, 1, 4)
+    assert abs(term.phi_conv_weight.std().item() - 0.02) < 0.003
+    expected = torch.tensor([500000.0 ** (-2 * m / 64) for m in range(32)])
+    torch.testing.assert_close(term.temperature.detach(), expected)
+
+
 @pytest.mark.parametrize(("scheme", "says"), [("wall", "a key's channels decay"), ("selective_rope", "angles are")])
 def test_an_encoder_config_says_why_it_is_refused(scheme, says):
     with pytest.raises(ValueError, match=f"'{scheme}' has no encoder form: .*{says}"):
@@ -190,6 +200,8 @@ def test_selective_rope_attention_and_output_equal_the_rotation_loop(spec):
                     if resolved["use_gate"]:
                         increments[t, h, m] *= torch.sigmoid(term.phase_gate_proj(normed[t]))[h]
         temperature = [resolved["temp_max"] / resolved["temp_theta"] ** (2 * m / 8) for m in range(4)]
+        if resolved["temp_grad"]:  # trained: its value (perturbed here), not the formula
+            temperature = term.temperature.tolist()
         scores = torch.zeros(4, n, n, dtype=torch.float64)
         for h in range(4):
             angles = increments[:, h].cumsum(0) * torch.tensor(temperature, dtype=torch.float64)
