@@ -8,8 +8,8 @@ A scheme is a :class:`PositionEncoding` held by the base model. Each forward the
   cos/sin, a bias table), as a dict; a position-only score term returned as ``"score_bias"`` is folded into the mask
   once (eager, SDPA), and rebuilt per layer as a FlexAttention ``score_mod`` from the same dict by ``score_mod``;
 * in every attention layer: ``transform_qkv`` (before the KV cache), then the layer's own
-  :class:`LayerPositionTerm` (from ``layer_term``), which may add a content-dependent term to the scores and a term
-  computed from the attention weights to the output.
+  :class:`LayerPositionTerm` (from ``layer_term``), which may transform q and every key after the KV cache, add a
+  content-dependent term to the scores and a term computed from the attention weights to the output.
 
 Everything a layer reads per forward travels in one dict of tensors (:data:`AttentionInputs`), which the layers
 receive flattened into positional tensor arguments, so reentrant activation checkpointing, ``torch.compile`` and
