@@ -500,6 +500,8 @@ def positional_attention(
     # heads themselves (enable_gqa); eager and the layer terms, which read keys per query head, get them repeated.
     if key.shape[1] != query.shape[1] and (backend == "eager" or position_term is not None):
         key, value = repeat_kv_heads(key, query.shape[1]), repeat_kv_heads(value, query.shape[1])
+    if position_term is not None:  # the layer's own q/k transform, on every key (cached ones included)
+        query, key = position_term.transform_query_key(query, key, attention_inputs)
     weights = None
     values = normalizer.split_values(value)
     fused = None

@@ -8,8 +8,8 @@ A scheme is a :class:`PositionEncoding` held by the base model. Each forward the
   cos/sin, a bias table), as a dict; a position-only score term returned as ``"score_bias"`` is folded into the mask
   once (eager, SDPA), and rebuilt per layer as a FlexAttention ``score_mod`` from the same dict by ``score_mod``;
 * in every attention layer: ``transform_qkv`` (before the KV cache), then the layer's own
-  :class:`LayerPositionTerm` (from ``layer_term``), which may add a content-dependent term to the scores and a term
-  computed from the attention weights to the output.
+  :class:`LayerPositionTerm` (from ``layer_term``), which may transform q and every key after the KV cache, add a
+  content-dependent term to the scores and a term computed from the attention weights to the output.
 
 Everything a layer reads per forward travels in one dict of tensors (:data:`AttentionInputs`), which the layers
 receive flattened into positional tensor arguments, so reentrant activation checkpointing, ``torch.compile`` and
@@ -313,10 +313,12 @@ class PositionCache:
         self, name: str, states: torch.Tensor, scheme: PositionEncoding, term: LayerPositionTerm, layer_idx: int
     ) -> torch.Tensor:
         """:meth:`append` for the per-token state ``name`` (one of ``term.cache_states``) of the layer term of
-        attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own,
-        ``len(term.cache_states)`` per layer."""
-        first = self.num_key_slots + len(scheme.cache_states) + layer_idx * len(term.cache_states)
-        return self.append(first + term.cache_states.index(name), states, like=layer_idx)
+        attention layer ``layer_idx``, kept as that layer keeps its keys: its slots follow the scheme's own, every
+        layer's first state, then every layer's second, and so on (``index * num_layers + layer_idx``), so layers
+        whose terms keep different numbers of states never share a slot."""
+        index = term.cache_states.index(name)
+        slot = self.num_key_slots + len(scheme.cache_states) + index * self.num_layers + layer_idx
+        return self.append(slot, states, like=layer_idx)
 
 
 def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:
@@ -479,6 +481,15 @@ class LayerPositionTerm(HeadSharded, nn.Module):
         checkpointed call per chunk of queries (``score_mod(..., queries=slice(start, stop))``, the mask's rows of the
         chunk), so only one chunk's tables exist at a time. None (the default): one call for every query."""
         return None
+
+    def transform_query_key(
+        self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's queries ``(batch, heads, q_len, head_dim)`` and every key ``(batch, heads, kv_len, head_dim)``
+        (after the KV cache, which keeps the keys as projected, and repeated for the query heads) as the scores read
+        them, from ``attention_inputs["layer"]``: a rotation by angles computed from the input (Selective RoPE), on
+        every backend. Unchanged by default."""
+        return query, key
 
     def value_rows(self, attention_inputs: AttentionInputs) -> ValueRows | None:
         """The term added to the attention output, ``sum_j a_ij table[index_ij]`` (Shaw's ``R^V``), as a table and a

@@ -156,8 +156,9 @@ def test_embed_sees_ids_mask_and_keeps_state_in_the_cache(monkeypatch):
 @pytest.mark.parametrize("static", [False, True])
 def test_layer_states_have_their_own_cache_slots_after_the_schemes(static):
     """``PositionCache.append_layer_state``: slot 0 the key positions (slot 1 those of sliding-window layers, unused
-    here), then the scheme's states, then each layer's term states (two per layer here), every slot appended to as
-    the keys are and read back whole."""
+    here), then the scheme's states, then the layers' term states (two per layer here), every layer's first state,
+    then every layer's second (so terms keeping different numbers of states never share a slot), every slot appended
+    to as the keys are and read back whole."""
     scheme = RunningMeanScheme({"type": RunningMeanScheme.name}, None)
     term = LayerPositionTerm()
     term.cache_states = ("first", "second")
@@ -173,7 +174,7 @@ def test_layer_states_have_their_own_cache_slots_after_the_schemes(static):
     assert len(cache.layers) == 2 + 3 + 2 * 2
     for layer in range(2):
         for index in range(2):
-            keys = cache.layers[5 + 2 * layer + index].keys[0, 0]
+            keys = cache.layers[5 + 2 * index + layer].keys[0, 0]
             expected = torch.tensor([10.0 * layer + index] * 3 + [10.0 * layer + index + 0.1] + [0.0] * static)
             torch.testing.assert_close(keys, expected[:, None].expand(-1, 2))
     assert stored.shape == (1, 5 if static else 4, 2)

@@ -40,7 +40,7 @@ from hf_posenc.position_interface import rank_heads
 INPUT_SIDE = {
     "learned", "sinusoidal", "recurrent", "floater", "multiplicative", "hierarchical", "complex_order", "conv"
 }  # fmt: skip
-SCORE_SIDE = {"none", "rope", "xpos", "pope", "t5", "alibi", "kerple", "fire", "fox", "path"}
+SCORE_SIDE = {"none", "rope", "xpos", "pope", "t5", "alibi", "kerple", "fire", "fox", "path", "wall", "selective_rope"}
 CONTENT_TERMS = {"shaw", "xlnet", "deberta", "tupe", "cope", "relative_key"}
 SUPPORTED = {
     "position_encoding": {

@@ -74,6 +74,8 @@ REMOTE_CASES = [
     ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
     ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
     ("gpt2", {"type": "path", "forget_gate": True}, "softmax", "AutoModelForCausalLM"),  # PaTH-FoX
+    ("gpt2", {"type": "wall", "use_scalar_gate": True}, "softmax", "AutoModelForCausalLM"),
+    ("gpt2", {"type": "selective_rope", "use_gate": True}, "softmax", "AutoModelForCausalLM"),
     ("bert", "pope", "softmax", "AutoModelForMaskedLM"),
     ("gpt2", "none", "stick_breaking", "AutoModelForCausalLM"),
     ("gpt2", "rope", "ssmax", "AutoModelForCausalLM"),
