@@ -49,14 +49,15 @@ DEFAULT_CANON_KERNEL_SIZE = 4
 
 def resolve_canon_layers(value: Any) -> str | None:
     """``canon_layers`` as stored: None (off; also for ``""``) or the chosen points of :data:`CANON_POINTS` as a
-    string in the order ``"ABCD"`` (any order and case accepted). ``ValueError`` names the bad value and the choices."""
+    string in the order ``"ABCD"`` (any order and case accepted). ``ValueError`` names the bad value and the
+    choices."""
     if value is None or value == "":
         return None
     letters = value.upper() if isinstance(value, str) else None
     if letters is None or any(letter not in CANON_POINTS for letter in letters) or len(set(letters)) != len(letters):
         raise ValueError(
-            f"canon_layers must be None or '' (off) or a string of distinct insertion points from {list(CANON_POINTS)} "
-            f"(e.g. 'ABCD', the paper's full set, or 'AC'); got {value!r}."
+            "canon_layers must be None or '' (off) or a string of distinct insertion points from "
+            f"{list(CANON_POINTS)} (e.g. 'ABCD', the paper's full set, or 'AC'); got {value!r}."
         )
     return "".join(point for point in CANON_POINTS if point in letters)
 

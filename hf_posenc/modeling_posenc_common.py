@@ -377,7 +377,8 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
         if refusal is not None:
             reasons.append(f"{entry.kind} {spec['type']!r} refuses {described}: {refusal}")
     if getattr(config, "canon_layers", None) and parallelism in CANON_PARALLEL_REFUSALS:
-        reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {CANON_PARALLEL_REFUSALS[parallelism]}")
+        refusal = CANON_PARALLEL_REFUSALS[parallelism]
+        reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {refusal}")
     windowed = sorted({kind for kind in config_layer_types(config) if kind != "full_attention"})
     if parallelism == "context" and windowed:
         reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")
