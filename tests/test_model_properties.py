@@ -558,7 +558,6 @@ ATTENTION_OPTIONS = [
     {"attn_logit_softcapping": 1.0},
     {"use_qk_norm": True, "attn_logit_softcapping": 1.0, "sliding_window": 4},
     {"canon_layers": "ABCD"},
-    {"canon_layers": "BD", "canon_kernel_size": 3, "use_qk_norm": True, "sliding_window": 4},
 ]
 OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw", ["rope", "t5"]]] + [
     ("t5", "differential"),
