@@ -131,8 +131,9 @@ class PosEncGPT2MLP(GPT2MLP):
         self.canon_d = build_canon_layer(config, "D", intermediate_size, layer_idx)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs, cache: Cache | None = None
+        self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs | None = None, cache: Cache | None = None
     ) -> torch.Tensor:
+        """``attention_inputs`` and ``cache``: what canon layer D reads (unused without it)."""
         hidden_states = self.c_fc(hidden_states)
         if self.canon_d is not None:
             hidden_states = self.canon_d(hidden_states, attention_inputs, cache)
