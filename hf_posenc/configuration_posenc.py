@@ -16,6 +16,7 @@ from transformers import BertConfig, GPT2Config
 from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
+from .canon_layers import DEFAULT_CANON_KERNEL_SIZE, resolve_canon_options
 from .options import resolve_spec
 from .position_encodings import POSITION_ENCODINGS
 
@@ -431,6 +432,13 @@ class PosEncBertConfig(BertConfig):
     attn_logit_softcapping (`float`, *optional*):
         Gemma 2's soft-cap `c`: the scores (position and content terms included) become `c * tanh(scores / c)`
         before the normalizer. None: off. Computed on eager and FlexAttention (SDPA cannot cap its scores).
+    canon_layers (`str`, *optional*):
+        Canon layers (Allen-Zhu 2025, arXiv 2512.17351): `h + CausalDepthwiseConv1d(h)` at the chosen insertion
+        points of every layer, a string of distinct letters: `"A"` the attention's input, `"B"` the projected q, k
+        and v, `"C"` the MLP's input, `"D"` inside the MLP after its up projection (`"ABCD"`: the paper's full set).
+        Stored as `"ABCD"`-ordered upper case. None or `""`: off.
+    canon_kernel_size (`int`, *optional*, defaults to 4):
+        The convolution's width K (the paper's 4): each token mixes in the K - 1 before it.
 
     ```python
     >>> import hf_posenc, transformers
@@ -458,6 +466,8 @@ class PosEncBertConfig(BertConfig):
     attention_chunk_size: int | None = None
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
+    canon_layers: str | None = None
+    canon_kernel_size: int = DEFAULT_CANON_KERNEL_SIZE
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
@@ -465,6 +475,7 @@ class PosEncBertConfig(BertConfig):
             self.attention_normalizer, causal=self.is_decoder, num_heads=self.num_attention_heads
         )
         resolve_attention_shape_options(self)
+        resolve_canon_options(self, kwargs)
         super().__post_init__(**kwargs)
 
 
@@ -498,6 +509,13 @@ class PosEncGPT2Config(GPT2Config):
     attn_logit_softcapping (`float`, *optional*):
         Gemma 2's soft-cap `c`: the scores (position and content terms included) become `c * tanh(scores / c)`
         before the normalizer. None: off. Computed on eager and FlexAttention (SDPA cannot cap its scores).
+    canon_layers (`str`, *optional*):
+        Canon layers (Allen-Zhu 2025, arXiv 2512.17351): `h + CausalDepthwiseConv1d(h)` at the chosen insertion
+        points of every layer, a string of distinct letters: `"A"` the attention's input, `"B"` the projected q, k
+        and v, `"C"` the MLP's input, `"D"` inside the MLP after its up projection (`"ABCD"`: the paper's full set).
+        Stored as `"ABCD"`-ordered upper case. None or `""`: off.
+    canon_kernel_size (`int`, *optional*, defaults to 4):
+        The convolution's width K (the paper's 4): each token mixes in the K - 1 before it.
     """
 
     model_type = "posenc_gpt2"
@@ -521,6 +539,8 @@ class PosEncGPT2Config(GPT2Config):
     attention_chunk_size: int | None = None
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
+    canon_layers: str | None = None
+    canon_kernel_size: int = DEFAULT_CANON_KERNEL_SIZE
 
     @property
     def max_position_embeddings(self) -> int | None:
@@ -541,4 +561,5 @@ class PosEncGPT2Config(GPT2Config):
             self.attention_normalizer, causal=True, num_heads=self.n_head
         )
         resolve_attention_shape_options(self)
+        resolve_canon_options(self, kwargs)
         super().__post_init__(**kwargs)

@@ -4,7 +4,7 @@ Laid out like ``transformers.models.bert.modeling_bert`` and with the same param
 table lives in the scheme (``bert.position_encoding``). With ``learned`` + ``softmax`` it is the stock BERT, every
 head of it: the encoder heads, pre-training (MLM + next sentence), and with ``is_decoder=True`` a causal BERT with a
 KV cache (``PosEncBertLMHeadModel``, as ``BertLMHeadModel``). The feed-forward blocks, pooler and heads are
-Transformers' own BERT modules.
+Transformers' own BERT modules (the up projection a subclass, for canon layer D where ``config.canon_layers`` asks).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from transformers.models.bert.modeling_bert import (
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .canon_layers import build_canon_layer
 from .configuration_posenc import PosEncBertConfig
 from .modeling_posenc_common import (
     PACKED_HALVES_STYLE,
@@ -116,16 +117,22 @@ class PosEncBertSelfAttention(nn.Module):
         self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_eps)
         self.normalizer = build_attention_normalizer(config, config.is_decoder, layer_idx)
         self.position_term = build_layer_position_term(config, config.is_decoder, layer_idx)
+        self.canon_b = build_canon_layer(config, "B", 3 * config.hidden_size, layer_idx)
         self.is_causal = config.is_decoder
         self.layer_idx = layer_idx
 
-    def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's q and k projections of ``(rows, hidden)`` vectors (through the QK-norm if there is one), as
-        ``(heads, rows, head_dim)``."""
+    def heads_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k of ``(..., hidden)`` vectors as ``(..., heads, head_dim)``, through the QK-norm if there is one."""
         shape = (*states.shape[:-1], -1, self.head_dim)
         query, key = self.query(states).view(shape), self.key(states).view(shape)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
+        return query, key
+
+    def project_query_key(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's q and k projections of ``(rows, hidden)`` vectors (through the QK-norm if there is one), as
+        ``(heads, rows, head_dim)``."""
+        query, key = self.heads_query_key(states)
         return query.transpose(-3, -2), key.transpose(-3, -2)
 
     def forward(
@@ -135,9 +142,12 @@ class PosEncBertSelfAttention(nn.Module):
         position_encoding: PositionEncoding,
         cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key = self.project_query_key(hidden_states)  # (batch, heads, seq, head_dim)
-        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = self.heads_query_key(hidden_states)  # (batch, seq, heads, head_dim)
+        value = self.value(hidden_states).view(query.shape)
+        if self.canon_b is not None:  # canon layer B on q|k|v together
+            qkv = self.canon_b(torch.cat([t.flatten(-2) for t in (query, key, value)], -1), attention_inputs, cache)
+            query, key, value = (t.view(query.shape) for t in qkv.chunk(3, dim=-1))
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         output, weights = positional_attention(
             query,
             key,
@@ -159,21 +169,49 @@ class PosEncBertSelfAttention(nn.Module):
 
 
 class PosEncBertAttention(nn.Module):
+    """BERT's self-attention block; with ``config.canon_layers`` canon layer A on the attention's input (the
+    residual keeps the layer's input, as in the paper's pre-LN layer)."""
+
     def __init__(self, config: PosEncBertConfig, layer_idx: int):
         super().__init__()
+        self.canon_a = build_canon_layer(config, "A", config.hidden_size, layer_idx)
         self.self = PosEncBertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
     def forward(self, hidden_states, attention_inputs, position_encoding, cache=None):
-        attention_output, weights = self.self(hidden_states, attention_inputs, position_encoding, cache)
+        attention_input = hidden_states
+        if self.canon_a is not None:
+            attention_input = self.canon_a(hidden_states, attention_inputs, cache)
+        attention_output, weights = self.self(attention_input, attention_inputs, position_encoding, cache)
         return self.output(attention_output, hidden_states), weights
 
 
+class PosEncBertIntermediate(BertIntermediate):
+    """Transformers' ``BertIntermediate``, with canon layer D between its up projection and the activation."""
+
+    def __init__(self, config: PosEncBertConfig, layer_idx: int):
+        super().__init__(config)
+        self.canon_d = build_canon_layer(config, "D", config.intermediate_size, layer_idx)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs | None = None, cache: Cache | None = None
+    ) -> torch.Tensor:
+        """``attention_inputs`` and ``cache``: what canon layer D reads (unused without it)."""
+        hidden_states = self.dense(hidden_states)
+        if self.canon_d is not None:
+            hidden_states = self.canon_d(hidden_states, attention_inputs, cache)
+        return self.intermediate_act_fn(hidden_states)
+
+
 class PosEncBertLayer(PositionalLayer):
+    """BERT's post-LN layer; with ``config.canon_layers`` canon layer C on the MLP's input (the attention block's
+    output, which the MLP's residual keeps)."""
+
     def __init__(self, config: PosEncBertConfig, layer_idx: int):
         super().__init__()
         self.attention = PosEncBertAttention(config, layer_idx)
-        self.intermediate = BertIntermediate(config)
+        self.canon_c = build_canon_layer(config, "C", config.hidden_size, layer_idx)
+        self.intermediate = PosEncBertIntermediate(config, layer_idx)
         self.output = BertOutput(config)
 
     def forward(
@@ -186,7 +224,10 @@ class PosEncBertLayer(PositionalLayer):
     ) -> torch.Tensor:
         attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
         attention_output, _ = self.attention(hidden_states, attention_inputs, position_encoding, cache)
-        return self.output(self.intermediate(attention_output), attention_output)
+        mlp_input = attention_output
+        if self.canon_c is not None:
+            mlp_input = self.canon_c(attention_output, attention_inputs, cache)
+        return self.output(self.intermediate(mlp_input, attention_inputs, cache), attention_output)
 
 
 class PosEncBertEncoder(nn.Module):
@@ -319,6 +360,7 @@ class PosEncBertModel(PosEncBertPreTrainedModel):
             position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
             default_positions=default_positions,
+            past_length=past_length,
         )
         # As in stock GPT-2: the layers see no cache under activation checkpointing, whose replay would append twice.
         layer_cache = None if self.gradient_checkpointing and self.training else cache

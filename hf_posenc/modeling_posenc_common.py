@@ -17,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .attention_backends import build_attention_mask, build_dense_mask, choose_route, forward_facts
 from .attention_normalizers import ATTENTION_NORMALIZERS
+from .canon_layers import CanonLayer, canon_forward_inputs
 from .configuration_posenc import (
     config_layer_types,
     layer_position_specs,
@@ -25,7 +26,7 @@ from .configuration_posenc import (
     training_length,
 )
 from .normalizer_interface import AttentionNormalizer
-from .options import PARALLELISMS, RING_ATTENTION_ONLY
+from .options import ALONG_THE_SEQUENCE, PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
 from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import (
@@ -138,6 +139,7 @@ def prepare_attention(
     position_cache: PositionCache | None = None,
     output_attentions: bool = False,
     default_positions: bool = False,
+    past_length: int | torch.Tensor = 0,
 ) -> LayerAttentionInputs:
     """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each kind of layer: the
     scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full, sliding
@@ -146,8 +148,13 @@ def prepare_attention(
     positions of its queries and keys (cached keys' from ``position_cache``, as a layer of that type keeps them) and
     its scheme's shared tables. ``default_positions``: the model built ``position_ids`` itself (``arange``); with no
     cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told (a static
-    fact, so no host sync and nothing for ``torch.compile`` to guard on data)."""
+    fact, so no host sync and nothing for ``torch.compile`` to guard on data). With ``config.canon_layers`` every
+    kind's inputs also hold ``"canon"`` (:func:`~hf_posenc.canon_layers.canon_forward_inputs`; ``past_length``: the
+    tokens cached before this forward)."""
     num_layers = encoding.dims.num_layers
+    canon = None
+    if getattr(model.config, "canon_layers", None):
+        canon = canon_forward_inputs(model, attention_mask, inputs_embeds.shape[1], past_length, position_cache)
     logit_softcapping = getattr(model.config, "attn_logit_softcapping", None)
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
     layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
@@ -207,6 +214,8 @@ def prepare_attention(
         mask = masks[backend, allow_skip, layer_type]
         inputs = {"backend": backend, "query_positions": position_ids, "key_positions": keys, "position": tables}
         inputs["logit_softcapping"] = logit_softcapping
+        if canon is not None:
+            inputs["canon"] = canon
         if backend == "flex_attention":
             inputs.update(mask=mask, visible=None, row_has_key=None)
         else:
@@ -336,10 +345,19 @@ SEQUENCE_PARALLEL_ATTENTION = (
 )
 
 
+CANON_PARALLEL_REFUSALS = {
+    "tensor": "their per-channel weights are not sharded with the q/k/v and MLP projections they follow",
+    "context": f"their convolution: {ALONG_THE_SEQUENCE}",
+    "sequence": f"their convolution: {ALONG_THE_SEQUENCE}",
+}
+"""Why canon layers (``config.canon_layers``) cannot train under each parallelism."""
+
+
 def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, str]) -> list[str]:
     """Every reason a model with this config cannot train under ``parallelism`` (a key of ``options.PARALLELISMS``),
     each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding
-    and normalizer (:meth:`CatalogueEntry.parallelism_refusal`), and for context parallelism any layer whose mask is
+    and normalizer (:meth:`CatalogueEntry.parallelism_refusal`), canon layers (:data:`CANON_PARALLEL_REFUSALS`),
+    and for context parallelism any layer whose mask is
     not full or causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
     if parallelism not in PARALLELISMS:
         raise ValueError(f"Unknown parallelism {parallelism!r}; valid choices: {list(PARALLELISMS)}.")
@@ -358,6 +376,9 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
         refusal = entry.parallelism_refusal(spec, parallelism)
         if refusal is not None:
             reasons.append(f"{entry.kind} {spec['type']!r} refuses {described}: {refusal}")
+    if getattr(config, "canon_layers", None) and parallelism in CANON_PARALLEL_REFUSALS:
+        refusal = CANON_PARALLEL_REFUSALS[parallelism]
+        reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {refusal}")
     windowed = sorted({kind for kind in config_layer_types(config) if kind != "full_attention"})
     if parallelism == "context" and windowed:
         reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")
@@ -569,6 +590,8 @@ class PosEncPreTrainedMixin:
             module.init_weights(self.config.initializer_range)
         if isinstance(module, AttentionNormalizer):  # the Toeplitz gate at 1, a learned sink, SSMax's s_h
             module.init_weights(self.config.initializer_range)
+        if isinstance(module, CanonLayer):  # nn.Conv1d's default init, as the reference
+            module.init_weights()
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Transformers' key adjustments, then a clear error for a ``t5`` table saved in the old layout."""

@@ -2,7 +2,7 @@
 
 Laid out like ``transformers.models.gpt2.modeling_gpt2`` and with the same parameter names, except that the position
 table lives in the scheme (``transformer.position_encoding``). With ``learned`` + ``softmax`` it is the stock GPT-2.
-The MLP is Transformers' own ``GPT2MLP``.
+The MLP is Transformers' own ``GPT2MLP`` (with canon layer D inside it where ``config.canon_layers`` asks).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .canon_layers import build_canon_layer
 from .configuration_posenc import PosEncGPT2Config
 from .modeling_posenc_common import (
     CONV1D_PACKED_QKV_HALVES_STYLE,
@@ -72,6 +73,7 @@ class PosEncGPT2Attention(nn.Module):
         self.q_norm, self.k_norm = build_query_key_norms(config, self.head_dim, config.layer_norm_epsilon)
         self.normalizer = build_attention_normalizer(config, True, layer_idx)
         self.position_term = build_layer_position_term(config, True, layer_idx)
+        self.canon_b = build_canon_layer(config, "B", 3 * self.embed_dim, layer_idx)
         self.layer_idx = layer_idx
 
     def project(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +97,11 @@ class PosEncGPT2Attention(nn.Module):
         position_encoding: PositionEncoding,
         cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query, key, value = (t.transpose(1, 2) for t in self.project(hidden_states))
+        query, key, value = self.project(hidden_states)
+        if self.canon_b is not None:  # canon layer B on q|k|v, as c_attn lays them out
+            qkv = self.canon_b(torch.cat([t.flatten(-2) for t in (query, key, value)], -1), attention_inputs, cache)
+            query, key, value = (t.view(query.shape) for t in qkv.chunk(3, dim=-1))
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         output, weights = positional_attention(
             query,
             key,
@@ -117,14 +123,36 @@ class PosEncGPT2Attention(nn.Module):
         return self.resid_dropout(output), weights
 
 
+class PosEncGPT2MLP(GPT2MLP):
+    """Transformers' ``GPT2MLP``, with canon layer D between its up projection (``c_fc``) and the activation."""
+
+    def __init__(self, intermediate_size: int, config: PosEncGPT2Config, layer_idx: int):
+        super().__init__(intermediate_size, config)
+        self.canon_d = build_canon_layer(config, "D", intermediate_size, layer_idx)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_inputs: AttentionInputs | None = None, cache: Cache | None = None
+    ) -> torch.Tensor:
+        """``attention_inputs`` and ``cache``: what canon layer D reads (unused without it)."""
+        hidden_states = self.c_fc(hidden_states)
+        if self.canon_d is not None:
+            hidden_states = self.canon_d(hidden_states, attention_inputs, cache)
+        return self.dropout(self.c_proj(self.act(hidden_states)))
+
+
 class PosEncGPT2Block(PositionalLayer):
+    """GPT-2's pre-LN block; with ``config.canon_layers`` canon layer A on the attention's input (after ``ln_1``)
+    and C on the MLP's (after ``ln_2``)."""
+
     def __init__(self, config: PosEncGPT2Config, layer_idx: int):
         super().__init__()
         inner_dim = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.canon_a = build_canon_layer(config, "A", config.hidden_size, layer_idx)
         self.attn = PosEncGPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(inner_dim, config)
+        self.canon_c = build_canon_layer(config, "C", config.hidden_size, layer_idx)
+        self.mlp = PosEncGPT2MLP(inner_dim, config, layer_idx)
 
     def forward(
         self,
@@ -135,9 +163,15 @@ class PosEncGPT2Block(PositionalLayer):
         cache: Cache | None = None,
     ) -> torch.Tensor:
         attention_inputs = self.attention_inputs(attention_leaves, attention_spec)
-        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_inputs, position_encoding, cache)
+        attention_input = self.ln_1(hidden_states)
+        if self.canon_a is not None:
+            attention_input = self.canon_a(attention_input, attention_inputs, cache)
+        attn_output, _ = self.attn(attention_input, attention_inputs, position_encoding, cache)
         hidden_states = hidden_states + attn_output
-        return hidden_states + self.mlp(self.ln_2(hidden_states))
+        mlp_input = self.ln_2(hidden_states)
+        if self.canon_c is not None:
+            mlp_input = self.canon_c(mlp_input, attention_inputs, cache)
+        return hidden_states + self.mlp(mlp_input, attention_inputs, cache)
 
 
 class PosEncGPT2PreTrainedModel(PosEncPreTrainedMixin, PreTrainedModel):
@@ -258,6 +292,7 @@ class PosEncGPT2Model(PosEncGPT2PreTrainedModel):
             position_cache=position_cache,
             output_attentions=kwargs.get("output_attentions", self.config.output_attentions),
             default_positions=default_positions,
+            past_length=past_length,
         )
         # As in stock GPT-2: the layers see no cache under activation checkpointing, whose replay would append twice.
         layer_cache = None if self.gradient_checkpointing and self.training else cache

@@ -60,7 +60,8 @@ AttentionInputs = dict[str, Any]
 * ``"logit_softcapping"``: the config's ``attn_logit_softcapping`` (a float; None: off), read by the attention with
   the backend chosen for it;
 * ``"layer"`` (inside an attention layer only, for its :class:`LayerPositionTerm`): the dict of tensors that term's
-  ``layer_tables`` computed from the layer's input.
+  ``layer_tables`` computed from the layer's input;
+* ``"canon"`` (only with ``config.canon_layers``): what the canon layers read, ``canon_layers.canon_forward_inputs``.
 """
 
 

@@ -264,12 +264,13 @@ def test_compiled_flex_attention_caps_and_normalises_like_eager(family):
 
 
 def test_a_model_with_the_options_loads_as_remote_code_without_hf_posenc(tmp_path):
-    """The QK-norm module and the soft-cap live in the modules a saved folder carries: a folder of each family,
-    loaded in one process without hf_posenc."""
+    """The QK-norm module, the soft-cap and the canon layers live in the modules a saved folder carries: a folder of
+    each family, loaded in one process without hf_posenc (the decoder's cached generation equal to the uncached)."""
     ids = random_ids(2, 9)
     arguments, expected = [], {}
     for family in ("bert", "gpt2"):
-        model = make_model(family, "rope", attn="sdpa", use_qk_norm=True, attn_logit_softcapping=1.0)
+        options = dict(use_qk_norm=True, attn_logit_softcapping=1.0, canon_layers="ABCD", canon_kernel_size=3)
+        model = make_model(family, "rope", attn="sdpa", **options)
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):

@@ -524,14 +524,15 @@ def test_a_scheme_reading_past_every_layer_window_is_refused():
         make_config("gpt2", {"type": "conv", "kernel_size": 5}, sliding_window=4)
 
 
-# The attention-shape options (``use_qk_norm``, ``attn_logit_softcapping``) with a representative absolute and
-# relative scheme, a rotation and a content term, and normalizers beyond softmax: the options act on q, k and the
-# scores, whatever feeds them; both with every layer sliding and a per-layer layout. A cap of 1 acts on these models'
-# scores.
+# The attention-shape options (``use_qk_norm``, ``attn_logit_softcapping``, ``canon_layers``) with a representative
+# absolute and relative scheme, a rotation and a content term, and normalizers beyond softmax: the options act on q, k,
+# the scores and the layer's inputs, whatever feeds them; both with every layer sliding and a per-layer layout. A cap
+# of 1 acts on these models' scores.
 ATTENTION_OPTIONS = [
     {"use_qk_norm": True},
     {"attn_logit_softcapping": 1.0},
     {"use_qk_norm": True, "attn_logit_softcapping": 1.0, "sliding_window": 4},
+    {"canon_layers": "ABCD"},
 ]
 OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw", ["rope", "t5"]]] + [
     ("t5", "differential"),
