@@ -5,8 +5,9 @@ RoPE (rotation angles summed from the input instead of counted from the position
 Each gives every attention layer a :class:`LayerPositionTerm` whose per-token states are computed from the layer's
 input in ``layer_tables`` and kept with the KV cache (``cache_states``: Wall's log decays, Selective RoPE's
 projected inputs and angle increments), as FoX and PaTH (``data_dependent_encodings.py``). Wall adds a ``(batch,
-heads, q, k)`` term to the scores (``score_term``, PaTH's form), Selective RoPE rotates the queries and every key after the cache (``transform_query_key``). Both depend on the
-tokens between a key and a query, not on position ids: shifting the positions changes nothing.
+heads, q, k)`` term to the scores (``score_term``, PaTH's form), Selective RoPE rotates the queries and every key
+after the cache (``transform_query_key``). Both depend on the tokens between a key and a query, not on position ids:
+shifting the positions changes nothing.
 
 Sources: the papers and reference implementations cited per class.
 """
