@@ -47,7 +47,7 @@ def task_spec(args: argparse.Namespace, tokenizer=None, text_file: Path | None =
     """The task of ``--task`` with its settings; passkey's texts (from ``text_file``, else the embedded corpus) in
     ``tokenizer``'s ids (bytes when None)."""
     texts = passkey_texts(tokenizer or pretrain.byte_tokenizer(), text_file) if args.task == "passkey" else None
-    return TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits, texts)
+    return TaskSpec.from_flags(args, texts)
 
 
 def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, eval_examples: int) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         tokenizer.save_pretrained(args.output_dir)
         arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         arguments.pop("hub_token", None)
-        arguments["long_context_task"] = task_settings(task)
+        arguments["long_context_task"] = task.settings()
         (args.output_dir / "training_args.json").write_text(json.dumps(arguments, indent=2))
         (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
         data = f"Examples of {task.describe()}, drawn afresh at each step from the seed, {args.block_size} tokens."
@@ -138,15 +138,6 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         )
     accelerator.wait_for_everyone()
     return results
-
-
-def task_settings(task: TaskSpec) -> dict[str, Any]:
-    """What a task model was trained on, kept in its ``training_args.json``."""
-    if task.name == "mqar":
-        return {"task": "mqar", "pairs": task.mqar_pairs, "queries": task.mqar_queries, "vocab": task.mqar_vocab}
-    if task.name == "passkey":
-        return {"task": "passkey", "digits": task.passkey_digits}
-    return {"task": task.name}
 
 
 TASK_REFUSED_FLAGS = {
@@ -193,7 +184,7 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
         _, scheme, normalizer, seed = run
         folder = run_folder(args, (args.task, *run[1:]))
         argv = recipe_argv(args, run, folder)
-        recipe = [*argv, "--long_context_task", json.dumps(task_settings(task))]
+        recipe = [*argv, "--long_context_task", json.dumps(task.settings())]
         saved = folder / "compare_row.json"
         if args.resume and saved.is_file() and json.loads(saved.read_text()).get("recipe") == recipe:
             accelerator.print(f"{run_name(args, (args.task, *run[1:]))}: kept from {saved} (--resume)")
@@ -303,11 +294,14 @@ def depth_table(entries: list[dict[str, Any]], factors: tuple[int, ...], depths:
     return "\n".join(lines) + "\n"
 
 
-def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float], path: Path, title: str,
-               curves: bool = True) -> None:  # fmt: skip
+def plot_tasks(
+    entries: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float], path: Path, title: str,
+    curves: bool = True, baselines: dict[str, float] | None = None,
+) -> None:  # fmt: skip
     """The accuracy against the length factor (the mean, error bars of one standard deviation over the seeds or
-    models), beside the training loss curves (``curves``); for passkey a row of heat maps below, accuracy by depth
-    and length, one per entry. Lengths a model cannot run are left out."""
+    models), the ``baselines`` (guessers' accuracy, :meth:`TaskSpec.baselines`) as grey horizontal lines, beside the
+    training loss curves (``curves``); for passkey a row of heat maps below, accuracy by depth and length, one per
+    entry. Lengths a model cannot run are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,6 +319,8 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
         means = [value["mean"] for _, value in points]
         spread = [value["std"] or 0.0 for _, value in points]
         accuracy.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=entry["label"])
+    for (name, value), style in zip((baselines or {}).items(), (":", "--", "-."), strict=False):
+        accuracy.axhline(value, color="grey", linestyle=style, linewidth=1, label=f"guess {name} ({value:.3f})")
     accuracy.set_xscale("log", base=2)
     accuracy.set_xticks(list(factors), [f"{f}x" for f in factors])
     accuracy.set_ylim(-0.03, 1.03)
@@ -363,6 +359,18 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
     plt.close(figure)
 
 
+def baseline_notes(task: TaskSpec) -> list[str]:
+    """The report's line on the task's no-binding baselines (:meth:`TaskSpec.baselines`), when it has them."""
+    baselines = task.baselines()
+    if not baselines:
+        return []
+    guesses = "; ".join(f"{name}: {value:.3f}" for name, value in baselines.items())
+    return [
+        f"Without binding keys to values (guessing uniformly, this layout, {task.mqar_layout}): {guesses}; drawn as "
+        "grey lines in the plot. An accuracy at or near them is a model that has not learnt recall."
+    ]
+
+
 def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[str, Any]], wall_seconds: float):
     """``compare.md`` (the accuracy table, passkey's by depth), ``compare.json`` (every seed's row, the summary) and
     ``compare.png`` in ``--output_dir``; the report printed."""
@@ -390,12 +398,16 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
     ]
     if len(seeds) > 1:
         notes.append(f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample standard deviation.")
+    notes += baseline_notes(task)
     report += "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
     arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}
     document = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows, "summary": summary}
     (args.output_dir / "compare.json").write_text(json.dumps(document, indent=2))
-    plot_tasks(summary, args.factors, args.passkey_depths, args.output_dir / "compare.png", f"{task.name}: accuracy")
+    plot_tasks(
+        summary, args.factors, args.passkey_depths, args.output_dir / "compare.png", f"{task.name}: accuracy",
+        baselines=task.baselines(),
+    )  # fmt: skip
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")
 
 
@@ -523,7 +535,7 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
         model = model.to(accelerator.device).eval()
         held_out = 100 if args.eval_file is not None else args.validation_split_percentage
         texts = passkey_texts(tokenizer, args.eval_file, held_out) if args.task == "passkey" else None
-        task = TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits, texts)
+        task = TaskSpec.from_flags(args, texts)
         scores = task_row(
             model, task, train_length, args.factors, args.task_eval_examples, args.per_device_eval_batch_size,
             args.seed, args.passkey_depths,
@@ -550,7 +562,7 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
         entry["model"] = entry["models"][0] if len(entry["models"]) == 1 else f"{len(entry['models'])} models"
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        description = TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits)
+        description = TaskSpec.from_flags(args)
         report = f"### {description.describe()}\n\n" + accuracy_table(summary, args.factors, ["model", "label"])
         if args.task == "passkey":
             report += "\n#### passkey by depth\n\n" + depth_table(summary, args.factors, args.passkey_depths, "label")
@@ -558,11 +570,15 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
             f"\n- Nx: accuracy on {args.task_eval_examples} examples of N times each model's training length, the "
             "same examples for every model; several models of one recipe (seeds): mean ± sample standard deviation.\n"
         )
+        report += "".join(f"- {note}\n" for note in baseline_notes(description))
         (args.output_dir / "extrapolation.md").write_text(report)
         document = {"task": args.task, "rows": rows, "summary": summary}
         (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))
         title = f"{args.task}: accuracy"
-        plot_tasks(summary, args.factors, args.passkey_depths, args.output_dir / "extrapolation.png", title, False)
+        plot_tasks(
+            summary, args.factors, args.passkey_depths, args.output_dir / "extrapolation.png", title, False,
+            description.baselines(),
+        )  # fmt: skip
         print(report)
     accelerator.wait_for_everyone()
     return rows

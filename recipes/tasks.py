@@ -3,17 +3,20 @@ copying (``copy``) and a passkey hidden in filler text (``passkey``), each drawn
 the same examples, and the accuracy that scores them.
 
 Every example is a row of token ids with a row of labels in Transformers' causal-LM convention: ``labels[t]`` is
-``input_ids[t]`` where that token is an answer, ``IGNORE_INDEX`` elsewhere, so ``model(input_ids, labels=labels)``
-trains on the answers alone (as Zoology does) and a model is scored on predicting each answer token from the tokens
-before it. ``mqar`` and ``copy`` are written in bytes with the byte tokenizer's ids (``byte + 3``,
+the answer token the model must give after reading ``input_ids[:t]``, ``IGNORE_INDEX`` where there is none, so
+``model(input_ids, labels=labels)`` trains on the answers alone (as Zoology does) and a model is scored on
+predicting each answer from the tokens before it. ``copy``, ``passkey`` and ``mqar``'s ``visible_answers`` layout
+also write the answer into the input (``labels[t] == input_ids[t]``); Zoology's ``mqar`` layout does not. ``mqar`` and ``copy`` are written in bytes with the byte tokenizer's ids (``byte + 3``,
 :func:`hf_posenc_recipes.pretrain.byte_tokenizer`); ``passkey`` is text, encoded by the model's own tokenizer.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,29 +52,52 @@ def byte_ids(data: bytes | Sequence[int]) -> torch.Tensor:
 
 def mqar_batch(
     generator: torch.Generator, batch_size: int, length: int, num_pairs: int = 4, num_queries: int = 4,
-    vocab_size: int = 64,
+    key_vocab: int = 32, value_vocab: int = 32, layout: str = "zoology", power_a: float = 0.01,
 ) -> TaskBatch:  # fmt: skip
-    """Multi-query associative recall as Zoology's ``multiquery_ar`` writes it (Arora et al. 2023): ``num_pairs``
-    key-value pairs ``k_1 v_1 k_2 v_2 ...`` open the row, keys distinct bytes of ``[0, vocab_size / 2)``, values
-    distinct bytes of ``[vocab_size / 2, vocab_size)``; then ``num_queries`` of the keys (distinct) come back, each
-    at an even offset of the rest of the row drawn uniformly, followed by its value, the answer. Every other position
-    holds a byte of ``[vocab_size, 256)`` drawn uniformly (Zoology's ``random_non_queries``, taken outside the keys
-    and values so that a key is always a query). Scored per answer."""
-    check_mqar(length, num_pairs, num_queries, vocab_size)
+    """Multi-query associative recall (Arora et al. 2023, Zoology's ``multiquery_ar``): ``num_pairs`` key-value pairs
+    ``k_1 v_1 k_2 v_2 ...`` open the row, keys distinct bytes of ``[0, key_vocab)``, values distinct bytes of
+    ``[key_vocab, key_vocab + value_vocab)``; then ``num_queries`` distinct keys come back at even offsets ``2 g`` of
+    the rest of the row, and the model is asked, at each, for its key's value. Scored per answer.
+
+    ``layout="zoology"`` (Zoology's): the gaps ``g`` are drawn without replacement from ``0 .. S - 1`` (``S`` the
+    slots after the pairs) with ``P(g) ∝ (g + 1) ** (power_a - 1)`` (a power law: most queries right after the
+    pairs; ``power_a=1``: uniform); the answer is a label only (the token after the query is filler), so no query
+    sees another's answer; every other position is a byte of the task's vocabulary ``[0, key_vocab + value_vocab)``
+    drawn uniformly (Zoology's ``random_non_queries``, which may repeat a key or value). ``layout="visible_answers"``:
+    the gaps uniform, each query followed by its value in the input (later queries see earlier answers), the filler
+    bytes of ``[key_vocab + value_vocab, 256)``."""
+    check_mqar(length, num_pairs, num_queries, key_vocab, value_vocab, layout, power_a)
     context = 2 * num_pairs
     slots = (length - context) // 2
-    half = vocab_size // 2
-    rows = torch.randint(vocab_size, 256, (batch_size, length), generator=generator)
+    vocab = key_vocab + value_vocab
+    zoology = layout == "zoology"
+    low = 0 if zoology else vocab
+    rows = torch.randint(low, vocab if zoology else 256, (batch_size, length), generator=generator)
     labels = torch.full((batch_size, length), IGNORE_INDEX, dtype=torch.long)
+    weights = torch.arange(1, slots + 1, dtype=torch.float64) ** (power_a - 1) if zoology else torch.ones(slots)
     for row, row_labels in zip(rows, labels, strict=True):
-        keys = torch.randperm(half, generator=generator)[:num_pairs]
-        values = half + torch.randperm(vocab_size - half, generator=generator)[:num_pairs]
+        keys = torch.randperm(key_vocab, generator=generator)[:num_pairs]
+        values = key_vocab + torch.randperm(value_vocab, generator=generator)[:num_pairs]
         row[0:context:2], row[1:context:2] = keys, values
         asked = torch.randperm(num_pairs, generator=generator)[:num_queries]
-        places = context + 2 * torch.randperm(slots, generator=generator)[:num_queries]
-        row[places], row[places + 1] = keys[asked], values[asked]
+        places = context + 2 * torch.multinomial(weights, num_queries, replacement=False, generator=generator)
+        row[places] = keys[asked]
+        if not zoology:
+            row[places + 1] = values[asked]
         row_labels[places + 1] = values[asked] + BYTE_OFFSET
     return TaskBatch(rows + BYTE_OFFSET, labels)
+
+
+def mqar_baselines(num_pairs: int, num_queries: int, value_vocab: int, layout: str) -> dict[str, float]:
+    """The accuracy of guessers that never bind a key to its value, per answer: ``"a value of the vocabulary"``
+    (``1 / value_vocab``) and ``"a value of the example"``: uniform over the example's values, ``1 / num_pairs``;
+    under ``visible_answers`` over those not yet shown as an answer, which the ``i``-th query (``i = 0, 1, ...``)
+    leaves ``num_pairs - i`` of: ``mean_i 1 / (num_pairs - i)`` (0.521 at 4 pairs, 4 queries)."""
+    if layout == "zoology":
+        example = 1 / num_pairs
+    else:
+        example = sum(1 / (num_pairs - index) for index in range(num_queries)) / num_queries
+    return {"a value of the vocabulary": 1 / value_vocab, "a value of the example": example}
 
 
 def copy_batch(generator: torch.Generator, batch_size: int, length: int) -> TaskBatch:
@@ -155,28 +181,66 @@ class TaskSpec:
     name: str
     mqar_pairs: int = 4
     mqar_queries: int = 4
-    mqar_vocab: int = 64
+    mqar_key_vocab: int = 32
+    mqar_value_vocab: int = 32
+    mqar_layout: str = "zoology"
+    mqar_power_a: float = 0.01
     passkey_digits: int = 5
     passkey: dict[str, PasskeyText] | None = None
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, passkey: dict[str, PasskeyText] | None = None) -> TaskSpec:
+        """The task of ``--task`` and its settings' flags."""
+        return cls(
+            args.task, args.mqar_pairs, args.mqar_queries, args.mqar_key_vocab, args.mqar_value_vocab,
+            args.mqar_layout, args.mqar_power_a, args.passkey_digits, passkey,
+        )  # fmt: skip
 
     def batch(
         self, generator: torch.Generator, size: int, length: int, split: str = "train", depth: float | None = None
     ) -> TaskBatch:
         """``size`` examples of ``length`` tokens; passkey's filler from ``split``, its needle at ``depth``."""
         if self.name == "mqar":
-            return mqar_batch(generator, size, length, self.mqar_pairs, self.mqar_queries, self.mqar_vocab)
+            return mqar_batch(
+                generator, size, length, self.mqar_pairs, self.mqar_queries, self.mqar_key_vocab,
+                self.mqar_value_vocab, self.mqar_layout, self.mqar_power_a,
+            )  # fmt: skip
         if self.name == "copy":
             return copy_batch(generator, size, length)
         if self.name == "passkey":
             return passkey_batch(generator, size, length, self.passkey[split], self.passkey_digits, depth)
         raise ValueError(f"unknown task {self.name!r}; valid: {', '.join(TASK_NAMES)}")
 
+    def baselines(self) -> dict[str, float]:
+        """The accuracy of guessers that never bind a key to its value (:func:`mqar_baselines`); none for the other
+        tasks."""
+        if self.name != "mqar":
+            return {}
+        return mqar_baselines(self.mqar_pairs, self.mqar_queries, self.mqar_value_vocab, self.mqar_layout)
+
+    def settings(self) -> dict[str, Any]:
+        """What a task model was trained on, kept in its ``training_args.json``."""
+        if self.name == "mqar":
+            return {
+                "task": "mqar", "pairs": self.mqar_pairs, "queries": self.mqar_queries,
+                "key_vocab": self.mqar_key_vocab, "value_vocab": self.mqar_value_vocab, "layout": self.mqar_layout,
+                "power_a": self.mqar_power_a,
+            }  # fmt: skip
+        if self.name == "passkey":
+            return {"task": "passkey", "digits": self.passkey_digits}
+        return {"task": self.name}
+
     def describe(self) -> str:
         """The task and its settings, in words (the report's heading)."""
         if self.name == "mqar":
+            where = (
+                f"Zoology's layout (answers hidden, queries placed by a power law, a = {self.mqar_power_a:g})"
+                if self.mqar_layout == "zoology"
+                else "answers visible to later queries, queries placed uniformly"
+            )
             return (
                 f"mqar: multi-query associative recall, {self.mqar_pairs} key-value pairs, {self.mqar_queries} "
-                f"queries, {self.mqar_vocab} key and value bytes; accuracy per query"
+                f"queries, {self.mqar_key_vocab} keys and {self.mqar_value_vocab} values, {where}; accuracy per query"
             )
         if self.name == "copy":
             return "copy: a string of letters, the separator, the string again; accuracy per copied letter"

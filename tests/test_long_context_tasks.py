@@ -29,6 +29,7 @@ from hf_posenc_recipes.tasks import (
     TaskSpec,
     answer_accuracy,
     copy_batch,
+    mqar_baselines,
     mqar_batch,
     passkey_batch,
     passkey_texts,
@@ -48,32 +49,66 @@ def as_bytes(ids: torch.Tensor) -> list[int]:
 # --- mqar ---
 
 
-def test_mqar_smallest_example_is_its_pairs_then_both_queries():
-    """vocab 4, 2 pairs, 2 queries, length 8: keys {0, 1}, values {2, 3}, and the two query slots both asked, so the
-    example is ``ka va kb vb kx vx ky vy`` with {ka, kb} = {0, 1}, {va, vb} = {2, 3}, each query followed by the
-    value its key had; the answers are positions 5 and 7."""
-    batch = mqar_batch(generator(), 16, 8, num_pairs=2, num_queries=2, vocab_size=4)
+def test_mqar_smallest_example_in_zoologys_layout_hides_its_answers():
+    """2 keys, 2 values, 2 pairs, 2 queries, length 8: ``ka va kb vb kx f ky f`` with {ka, kb} = {0, 1},
+    {va, vb} = {2, 3}, both query slots asked (the queries are the keys again, in any order); the labels are the
+    values at positions 5 and 7, but the input there is filler drawn from the 4 bytes of the task, so it is the answer
+    only by chance."""
+    batch = mqar_batch(generator(), 256, 8, num_pairs=2, num_queries=2, key_vocab=2, value_vocab=2)
+    shown = 0
     for row, labels in zip(batch.input_ids, batch.labels, strict=True):
-        ka, va, kb, vb, kx, vx, ky, vy = as_bytes(row)
-        assert {ka, kb} == {0, 1} and {va, vb} == {2, 3}
+        ka, va, kb, vb, kx, fx, ky, fy = as_bytes(row)
+        assert {ka, kb} == {0, 1} and {va, vb} == {2, 3} and {kx, ky} == {0, 1}
+        assert {fx, fy} <= {0, 1, 2, 3}
         pairs = {ka: va, kb: vb}
-        assert {kx, ky} == {0, 1} and vx == pairs[kx] and vy == pairs[ky]
         expected = [IGNORE_INDEX] * 8
-        expected[5], expected[7] = row[5].item(), row[7].item()
+        expected[5], expected[7] = pairs[kx] + BYTE_OFFSET, pairs[ky] + BYTE_OFFSET
         assert labels.tolist() == expected
+        shown += (fx == pairs[kx]) + (fy == pairs[ky])
+    assert 0.15 < shown / 512 < 0.35  # a uniform filler byte of 4 is the answer a quarter of the time
 
 
-def test_mqar_queries_fill_even_slots_and_the_rest_is_filler():
-    """8 pairs, 3 queries, vocab 32, length 40: keys of [0, 16), values of [16, 32), all distinct; after the 16
-    context tokens, 3 keys come back at even offsets, each followed by its value (the only labels); every other byte
-    is filler, of [32, 256)."""
-    batch = mqar_batch(generator(1), 32, 40, num_pairs=8, num_queries=3, vocab_size=32)
-    fillers = set()
+def test_mqar_zoology_query_gaps_follow_the_power_law():
+    """One pair, one query, 10 slots after it: the query's gap g (its offset / 2) has ``P(g) = (g + 1) ** (a - 1) /
+    sum_k k ** (a - 1)``, computed here with ``math``; a = 1 is uniform. Frequencies over 4000 rows within 4.5
+    standard errors."""
+    for power_a in (0.01, 1.0):
+        batch = mqar_batch(generator(7), 4000, 22, num_pairs=1, num_queries=1, power_a=power_a)
+        gaps = ((batch.labels != IGNORE_INDEX).float().argmax(-1) - 3) // 2
+        weights = [k ** (power_a - 1) for k in range(1, 11)]
+        for gap in range(10):
+            p = weights[gap] / sum(weights)
+            assert abs(float((gaps == gap).float().mean()) - p) < 4.5 * math.sqrt(p * (1 - p) / 4000) + 1e-9
+
+
+def test_mqar_zoology_queries_are_distinct_keys_at_even_offsets_and_the_filler_spans_the_task_vocabulary():
+    batch = mqar_batch(generator(1), 64, 40, num_pairs=8, num_queries=5, key_vocab=16, value_vocab=16)
+    seen = set()
     for row, labels in zip(batch.input_ids, batch.labels, strict=True):
         data = as_bytes(row)
         keys, values = data[0:16:2], data[1:16:2]
         assert len(set(keys)) == 8 and all(0 <= key < 16 for key in keys)
         assert len(set(values)) == 8 and all(16 <= value < 32 for value in values)
+        answers = [place for place in range(40) if labels[place] != IGNORE_INDEX]
+        queries = [place - 1 for place in answers]
+        assert len(answers) == 5 and all((place - 16) % 2 == 0 for place in queries)
+        assert len({data[place] for place in queries}) == 5 and {data[place] for place in queries} <= set(keys)
+        pairs = dict(zip(keys, values, strict=True))
+        assert [int(labels[place]) - BYTE_OFFSET for place in answers] == [pairs[data[place]] for place in queries]
+        seen.update(data[16:])
+    assert seen == set(range(32))  # Zoology's filler: any byte of the task's vocabulary
+
+
+def test_mqar_visible_answers_layout_writes_each_answer_after_its_query():
+    """8 pairs, 3 queries, 16 keys and 16 values, length 40: after the 16 context tokens, 3 keys come back at even
+    offsets, each followed by its value (the only labels); every other byte is filler, of [32, 256)."""
+    batch = mqar_batch(
+        generator(1), 32, 40, num_pairs=8, num_queries=3, key_vocab=16, value_vocab=16, layout="visible_answers"
+    )
+    fillers = set()
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        data = as_bytes(row)
+        keys, values = data[0:16:2], data[1:16:2]
         pairs = dict(zip(keys, values, strict=True))
         queries = [place for place in range(16, 40) if data[place] < 16]
         assert len(queries) == 3 and len({data[place] for place in queries}) == 3
@@ -88,15 +123,40 @@ def test_mqar_queries_fill_even_slots_and_the_rest_is_filler():
     assert len(fillers) > 150  # drawn over the whole filler range
 
 
+def test_mqar_no_binding_baselines_against_closed_forms_and_a_simulated_guesser():
+    """A guesser that never binds: uniform over the example's values (Zoology's layout: 1/4 at 4 pairs), or over
+    those not yet shown as an earlier query's answer (visible answers: (1/4 + 1/3 + 1/2 + 1) / 4 = 25/48); simulated
+    on 3 pairs, 2 queries ((1/3 + 1/2) / 2 = 5/12) by reading the rows and drawing its guesses."""
+    assert mqar_baselines(4, 4, 32, "zoology") == {"a value of the vocabulary": 1 / 32, "a value of the example": 0.25}
+    assert mqar_baselines(4, 4, 32, "visible_answers")["a value of the example"] == pytest.approx(25 / 48)
+    assert mqar_baselines(3, 2, 8, "visible_answers")["a value of the example"] == pytest.approx(5 / 12)
+    batch = mqar_batch(generator(3), 3000, 16, num_pairs=3, num_queries=2, layout="visible_answers")
+    draws, right, total = generator(4), 0, 0
+    for row, labels in zip(batch.input_ids.tolist(), batch.labels.tolist(), strict=True):
+        shown = set()
+        for place in (place for place in range(16) if labels[place] != IGNORE_INDEX):
+            candidates = sorted(set(row[1:6:2]) - shown)
+            guess = candidates[int(torch.randint(len(candidates), (1,), generator=draws))]
+            right, total = right + (guess == labels[place]), total + 1
+            shown.add(row[place])
+    assert abs(right / total - 5 / 12) < 4 * math.sqrt(5 / 12 * 7 / 12 / total)
+
+
 def test_mqar_is_the_same_for_the_same_seed_and_refuses_what_cannot_fit():
     first, again = mqar_batch(generator(5), 4, 64), mqar_batch(generator(5), 4, 64)
     assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.labels, again.labels)
     with pytest.raises(ValueError, match="--mqar_pairs 8 and --mqar_queries 8 take 32 tokens"):
         mqar_batch(generator(), 1, 30, num_pairs=8, num_queries=8)
-    with pytest.raises(ValueError, match="--mqar_vocab must be even"):
-        mqar_batch(generator(), 1, 64, vocab_size=255)
+    with pytest.raises(ValueError, match="together at most 255 bytes"):
+        mqar_batch(generator(), 1, 64, key_vocab=128, value_vocab=128, layout="visible_answers")
+    with pytest.raises(ValueError, match=r"--mqar_pairs must be in 1..3"):
+        mqar_batch(generator(), 1, 64, num_pairs=4, value_vocab=3)
     with pytest.raises(ValueError, match=r"--mqar_queries must be in 1..4"):
         mqar_batch(generator(), 1, 64, num_pairs=4, num_queries=5)
+    with pytest.raises(ValueError, match="--mqar_layout must be one of zoology, visible_answers, got 'uniform'"):
+        mqar_batch(generator(), 1, 64, layout="uniform")
+    with pytest.raises(ValueError, match="--mqar_power_a must be > 0"):
+        mqar_batch(generator(), 1, 64, power_a=0.0)
 
 
 # --- copy ---
@@ -205,7 +265,7 @@ class MqarSolver(torch.nn.Module):
 
 def test_accuracy_is_one_for_an_oracle_and_zero_for_a_wrong_model():
     for batch in (
-        mqar_batch(generator(), 8, 64),
+        mqar_batch(generator(), 8, 64, layout="visible_answers"),
         copy_batch(generator(), 8, 33),
         passkey_batch(generator(), 8, 80, letters_text()),
     ):
@@ -226,11 +286,16 @@ def test_accuracy_per_answer_and_per_example_when_one_answer_per_row_is_wrong():
 
 
 def test_task_accuracy_of_a_solver_that_reads_only_the_prefix():
-    """A solver of mqar that never sees an answer before predicting it scores 1 at every length; a model giving
-    the filler byte scores 0; the rows say n/a with the reason where the model refuses a length."""
-    task = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4, mqar_vocab=64)
+    """A solver of mqar that never sees an answer before predicting it scores 1 at every length, in both layouts; a
+    model reading the next input token scores 1 only where the answers are visible (by chance in Zoology's layout),
+    one giving the byte after it 0; the rows say n/a with the reason where the model refuses a length."""
+    task = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4)
+    visible = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4, mqar_layout="visible_answers")
     assert task_accuracy(MqarSolver(4), task, 64, 20, 8, seed=0) == 1.0
-    assert task_accuracy(Peeking(384, shift=1), task, 64, 20, 8, seed=0) == 0.0
+    assert task_accuracy(MqarSolver(4), visible, 64, 20, 8, seed=0) == 1.0
+    assert task_accuracy(Peeking(384), visible, 64, 20, 8, seed=0) == 1.0
+    assert task_accuracy(Peeking(384), task, 64, 64, 8, seed=0) < 0.1
+    assert task_accuracy(Peeking(384, shift=1), visible, 64, 20, 8, seed=0) == 0.0
     row = task_row(MqarSolver(4), task, 32, (1, 2, 4), 8, 8, seed=0)
     assert row == {"accuracy": {"1x": 1.0, "2x": 1.0, "4x": 1.0}}
 
@@ -331,7 +396,10 @@ def mqar_compare(tmp_path_factory) -> Path:
 
 def test_compare_mqar_writes_its_table_json_and_plot(mqar_compare):
     table = (mqar_compare / "compare.md").read_text()
-    assert table.startswith("### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 64 key")
+    assert table.startswith(
+        "### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 32 keys and 32 values, Zoology's"
+    )
+    assert "a value of the example: 0.333" in table
     assert "| scheme | normalizer | 1x | 2x | train loss |" in table
     assert "| learned | softmax |" in table and "| n/a |" in table
     document = json.loads((mqar_compare / "compare.json").read_text())
@@ -341,7 +409,8 @@ def test_compare_mqar_writes_its_table_json_and_plot(mqar_compare):
     assert (mqar_compare / "compare.png").stat().st_size > 10_000
     saved = json.loads((mqar_compare / "models" / "mqar-rope-softmax" / "training_args.json").read_text())
     assert saved["block_size"] == 32 and saved["long_context_task"] == {
-        "task": "mqar", "pairs": 3, "queries": 2, "vocab": 64
+        "task": "mqar", "pairs": 3, "queries": 2, "key_vocab": 32, "value_vocab": 32, "layout": "zoology",
+        "power_a": 0.01,
     }  # fmt: skip
 
 

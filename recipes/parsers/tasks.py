@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from .common import int_at_least, positive_int
+from .common import positive_int
 
 
 TASKS = ("lm", "mqar", "copy", "passkey")
+MQAR_LAYOUTS = ("zoology", "visible_answers")
 PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
 PASSKEY_QUESTION_BYTES = len(" The pass key is ")
 
@@ -21,6 +22,17 @@ def unit_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """The flag type of a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
     return value
 
 
@@ -39,10 +51,23 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
     )
     group.add_argument("--mqar_queries", type=positive_int, default=4, help="mqar: keys asked per example (<= pairs)")
     group.add_argument(
-        "--mqar_vocab",
-        type=int_at_least(2),
-        default=64,
-        help="mqar: bytes the keys (first half) and values (second half) are drawn from; the other bytes fill",
+        "--mqar_layout",
+        choices=MQAR_LAYOUTS,
+        default="zoology",
+        help="mqar: zoology (Zoology's multiquery_ar: the answers are labels only, queries placed by a power law, "
+        "filler drawn from the keys and values); visible_answers (each query followed by its value in the input, "
+        "so later queries see earlier answers; queries placed uniformly; filler from the other bytes)",
+    )
+    group.add_argument(
+        "--mqar_power_a",
+        type=positive_float,
+        default=0.01,
+        help="mqar, zoology layout: the query gaps' power law P(g) ∝ (g + 1) ** (a - 1) (Zoology's power_a; 1: "
+        "uniform)",
+    )
+    group.add_argument("--mqar_key_vocab", type=positive_int, default=32, help="mqar: the bytes keys are drawn from")
+    group.add_argument(
+        "--mqar_value_vocab", type=positive_int, default=32, help="mqar: the bytes values are drawn from (after the keys)"
     )
     group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")
     group.add_argument(
@@ -65,7 +90,10 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     tokens of ``compare``'s models): a parser error naming the flag."""
     if args.task == "mqar":
         try:
-            check_mqar(length, args.mqar_pairs, args.mqar_queries, args.mqar_vocab)
+            check_mqar(
+                length, args.mqar_pairs, args.mqar_queries, args.mqar_key_vocab, args.mqar_value_vocab,
+                args.mqar_layout, args.mqar_power_a,
+            )  # fmt: skip
         except ValueError as error:
             parser.error(str(error))
     if args.task == "copy" and length is not None and length < 3:
@@ -79,15 +107,27 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             )
 
 
-def check_mqar(length: int | None, num_pairs: int, num_queries: int, vocab_size: int) -> None:
+def check_mqar(
+    length: int | None, num_pairs: int, num_queries: int, key_vocab: int, value_vocab: int, layout: str,
+    power_a: float,
+) -> None:  # fmt: skip
     """A ``ValueError`` naming the flag when ``mqar``'s settings cannot make an example of ``length`` tokens (any
     length when None)."""
-    if vocab_size % 2 or not 2 <= vocab_size <= 254:
+    if layout not in MQAR_LAYOUTS:
+        raise ValueError(f"--mqar_layout must be one of {', '.join(MQAR_LAYOUTS)}, got {layout!r}")
+    if power_a <= 0:
+        raise ValueError(f"--mqar_power_a must be > 0 (1: uniform), got {power_a}")
+    spare = 0 if layout == "zoology" else 1  # visible_answers fills with the bytes above the keys and values
+    if key_vocab < 1 or value_vocab < 1 or key_vocab + value_vocab > 256 - spare:
         raise ValueError(
-            f"--mqar_vocab must be even and in 2..254 (the bytes above it fill the rest), got {vocab_size}"
+            f"--mqar_key_vocab {key_vocab} and --mqar_value_vocab {value_vocab} must be >= 1 and together at most "
+            f"{256 - spare} bytes" + (" (the layout visible_answers fills with the bytes above them)" if spare else "")
         )
-    if not 1 <= num_pairs <= vocab_size // 2:
-        raise ValueError(f"--mqar_pairs must be in 1..{vocab_size // 2} (half of --mqar_vocab), got {num_pairs}")
+    if not 1 <= num_pairs <= min(key_vocab, value_vocab):
+        raise ValueError(
+            f"--mqar_pairs must be in 1..{min(key_vocab, value_vocab)} (distinct keys of --mqar_key_vocab, values of "
+            f"--mqar_value_vocab), got {num_pairs}"
+        )
     if not 1 <= num_queries <= num_pairs:
         raise ValueError(f"--mqar_queries must be in 1..{num_pairs} (--mqar_pairs), got {num_queries}")
     if length is not None and 2 * num_pairs + 2 * num_queries > length:
