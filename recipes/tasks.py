@@ -6,7 +6,8 @@ Every example is a row of token ids with a row of labels in Transformers' causal
 the answer token the model must give after reading ``input_ids[:t]``, ``IGNORE_INDEX`` where there is none, so
 ``model(input_ids, labels=labels)`` trains on the answers alone (as Zoology does) and a model is scored on
 predicting each answer from the tokens before it. ``copy``, ``passkey`` and ``mqar``'s ``visible_answers`` layout
-also write the answer into the input (``labels[t] == input_ids[t]``); Zoology's ``mqar`` layout does not. ``mqar`` and ``copy`` are written in bytes with the byte tokenizer's ids (``byte + 3``,
+also write the answer into the input (``labels[t] == input_ids[t]``); Zoology's ``mqar`` layout does not.
+``mqar`` and ``copy`` are written in bytes with the byte tokenizer's ids (``byte + 3``,
 :func:`hf_posenc_recipes.pretrain.byte_tokenizer`); ``passkey`` is text, encoded by the model's own tokenizer.
 """
 

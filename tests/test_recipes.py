@@ -492,6 +492,60 @@ def test_compare_takes_a_scheme_or_normalizer_with_options(tmp_path):
     )
 
 
+PER_RUN_FLAGS = {
+    "help": "not a setting",
+    "task": "compare's --task is lm or a long-context task; each run's is clm or mlm",
+    "output_dir": "each run writes to its folder under models/",
+    "seed": "each run gets its own seed of --seeds (checked below)",
+    "hub_model_id": "each run's repository is the prefix and its run name (checked below)",
+    "sliding_window": "a layout's size, handed to the runs of the layouts that take it (the layout tests)",
+    "attention_chunk_size": "a layout's size, handed to the runs of the layouts that take it (the layout tests)",
+}
+
+
+def non_default_value(action: argparse.Action) -> tuple[list[str], object]:
+    """A command-line value of ``action`` other than its default, and what the parser makes of it."""
+    if action.nargs == 0:  # store_true
+        return [], True
+    if action.dest == "reference_init":
+        return ["false"], False
+    if action.choices:
+        choice = next(choice for choice in action.choices if choice != action.default)
+        return [choice], choice
+    if isinstance(action.default, (int, float)) or action.type in (int, float):
+        word = str((action.default or 0) + 3)
+        return [word], action.type(word)
+    if action.type is Path:
+        return ["some/text.txt"], Path("some/text.txt")
+    return ["some-value"], "some-value"
+
+
+def test_compare_hands_every_pretrain_flag_it_takes_to_each_pretraining_run(tmp_path):
+    """Every flag both parsers have (read from the parsers), given to compare with a value other than its default,
+    reaches each run's pretraining command line with that value (parsed back by pretrain's parser), except the flags
+    set per run (PER_RUN_FLAGS, with the reason)."""
+    from hf_posenc_recipes.parsers import compare_parser, pretrain_parser
+
+    pretrain_flags = {action.dest for action in pretrain_parser()._actions if action.option_strings}
+    shared = [
+        action for action in compare_parser()._actions
+        if action.option_strings and action.dest in pretrain_flags and action.dest not in PER_RUN_FLAGS
+    ]  # fmt: skip
+    argv, expected = ["--output_dir", str(tmp_path), "--hub_model_id", "prefix"], {}
+    for action in shared:
+        if action.dest in expected:  # a second spelling (--no_reference_init)
+            continue
+        words, expected[action.dest] = non_default_value(action)
+        argv += [action.option_strings[0], *words]
+    assert {"weight_decay", "lr_scheduler_type", "dropout", "intermediate_size", "reference_init"} <= set(expected)
+    args = compare_parser().parse_args(argv)
+    run = ("clm", "rope", "softmax", 5)
+    run_args = pretrain_parser().parse_args(reporting.recipe_argv(args, run, tmp_path / "run"))
+    assert {dest: getattr(run_args, dest) for dest in expected} == expected
+    assert run_args.seed == 5 and run_args.output_dir == tmp_path / "run"
+    assert run_args.hub_model_id == "prefix-clm-rope-softmax"
+
+
 def test_pretrain_builds_a_layout_preset(tmp_path):
     """``pretrain --layout smollm3``: the preset's per-layer list at the model's depth; with --position_encoding too
     it stops, naming both."""

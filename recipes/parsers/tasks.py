@@ -67,7 +67,7 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
     )
     group.add_argument("--mqar_key_vocab", type=positive_int, default=32, help="mqar: the bytes keys are drawn from")
     group.add_argument(
-        "--mqar_value_vocab", type=positive_int, default=32, help="mqar: the bytes values are drawn from (after the keys)"
+        "--mqar_value_vocab", type=positive_int, default=32, help="mqar: the bytes values are drawn from (after keys)"
     )
     group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")
     group.add_argument(
