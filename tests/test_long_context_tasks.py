@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc_recipes import compare, extrapolate, long_context
+from hf_posenc_recipes import compare, extrapolate, long_context, reporting
 from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
 from hf_posenc_recipes.tasks import (
@@ -388,6 +388,7 @@ def mqar_compare(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("mqar")
     command = [str(Path(sys.executable).parent / "hf-posenc"), "compare", "--task", "mqar", "--schemes", "rope"]
     command += ["learned", "--mqar_pairs", "3", "--mqar_queries", "2", *TINY, "--output_dir", str(output)]
+    command += ["--lr_sweep", "1e-3", "3e-3", "--lr_sweep_steps", "2"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -400,18 +401,79 @@ def test_compare_mqar_writes_its_table_json_and_plot(mqar_compare):
         "### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 32 keys and 32 values, Zoology's"
     )
     assert "a value of the example: 0.333" in table
-    assert "| scheme | normalizer | 1x | 2x | train loss |" in table
-    assert "| learned | softmax |" in table and "| n/a |" in table
+    assert "| scheme | normalizer | 1x | 2x | train loss | step at 0.99 | lr |" in table
+    assert "| learned | softmax |" in table and "| n/a |" in table and "| unfinished (3) |" in table
+    assert "kept by a sweep of 2 steps over 0.001 0.003" in table and "cannot recall" not in table
     document = json.loads((mqar_compare / "compare.json").read_text())
     rows = {row["scheme"]: row for row in document["rows"]}
     assert set(rows) == {"rope", "learned"}
     assert 0.0 <= rows["rope"]["accuracy"]["2x"] <= 1.0 and isinstance(rows["learned"]["accuracy"]["2x"], str)
+    sweep = rows["rope"]["lr_sweep"]
+    assert set(sweep["trials"]) == {"0.001", "0.003"} and rows["rope"]["learning_rate"] == sweep["kept"]
+    assert rows["rope"]["reached_step"] is None and rows["rope"]["steps"] == 3
+    trial = json.loads(
+        (mqar_compare / "models" / "mqar-rope-softmax" / "lr_sweep" / "lr_0.003" / "results.json").read_text()
+    )
+    assert trial["steps"] == 2 and trial["learning_rate"] == 0.003
     assert (mqar_compare / "compare.png").stat().st_size > 10_000
     saved = json.loads((mqar_compare / "models" / "mqar-rope-softmax" / "training_args.json").read_text())
     assert saved["block_size"] == 32 and saved["long_context_task"] == {
         "task": "mqar", "pairs": 3, "queries": 2, "key_vocab": 32, "value_vocab": 32, "layout": "zoology",
         "power_a": 0.01,
     }  # fmt: skip
+
+
+def test_a_task_model_stops_when_it_reaches_the_accuracy_else_ends_unfinished_at_the_cap(tmp_path):
+    """With --stop_accuracy 0 the first evaluation (step 2 of --eval_steps 2) stops training; at 1.0 a tiny model
+    runs to the cap of 4 steps, unfinished."""
+    from accelerate import Accelerator
+
+    task = TaskSpec("mqar", mqar_pairs=2, mqar_queries=2)
+    flags = ["--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "16"]
+    flags += ["--max_train_steps", "4", "--num_warmup_steps", "1", "--eval_steps", "2"]
+    flags += ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4"]
+    accelerator = Accelerator(cpu=True)
+    stopped = long_context.train_task_model([*flags, "--output_dir", str(tmp_path / "a")], task, accelerator, 4, 0.0)
+    assert (stopped["steps"], stopped["reached_step"], stopped["max_train_steps"]) == (2, 2, 4)
+    capped = long_context.train_task_model([*flags, "--output_dir", str(tmp_path / "b")], task, accelerator, 4, 1.0)
+    assert (capped["steps"], capped["reached_step"]) == (4, None)
+    log = [json.loads(line) for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log if "eval_accuracy" in record] == [2, 4]
+
+
+def test_the_lr_sweep_keeps_the_best_accuracy_then_the_earliest_to_reach_it_then_the_lowest_loss(
+    monkeypatch, tmp_path
+):
+    """Three trials (their results made up): 1e-3 reaches 0.5; 3e-3 and 1e-2 both 0.9, 1e-2 reaching the stop accuracy
+    at step 200 and 3e-3 never: 1e-2 is kept. Each trial runs --lr_sweep_steps 100 with the full run's warm-up
+    fraction (60 of 600 -> 10), in its own folder."""
+    made_up = {"0.001": (0.5, None, 1.0), "0.003": (0.9, None, 0.2), "0.01": (0.9, 200, 0.3)}
+    seen = []
+
+    def train(argv, task, accelerator, examples, stop):
+        seen.append(argv)
+        accuracy, reached, loss = made_up[argv[argv.index("--learning_rate") + 1]]
+        return {"eval_accuracy": accuracy, "reached_step": reached, "train_loss": loss, "steps": 100}
+
+    monkeypatch.setattr(long_context, "train_task_model", train)
+    args = compare.parse_args(["--task", "mqar", "--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100"])
+    argv = reporting.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
+    accelerator = argparse.Namespace(print=lambda *words: None)
+    sweep = long_context.sweep_learning_rate(args, argv, tmp_path, TaskSpec("mqar"), accelerator)
+    assert sweep["kept"] == 0.01 and set(sweep["trials"]) == set(made_up)
+    for trial in seen:
+        assert trial[trial.index("--max_train_steps") + 1] == "100"
+        assert trial[trial.index("--num_warmup_steps") + 1] == "10"
+    assert {trial[trial.index("--output_dir") + 1] for trial in seen} == {
+        str(tmp_path / "lr_sweep" / f"lr_{rate}") for rate in made_up
+    }
+
+
+def test_compare_lr_sweep_without_rates_takes_zoologys_range_and_lm_refuses_it(capsys):
+    assert compare.parse_args(["--task", "mqar", "--lr_sweep"]).lr_sweep == [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--lr_sweep"])
+    assert "--lr_sweep trains the task models of --task mqar, copy or passkey" in capsys.readouterr().err
 
 
 def test_extrapolate_scores_saved_models_on_the_task_and_by_position(mqar_compare, tmp_path):

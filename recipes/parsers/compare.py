@@ -94,7 +94,7 @@ the answers) and the report gives its accuracy at each length (passkey's also by
     add_flags(parser, ("factors", "max_eval_tokens"))
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
     add_threads_flag(parser)
-    add_task_flags(parser, "train each model on the task")
+    add_task_flags(parser, "train each model on the task", training=True)
     add_tracking_flags(parser)
     add_hub_flags(
         parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"

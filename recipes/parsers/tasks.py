@@ -36,8 +36,13 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--task`` (``what`` it does with a task) and the settings of the tasks."""
+DEFAULT_LR_SWEEP = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+"""``--lr_sweep``'s rates when none is given: Zoology's range, 1e-4 to 1e-2."""
+
+
+def add_task_flags(parser: argparse.ArgumentParser, what: str, training: bool = False) -> None:
+    """``--task`` (``what`` it does with a task) and the settings of the tasks; with ``training``, how a task model
+    trains (``--stop_accuracy``, ``--lr_sweep``)."""
     group = parser.add_argument_group("long-context tasks (--task mqar, copy, passkey)")
     group.add_argument(
         "--task",
@@ -82,6 +87,27 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
         type=positive_int,
         default=128,
         help="examples scored at each length (passkey: at each length and depth), the same for every model",
+    )
+    if not training:
+        return
+    group.add_argument(
+        "--stop_accuracy",
+        type=unit_interval,
+        default=0.99,
+        help="stop training a task model at the first evaluation (every --eval_steps) whose accuracy at the training "
+        "length reaches this (Zoology's 0.99); --max_train_steps is the cap: a run ending there is unfinished",
+    )
+    group.add_argument(
+        "--lr_sweep",
+        type=positive_float,
+        nargs="*",
+        default=None,
+        help="before each task model, a run of --lr_sweep_steps at each of these learning rates (none given: "
+        f"{' '.join(f'{rate:g}' for rate in DEFAULT_LR_SWEEP)}, Zoology's range); the model trains at the rate with "
+        "the best accuracy, reported beside it",
+    )
+    group.add_argument(
+        "--lr_sweep_steps", type=positive_int, default=300, help="--lr_sweep: the steps of each trial (at most)"
     )
 
 
