@@ -501,6 +501,14 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
     if len(seeds) > 1:
         notes.append(f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample standard deviation.")
     notes += baseline_notes(task)
+    if task.name == "passkey":
+        fixed, _ = task.passkey_filler(args.block_size)
+        lengths = "; ".join(
+            f"{f}x {f * args.block_size} tokens, filler {task.passkey_filler(f * args.block_size)[1]} "
+            f"({task.passkey_filler(f * args.block_size)[1] / (f * args.block_size):.0%})"
+            for f in args.factors
+        )
+        notes.append(f"Passkey's needle, question and key take {fixed} tokens; the rest is filler: {lengths}.")
     report += "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
     arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}

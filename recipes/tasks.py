@@ -231,6 +231,14 @@ class TaskSpec:
             return {"task": "passkey", "digits": self.passkey_digits}
         return {"task": self.name}
 
+    def passkey_filler(self, length: int) -> tuple[int, int]:
+        """``(needle, question and key, filler)`` in tokens of a passkey example of ``length`` tokens (a key of
+        ``passkey_digits`` nines: with the byte tokenizer every key takes as many)."""
+        encode = self.passkey["eval"].encode
+        key = "9" * self.passkey_digits
+        fixed = len(encode(PASSKEY_NEEDLE.format(key=key))) + len(encode(PASSKEY_QUESTION)) + len(encode(key))
+        return fixed, length - fixed
+
     def describe(self) -> str:
         """The task and its settings, in words (the report's heading)."""
         if self.name == "mqar":

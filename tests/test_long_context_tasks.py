@@ -223,6 +223,16 @@ def test_passkey_sizes_agree_with_the_parser_and_the_byte_tokenizer():
     assert len(texts["train"].filler) > 15 * len(texts["eval"].filler)
 
 
+def test_passkey_trains_at_a_length_where_filler_is_most_of_the_row():
+    """compare's training length when --block_size is not given: 128 for passkey, 64 for the others; at 128 the
+    needle (`` The pass key is 99999. ``, 24 bytes), the question (17) and the key (5) leave 82 bytes of filler."""
+    assert compare.parse_args(["--task", "passkey"]).block_size == 128
+    assert compare.parse_args(["--task", "mqar"]).block_size == compare.parse_args([]).block_size == 64
+    assert compare.parse_args(["--task", "passkey", "--block_size", "96"]).block_size == 96
+    task = TaskSpec("passkey", passkey=passkey_texts(byte_tokenizer()))
+    assert task.passkey_filler(128) == (24 + 17 + 5, 82)
+
+
 # --- the accuracy metric ---
 
 

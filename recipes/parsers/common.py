@@ -319,11 +319,14 @@ TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed")
 ``compare`` takes and hands to every pretraining run it starts."""
 
 
-def add_flags(group, names: tuple[str, ...], **defaults: Any) -> None:
-    """The flags ``names`` of :data:`SHARED_FLAGS`, with the recipe's own ``defaults`` where it differs."""
+def add_flags(group, names: tuple[str, ...], notes: dict[str, str] | None = None, **defaults: Any) -> None:
+    """The flags ``names`` of :data:`SHARED_FLAGS`, with the recipe's own ``defaults`` where it differs and its
+    ``notes`` appended to a flag's help (what a default of None means there)."""
     for name in names:
         kwargs = dict(SHARED_FLAGS[name])
         kwargs["default"] = defaults.get(name, kwargs["default"])
+        if notes and name in notes:
+            kwargs["help"] = f"{kwargs['help']} ({notes[name]})"
         group.add_argument(f"--{name}", **kwargs)
 
 

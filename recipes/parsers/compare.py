@@ -20,7 +20,7 @@ from .common import (
     new_parser,
     output_folder,
 )
-from .tasks import add_task_flags
+from .tasks import TASK_BLOCK_SIZES, add_task_flags
 
 
 DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
@@ -76,7 +76,10 @@ the answers) and the report gives its accuracy at each length (passkey's also by
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
     training = parser.add_argument_group("each model and its training (the pretrain recipe's flags)")
     shared = ("block_size", *MODEL_FLAGS, *TRAINING_FLAGS)
-    add_flags(training, shared, **MODEL_SIZE_DEFAULTS, per_device_eval_batch_size=16)
+    block = f"when None: 64, {TASK_BLOCK_SIZES['passkey']} for --task passkey (its filler then most of the row)"
+    add_flags(
+        training, shared, {"block_size": block}, **MODEL_SIZE_DEFAULTS, block_size=None, per_device_eval_batch_size=16
+    )
     add_reference_init_flags(parser, training)
     parser.add_argument(
         "--seeds",

@@ -10,6 +10,9 @@ from .common import positive_int
 
 TASKS = ("lm", "mqar", "copy", "passkey")
 MQAR_LAYOUTS = ("zoology", "visible_answers")
+TASK_BLOCK_SIZES = {"lm": 64, "mqar": 64, "copy": 64, "passkey": 128}
+"""``compare``'s training length of each ``--task`` when ``--block_size`` is not given: passkey's needle, question and
+5-digit key take 46 bytes, so at 128 its filler is 82 of them (64 %) and 210 of 256 at 2x; at 64 it was 18."""
 PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
 PASSKEY_QUESTION_BYTES = len(" The pass key is ")
 
