@@ -93,7 +93,12 @@ def train_task_model(
         started = time.perf_counter()
         generator = pretrain.batch_generator(args.seed, 0, step, accelerator.process_index)
         batch = task.batch(generator, args.per_device_train_batch_size, args.block_size)
-        loss = model(input_ids=batch.input_ids.to(accelerator.device), labels=batch.labels.to(accelerator.device)).loss
+        inputs = {"input_ids": batch.input_ids, "labels": batch.labels}
+        if args.randomized_positions is not None:
+            inputs["position_ids"] = pretrain.randomized_position_ids(
+                generator, *batch.input_ids.shape, args.randomized_positions
+            )
+        loss = model(**{key: value.to(accelerator.device) for key, value in inputs.items()}).loss
         accelerator.backward(loss)
         if args.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -107,8 +112,9 @@ def train_task_model(
             model.eval()
             unwrapped = accelerator.unwrap_model(model)
             accuracy = task_accuracy(
-                unwrapped, task, args.block_size, eval_examples, args.per_device_eval_batch_size, args.seed
-            )
+                unwrapped, task, args.block_size, eval_examples, args.per_device_eval_batch_size, args.seed,
+                randomized_positions=args.randomized_positions,
+            )  # fmt: skip
             record["eval_accuracy"] = accuracy
             model.train()
             progress.write(f"step {step}: loss {mean_loss:.4f}, accuracy at the training length {accuracy:.3f}")
@@ -226,7 +232,7 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).to(accelerator.device).eval()
         scores = task_row(
             model, task, args.block_size, args.factors, args.task_eval_examples, args.per_device_eval_batch_size,
-            args.seed, args.passkey_depths,
+            args.seed, args.passkey_depths, args.randomized_positions,
         )  # fmt: skip
         cells = ", ".join(
             f"{factor} {summary_cell(mean_and_spread([value]))}" for factor, value in scores["accuracy"].items()

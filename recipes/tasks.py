@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hf_posenc_recipes.parsers.tasks import check_mqar
-from hf_posenc_recipes.pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file
+from hf_posenc_recipes.pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, randomized_position_ids
 
 
 TASK_NAMES = ("mqar", "copy", "passkey")
@@ -279,16 +279,23 @@ training batches' ``(seed, 0, step, process)``: never the same examples."""
 
 @torch.no_grad()
 def task_accuracy(
-    model, task: TaskSpec, length: int, examples: int, batch_size: int, seed: int, depth: float | None = None
-) -> float:
+    model, task: TaskSpec, length: int, examples: int, batch_size: int, seed: int, depth: float | None = None,
+    randomized_positions: int | None = None,
+) -> float:  # fmt: skip
     """The accuracy (:func:`answer_accuracy`) of ``model`` on ``examples`` examples of ``length`` tokens drawn from
-    ``seed`` (the same examples for every model and batch size), passkey's needle at ``depth`` of held-out filler."""
+    ``seed`` (the same examples for every model and batch size), passkey's needle at ``depth`` of held-out filler;
+    with ``randomized_positions`` (a model trained with them) the position ids of
+    :func:`~hf_posenc_recipes.pretrain.randomized_position_ids`, one draw for all the examples."""
     device = next(model.parameters()).device
     depth_index = 0 if depth is None else 1 + round(depth * 10**6)
-    batch = task.batch(batch_generator(seed, EVALUATION_STREAM, length, depth_index), examples, length, "eval", depth)
+    generator = batch_generator(seed, EVALUATION_STREAM, length, depth_index)
+    batch = task.batch(generator, examples, length, "eval", depth)
+    inputs = {"input_ids": batch.input_ids}
+    if randomized_positions is not None:
+        inputs["position_ids"] = randomized_position_ids(generator, examples, length, randomized_positions)
     right = total = 0
     for first in range(0, examples, batch_size):
-        logits = model(input_ids=batch.input_ids[first : first + batch_size].to(device)).logits
+        logits = model(**{key: value[first : first + batch_size].to(device) for key, value in inputs.items()}).logits
         labels = batch.labels[first : first + batch_size]
         batch_right, batch_total = answer_accuracy(logits.cpu(), labels, batch.per_example)
         right, total = right + batch_right, total + batch_total
@@ -297,10 +304,11 @@ def task_accuracy(
 
 def task_row(
     model, task: TaskSpec, train_length: int, factors: Sequence[int], examples: int, batch_size: int, seed: int,
-    depths: Sequence[float] = DEFAULT_DEPTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS, randomized_positions: int | None = None,
 ) -> dict:  # fmt: skip
     """``{"accuracy": {"1x": accuracy or the reason the model cannot run at that length, ...}}`` and for passkey
-    ``"by_depth": {"1x": {"0.25": accuracy, ...}, ...}``, where ``"1x"`` is the mean over the depths."""
+    ``"by_depth": {"1x": {"0.25": accuracy, ...}, ...}``, where ``"1x"`` is the mean over the depths; with
+    ``randomized_positions`` every length draws its position ids (:func:`task_accuracy`)."""
     row: dict = {"accuracy": {}}
     if task.name == "passkey":
         row["by_depth"] = {}
@@ -308,10 +316,13 @@ def task_row(
         length = factor * train_length
         try:
             if task.name != "passkey":
-                row["accuracy"][f"{factor}x"] = task_accuracy(model, task, length, examples, batch_size, seed)
+                row["accuracy"][f"{factor}x"] = task_accuracy(
+                    model, task, length, examples, batch_size, seed, randomized_positions=randomized_positions
+                )
                 continue
             by_depth = {
-                str(depth): task_accuracy(model, task, length, examples, batch_size, seed, depth) for depth in depths
+                str(depth): task_accuracy(model, task, length, examples, batch_size, seed, depth, randomized_positions)
+                for depth in depths
             }
             row["by_depth"][f"{factor}x"] = by_depth
             row["accuracy"][f"{factor}x"] = sum(by_depth.values()) / len(by_depth)

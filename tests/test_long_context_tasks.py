@@ -310,6 +310,30 @@ def test_task_accuracy_of_a_solver_that_reads_only_the_prefix():
     assert row == {"accuracy": {"1x": 1.0, "2x": 1.0, "4x": 1.0}}
 
 
+class PositionRecorder(torch.nn.Module):
+    """Keeps the position ids of every forward; predicts token 0 everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+        self.seen = []
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        self.seen.append(position_ids)
+        return argparse.Namespace(logits=torch.zeros(*input_ids.shape, 384))
+
+
+def test_a_task_row_with_randomized_positions_draws_them_at_each_length_it_can():
+    """Scored with randomized positions up to 100: at 1x (32 tokens) every forward gets sorted distinct ids below
+    100, the same draw for every example; at 4x (128 tokens) the row gives the reason instead of a number."""
+    model = PositionRecorder()
+    row = task_row(model, TaskSpec("copy"), 32, (1, 4), 8, 4, seed=0, randomized_positions=100)
+    assert isinstance(row["accuracy"]["1x"], float) and len(model.seen) == 2
+    assert torch.equal(model.seen[0], model.seen[1]) and model.seen[0].shape == (4, 32)
+    assert (model.seen[0].diff(dim=-1) > 0).all() and model.seen[0].max() < 100
+    assert row["accuracy"]["4x"].startswith("Randomized positions draw 128 distinct positions below 100")
+
+
 def test_passkey_rows_give_each_depth_and_their_mean():
     task = TaskSpec("passkey", passkey={"eval": letters_text()})
     row = task_row(Peeking(384), task, 50, (1, 2), 4, 4, seed=0, depths=(0.0, 1.0))

@@ -546,6 +546,42 @@ def test_compare_hands_every_pretrain_flag_it_takes_to_each_pretraining_run(tmp_
     assert run_args.hub_model_id == "prefix-clm-rope-softmax"
 
 
+def test_randomized_positions_are_a_sorted_uniform_draw_of_distinct_positions():
+    """Ruoss et al. 2023: n distinct positions of [0, N), sorted, one draw for the batch; each position is in a draw
+    with probability n / N (a uniform n-subset), checked over 3000 draws within 4.5 standard errors."""
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([pretrain_recipe.randomized_position_ids(generator, 3, 8, 20) for _ in range(3000)])
+    assert draws.shape == (3000, 3, 8) and torch.equal(draws[:, 0], draws[:, 2])
+    first = draws[:, 0]
+    assert (first.diff(dim=-1) > 0).all() and first.min() >= 0 and first.max() < 20
+    frequency = torch.stack([(first == position).any(-1).float().mean() for position in range(20)])
+    p = 8 / 20
+    assert (frequency - p).abs().max() < 4.5 * math.sqrt(p * (1 - p) / 3000)
+    with pytest.raises(ValueError, match="draw 21 distinct positions below 20 .--randomized_positions."):
+        pretrain_recipe.randomized_position_ids(generator, 1, 21, 20)
+
+
+def test_pretrain_with_randomized_positions_feeds_them_in_training_and_evaluation(tmp_path, monkeypatch):
+    """Every forward of a run with --randomized_positions 40 (blocks of 16) gets 16 sorted distinct position ids
+    below 40, never 0..15 alone every time; the learned table holds 40 rows; N below the block is refused."""
+    seen = []
+    forward = hf_posenc.PosEncGPT2LMHeadModel.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("position_ids"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf_posenc.PosEncGPT2LMHeadModel, "forward", recording)
+    pretrain(tmp_path / "run", "--randomized_positions", "40", "--max_eval_blocks", "8", steps=4)
+    assert len(seen) > 4 and all(ids is not None and ids.shape[-1] == 16 for ids in seen)
+    assert all((ids.diff(dim=-1) > 0).all() and ids.max() < 40 for ids in seen)
+    assert any(ids.max() > 15 for ids in seen)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["n_positions"] == 40
+    with pytest.raises(SystemExit):
+        pretrain_recipe.parse_args([*TINY, "--randomized_positions", "15"])
+
+
 def test_pretrain_builds_a_layout_preset(tmp_path):
     """``pretrain --layout smollm3``: the preset's per-layer list at the model's depth; with --position_encoding too
     it stops, naming both."""

@@ -299,6 +299,13 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
     "max_train_steps": {"type": int, "default": 600, "help": "optimizer steps (pretrain: 0 runs --num_train_epochs)"},
     "eval_steps": {"type": int, "default": 200, "help": "evaluate every N steps (and at the end)"},
     "seed": {"type": int, "default": 0, "help": "initialisation, batch order, masks, dropout"},
+    "randomized_positions": {
+        "type": int,
+        "default": None,
+        "help": "randomized positions (Ruoss et al. 2023) up to N: each batch's position ids are a sorted draw of "
+        "distinct positions of [0, N), in training and evaluation, instead of 0..n-1 (N >= --block_size; a learned "
+        "table gets N rows); None: 0..n-1",
+    },
     "factors": {
         "type": int,
         "nargs": "+",
@@ -314,7 +321,7 @@ MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "inter
 MODEL_FLAGS += ("initializer_range", "attn_implementation")
 TRAINING_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "learning_rate", "weight_decay")
 TRAINING_FLAGS += ("adam_beta1", "adam_beta2", "max_grad_norm", "lr_scheduler_type", "num_warmup_steps")
-TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed")
+TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed", "randomized_positions")
 """The pretraining recipe's model and training flags (with ``--block_size`` and ``--reference_init``): what
 ``compare`` takes and hands to every pretraining run it starts."""
 
