@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give --dataset_name or --train_file, not both")
     if args.dataset_config_name is not None and args.dataset_name is None:
         parser.error("--dataset_config_name needs --dataset_name")
+    if args.randomized_positions is not None and args.randomized_positions < args.block_size:
+        parser.error(
+            f"--randomized_positions {args.randomized_positions} must be >= --block_size {args.block_size}: a block "
+            "draws that many distinct positions below it"
+        )
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     check_layout_sizes(parser, args)

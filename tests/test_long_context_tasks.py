@@ -554,6 +554,7 @@ def test_extrapolate_passkey_zero_shot_on_a_retrofitted_stock_decoder(tmp_path):
         (["--task", "mqar", "--mqar_pairs", "4", "--mqar_queries", "5"], "--mqar_queries must be in 1..4"),
         (["--task", "mqar", "--block_size", "12"], "take 16 tokens, more than the length 12"),
         (["--task", "passkey", "--block_size", "40"], "take 46 bytes, more than --block_size 40"),
+        (["--task", "copy", "--randomized_positions", "32"], "--randomized_positions 32 must be >= --block_size 64"),
         (["--task", "copy", "--train_file", str(Path(__file__).parents[1] / "README.md")], "passkey's filler text"),
     ],
 )
