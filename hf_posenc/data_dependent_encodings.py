@@ -13,6 +13,8 @@ Sources: the papers and reference implementations cited per class.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -26,8 +28,8 @@ from .relative_tables import in_query_chunks
 
 class ForgetGate(LayerPositionTerm):
     """One layer's FoX forget gates: ``forget_gate`` (``nn.Linear(hidden, heads)``, the reference's ``fgate_proj``,
-    initialised by the family as the reference's ``_initialize_weights``: weight ``N(0, initializer_range)``, bias 0,
-    so every gate starts near ``sigmoid(0) = 1/2``).
+    initialised by the family as the reference's ``_initialize_weights``: weight ``N(0, initializer_range)``, bias
+    ``bias_init``, 0 in the reference, so every gate starts near ``sigmoid(0) = 1/2``).
 
     ``layer_tables`` gives the cumulative log gates of the queries and of the keys, ``(batch, heads, q_len)`` and
     ``(batch, heads, kv_len)`` in at least float32: the keys' ``c = cumsum(log f)`` over every key (cached keys
@@ -38,9 +40,13 @@ class ForgetGate(LayerPositionTerm):
 
     cache_states = ("log_forget",)
 
-    def __init__(self, dims: AttentionDims):
+    def __init__(self, dims: AttentionDims, bias_init: float = 0.0):
         super().__init__()
         self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
+        self.bias_init = bias_init
+
+    def init_weights(self, initializer_range):
+        init.constant_(self.forget_gate.bias, self.bias_init)
 
     def layer_tables(self, hidden_states, attention_inputs, store):
         # every head's gate, read at this rank's heads under tensor parallelism (the gradient summed over the ranks)
@@ -83,6 +89,11 @@ class FoX(PositionEncoding):
     whether or not a mask hides them: padding on either side of a row is never between two real tokens, so its gates
     reach no real token and a padded row equals the row alone; a hole inside a 2-D mask decays the keys before it.
 
+    ``gate_bias_init`` is the gates' bias at initialisation, ``b_h``: 0 is the reference's (every gate ~1/2, so a
+    key ``n`` tokens back starts ``n ln 2`` nats down, which can hold a small model on a plateau of a recall task);
+    a positive bias starts the gates near 1, the decay near none: x-transformers' data-dependent ALiBi starts it at 5,
+    fla's Wall attention at 8.
+
     Backends: the bias is the difference of two per-token tables (:class:`ForgetGate`): eager and SDPA add it as a
     ``(batch, heads, q_len, kv_len)`` per-layer term, FlexAttention reads the tables in its ``score_mod``. An encoder
     form does not exist (the sums run from a key to a later query; a bidirectional decay is not in the paper): an
@@ -101,7 +112,15 @@ class FoX(PositionEncoding):
     # Compiled CPU FlexAttention (torch 2.13) compiles the score_mod at a first length (equal to eager: 2.7e-6) and
     # emits C++ that does not compile at a second one ("cur_qSplitSize3 was not declared"), as for tupe.
     flex_compiles_on_cpu = False
-    options = {}
+    options = {
+        "gate_bias_init": Option(
+            0.0,
+            (float, int),
+            "the gates' bias b at init, f = sigmoid(w.x + b): 0 the reference's (x-transformers 5, fla's Wall 8)",
+            math.isfinite,
+            "a finite number",
+        ),
+    }
 
     @classmethod
     def check_family(cls, spec, causal):
@@ -114,7 +133,7 @@ class FoX(PositionEncoding):
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
-        return ForgetGate(dims)
+        return ForgetGate(dims, spec["gate_bias_init"])
 
 
 def ut_transform(directions: torch.Tensor, strengths: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ from .position_interface import BACKENDS, AttentionDims, AttentionInputs, Forwar
 
 
 OUTPUT_GATES = ("elementwise", "headwise")
+OUTPUT_NORM_EPS = 1e-6
+"""The output norm's epsilon: FoX's reference's ``norm_eps``."""
 
 
 GATE_OPTIONS = {
@@ -40,6 +42,9 @@ GATE_OPTIONS = {
         'gated attention, Y * sigmoid(X W_g) on each head\'s output: "elementwise" or "headwise"; None: no gate',
         lambda v: v in OUTPUT_GATES,
         '"elementwise" or "headwise"',
+    ),
+    "output_norm": Option(
+        False, (bool,), "RMSNorm of each head's output, a learned scale per feature, before the output gate (FoX-Pro)"
     ),
     "toeplitz_gate": Option(False, (bool,), "multiply the weights by a trainable Toeplitz gate g_h(clip(i - j))"),
     "toeplitz_max_distance": Option.int_at_least(128, "k of clip(i - j, -k, k) in the Toeplitz gate", 1),
@@ -68,6 +73,12 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     of its own, ``output_gate`` (an ``nn.Linear`` without bias, as ``q_proj`` with ``attention_bias=False``), whose
     row ``h * head_dim + e`` is that ``q_proj`` row ``2 h head_dim + head_dim + e``, initialised as that ``q_proj``
     (and the paper's code, qiuzh20/gated_attention): ``N(0, initializer_range)``.
+
+    And the option ``output_norm``, the output normalization of FoX-Pro (Lin et al. 2025, section 3;
+    ``zhixuan-lin/forgetting-transformer``'s ``use_output_norm``, a ``GroupRMSNorm`` with a group per head): each
+    head's output ``y`` ``(head_dim,)`` becomes ``y / sqrt(mean(y^2) + 1e-6) * w_h``, computed in float32, with
+    ``w`` ``(heads * head_dim,)`` trainable (one scale per head and feature, not shared by the heads: 1-D, so the
+    recipes do not decay it) and initialised to 1; before the output gate, as in the reference.
 
     ``layer_idx``: the attention layer (0-based) the normalizer serves, for formulas that depend on the depth
     (``differential``'s ``lambda_init``); a normalizer built on its own is layer 0.
@@ -125,6 +136,7 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
         else:
             gates = dims.num_heads * (dims.head_dim if spec["output_gate"] == "elementwise" else 1)
             self.output_gate = nn.Linear(dims.hidden_size, gates, bias=False)
+        self.output_norm = nn.Parameter(torch.ones(dims.num_heads * dims.head_dim)) if spec["output_norm"] else None
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -189,9 +201,11 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     def init_weights(self, initializer_range: float) -> None:
         """The normalizer's own parameters, through ``transformers.initialization`` (loaded weights are kept): the
         Toeplitz gate at 1, so that a fresh gated model equals the ungated one; the output gate's projection
-        ``N(0, initializer_range)``, as Qwen3-Next's ``q_proj`` that holds it there."""
+        ``N(0, initializer_range)``, as Qwen3-Next's ``q_proj`` that holds it there; the output norm's scale at 1."""
         if self.toeplitz_gate is not None:
             init.ones_(self.toeplitz_gate)
+        if self.output_norm is not None:
+            init.ones_(self.output_norm)
         if self.output_gate is not None:
             init.normal_(self.output_gate.weight, mean=0.0, std=initializer_range)
 
@@ -230,8 +244,16 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
 
     def attention_output(self, outputs: list[torch.Tensor], hidden_states: torch.Tensor | None) -> torch.Tensor:
         """What the output projection reads, ``(batch, heads, q_len, head_dim)``: ``combine_outputs``, then the
-        output gate ``sigmoid(X W_g)`` from the layer's input ``hidden_states`` ``(batch, q_len, hidden)``."""
+        output norm, then the output gate ``sigmoid(X W_g)`` from the layer's input ``hidden_states`` ``(batch,
+        q_len, hidden)``."""
         output = self.combine_outputs(outputs)
+        if self.output_norm is not None:
+            head_dim = output.shape[-1]
+            scale = self.heads_read(self.output_norm.view(self.model_num_heads, head_dim))[None, :, None, :]
+            normed = nn.functional.rms_norm(
+                output.to(torch.promote_types(output.dtype, torch.float32)), (head_dim,), eps=OUTPUT_NORM_EPS
+            )
+            output = (normed * scale).to(output.dtype)
         if self.output_gate is None:
             return output
         if hidden_states is None:

@@ -45,6 +45,7 @@ from hf_posenc_recipes.extrapolate import evaluation_ids, extrapolation_row
 from hf_posenc_recipes.parsers.common import check_layout_sizes, layout_sizes, parse_scheme
 from hf_posenc_recipes.parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
 from hf_posenc_recipes.parsers.pretrain import pretrain_parser
+from hf_posenc_recipes.parsers.tasks import TASK_BLOCK_SIZES
 from hf_posenc_recipes.reporting import (
     Run,
     format_cell,
@@ -63,6 +64,8 @@ TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = compare_parser()
     args = parser.parse_args(argv)
+    if args.block_size is None:
+        args.block_size = TASK_BLOCK_SIZES[args.task]
     if args.schemes is None:
         args.schemes = [] if args.layouts else list(DEFAULT_COMPARE_SCHEMES)
     for flag, registry in (
@@ -80,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give --dataset_name or --train_file, not both")
     if args.dataset_config_name is not None and args.dataset_name is None:
         parser.error("--dataset_config_name needs --dataset_name")
+    if args.randomized_positions is not None and args.randomized_positions < args.block_size:
+        parser.error(
+            f"--randomized_positions {args.randomized_positions} must be >= --block_size {args.block_size}: a block "
+            "draws that many distinct positions below it"
+        )
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     check_layout_sizes(parser, args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 
 from hf_posenc_recipes import pretrain
 from hf_posenc_recipes.common import progress_bar_off, recipe_accelerator, torch_threads, write_model_card
-from hf_posenc_recipes.parsers.tasks import check_task_flags
+from hf_posenc_recipes.parsers.tasks import DEFAULT_LR_SWEEP, check_task_flags
 from hf_posenc_recipes.reporting import (
     folder_name,
     format_cell,
@@ -47,14 +48,18 @@ def task_spec(args: argparse.Namespace, tokenizer=None, text_file: Path | None =
     """The task of ``--task`` with its settings; passkey's texts (from ``text_file``, else the embedded corpus) in
     ``tokenizer``'s ids (bytes when None)."""
     texts = passkey_texts(tokenizer or pretrain.byte_tokenizer(), text_file) if args.task == "passkey" else None
-    return TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits, texts)
+    return TaskSpec.from_flags(args, texts)
 
 
-def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, eval_examples: int) -> dict[str, Any]:
+def train_task_model(
+    argv: list[str], task: TaskSpec, accelerator: Accelerator, eval_examples: int, stop_accuracy: float = 1.0
+) -> dict[str, Any]:
     """Train one decoder on ``task`` with the pretraining recipe's flags ``argv`` (its model, optimiser, schedule,
     seed, ``--output_dir``), saving it there as the recipe does (model, byte tokenizer, ``training_args.json``,
     ``results.json``, ``train_log.jsonl``, model card); returns the results. Every ``--eval_steps`` steps the accuracy
-    at the training length on ``eval_examples`` held-out examples is logged."""
+    at the training length on ``eval_examples`` held-out examples is logged; training stops at the first evaluation
+    where it reaches ``stop_accuracy`` (Zoology stops at 0.99), ``--max_train_steps`` being the cap: the results'
+    ``reached_step`` is that step, None for a run that ends at the cap below it (unfinished)."""
     args = pretrain.parse_args(argv)
     tokenizer = pretrain.byte_tokenizer()
     set_seed(args.seed)
@@ -82,13 +87,18 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         total=args.max_train_steps, desc=task.name, disable=progress_bar_off(accelerator.is_local_main_process)
     )
     tokens_per_step = args.block_size * args.per_device_train_batch_size * accelerator.num_processes
-    history, train_seconds, accuracy = [], 0.0, None
+    history, train_seconds, accuracy, reached_step = [], 0.0, None, None
     model.train()
     for step in range(1, args.max_train_steps + 1):
         started = time.perf_counter()
         generator = pretrain.batch_generator(args.seed, 0, step, accelerator.process_index)
         batch = task.batch(generator, args.per_device_train_batch_size, args.block_size)
-        loss = model(input_ids=batch.input_ids.to(accelerator.device), labels=batch.labels.to(accelerator.device)).loss
+        inputs = {"input_ids": batch.input_ids, "labels": batch.labels}
+        if args.randomized_positions is not None:
+            inputs["position_ids"] = pretrain.randomized_position_ids(
+                generator, *batch.input_ids.shape, args.randomized_positions
+            )
+        loss = model(**{key: value.to(accelerator.device) for key, value in inputs.items()}).loss
         accelerator.backward(loss)
         if args.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -102,8 +112,9 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
             model.eval()
             unwrapped = accelerator.unwrap_model(model)
             accuracy = task_accuracy(
-                unwrapped, task, args.block_size, eval_examples, args.per_device_eval_batch_size, args.seed
-            )
+                unwrapped, task, args.block_size, eval_examples, args.per_device_eval_batch_size, args.seed,
+                randomized_positions=args.randomized_positions,
+            )  # fmt: skip
             record["eval_accuracy"] = accuracy
             model.train()
             progress.write(f"step {step}: loss {mean_loss:.4f}, accuracy at the training length {accuracy:.3f}")
@@ -113,12 +124,17 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         if accelerator.is_main_process:
             with log_path.open("a") as log:
                 log.write(json.dumps(record) + "\n")
+        if "eval_accuracy" in record and accuracy >= stop_accuracy:
+            reached_step = step
+            break
     progress.close()
     model.eval()
     results = {
         "task": task.name, "position_encoding": config.position_encoding,
         "attention_normalizer": config.attention_normalizer, "block_size": args.block_size,
-        "steps": args.max_train_steps, "num_parameters": num_parameters, "train_loss": history[-1]["loss"],
+        "steps": history[-1]["step"], "max_train_steps": args.max_train_steps, "stop_accuracy": stop_accuracy,
+        "reached_step": reached_step, "learning_rate": args.learning_rate, "num_parameters": num_parameters,
+        "train_loss": history[-1]["loss"],
         "tokens_per_second": history[-1]["tokens_per_second"], "eval_accuracy": accuracy,
         "reference_init": initialised,
     }  # fmt: skip
@@ -129,7 +145,7 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         tokenizer.save_pretrained(args.output_dir)
         arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         arguments.pop("hub_token", None)
-        arguments["long_context_task"] = task_settings(task)
+        arguments["long_context_task"] = task.settings()
         (args.output_dir / "training_args.json").write_text(json.dumps(arguments, indent=2))
         (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
         data = f"Examples of {task.describe()}, drawn afresh at each step from the seed, {args.block_size} tokens."
@@ -138,15 +154,6 @@ def train_task_model(argv: list[str], task: TaskSpec, accelerator: Accelerator, 
         )
     accelerator.wait_for_everyone()
     return results
-
-
-def task_settings(task: TaskSpec) -> dict[str, Any]:
-    """What a task model was trained on, kept in its ``training_args.json``."""
-    if task.name == "mqar":
-        return {"task": "mqar", "pairs": task.mqar_pairs, "queries": task.mqar_queries, "vocab": task.mqar_vocab}
-    if task.name == "passkey":
-        return {"task": "passkey", "digits": task.passkey_digits}
-    return {"task": task.name}
 
 
 TASK_REFUSED_FLAGS = {
@@ -162,6 +169,9 @@ TASK_REFUSED_FLAGS = {
 def check_compare_task(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``compare --task``: the flags the tasks do not take, and the task's settings against ``--block_size``."""
     if args.task == "lm":
+        for flag in ("lr_sweep", "stop_accuracy"):
+            if getattr(args, flag) != parser.get_default(flag):
+                parser.error(f"--{flag} trains the task models of --task mqar, copy or passkey; --task lm has none")
         return
     for flag, reason in TASK_REFUSED_FLAGS.items():
         if getattr(args, flag):
@@ -169,6 +179,8 @@ def check_compare_task(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.train_file is not None and args.task != "passkey":
         parser.error(f"--train_file is passkey's filler text; --task {args.task} draws its own examples")
     check_task_flags(parser, args, args.block_size)
+    if args.lr_sweep == []:
+        args.lr_sweep = list(DEFAULT_LR_SWEEP)
 
 
 def compare_task(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -193,28 +205,49 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
         _, scheme, normalizer, seed = run
         folder = run_folder(args, (args.task, *run[1:]))
         argv = recipe_argv(args, run, folder)
-        recipe = [*argv, "--long_context_task", json.dumps(task_settings(task))]
+        recipe = [
+            *argv,
+            "--long_context_task",
+            json.dumps(task.settings()),
+            "--stop_accuracy",
+            str(args.stop_accuracy),
+        ]
+        recipe += (
+            ["--lr_sweep", *map(str, args.lr_sweep), "--lr_sweep_steps", str(args.lr_sweep_steps)]
+            if args.lr_sweep
+            else []
+        )
         saved = folder / "compare_row.json"
         if args.resume and saved.is_file() and json.loads(saved.read_text()).get("recipe") == recipe:
             accelerator.print(f"{run_name(args, (args.task, *run[1:]))}: kept from {saved} (--resume)")
             rows.append(json.loads(saved.read_text()))
             continue
         run_started = time.perf_counter()
-        results = train_task_model(argv, task, accelerator, min(args.task_eval_examples, 64))
+        sweep = sweep_learning_rate(args, argv, folder, task, accelerator) if args.lr_sweep else None
+        if sweep is not None:
+            argv = replace_flags(argv, {"--learning_rate": sweep["kept"]})
+        eval_examples = min(args.task_eval_examples, 64)
+        results = train_task_model(argv, task, accelerator, eval_examples, args.stop_accuracy)
         train_seconds = time.perf_counter() - run_started
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).to(accelerator.device).eval()
         scores = task_row(
             model, task, args.block_size, args.factors, args.task_eval_examples, args.per_device_eval_batch_size,
-            args.seed, args.passkey_depths,
+            args.seed, args.passkey_depths, args.randomized_positions,
         )  # fmt: skip
         cells = ", ".join(
             f"{factor} {summary_cell(mean_and_spread([value]))}" for factor, value in scores["accuracy"].items()
         )
-        accelerator.print(f"{args.task}-{folder_name(scheme)}-{folder_name(normalizer)} seed {seed}: {cells}")
+        finished = "unfinished" if results["reached_step"] is None else f"reached at step {results['reached_step']}"
+        accelerator.print(
+            f"{args.task}-{folder_name(scheme)}-{folder_name(normalizer)} seed {seed}: {cells}; {args.stop_accuracy} "
+            f"{finished} ({results['steps']} of at most {args.max_train_steps} steps, lr {results['learning_rate']:g})"
+        )
         log_path = folder / "train_log.jsonl"
         row = {
             "task": args.task, "scheme": scheme, "normalizer": normalizer, "seed": seed, **scores,
             "train_loss": results["train_loss"], "num_parameters": results["num_parameters"],
+            "steps": results["steps"], "reached_step": results["reached_step"],
+            "learning_rate": results["learning_rate"], "lr_sweep": sweep,
             "tokens_per_second": results["tokens_per_second"], "train_seconds": train_seconds,
             "loss_curve": smoothed_curve(log_path), "eval_curve": accuracy_curve(log_path),
             "recipe": recipe,
@@ -226,6 +259,41 @@ def compare_task_runs(args: argparse.Namespace, accelerator: Accelerator) -> lis
         write_task_report(args, task, rows, time.perf_counter() - started)
     accelerator.wait_for_everyone()
     return rows
+
+
+def replace_flags(argv: list[str], values: dict[str, Any]) -> list[str]:
+    """``argv`` with the value after each flag of ``values`` replaced (every one of them is in ``argv``)."""
+    argv = list(argv)
+    for flag, value in values.items():
+        argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
+def sweep_learning_rate(
+    args: argparse.Namespace, argv: list[str], folder: Path, task: TaskSpec, accelerator: Accelerator
+) -> dict[str, Any]:
+    """A short run (``--lr_sweep_steps``, the warm-up the same fraction of it as of the full run) at each rate of
+    ``--lr_sweep``, as Zoology sweeps its learning rate and keeps the best: ``{"kept": rate, "trials": {rate:
+    {"accuracy", "reached_step", "train_loss"}}}``, the rate kept the one with the highest accuracy at the training
+    length, then the earliest to reach ``--stop_accuracy``, then the lowest training loss."""
+    warmup = round(args.num_warmup_steps * args.lr_sweep_steps / args.max_train_steps)
+    trials = {}
+    for rate in args.lr_sweep:
+        trial = replace_flags(argv, {
+            "--learning_rate": rate, "--max_train_steps": args.lr_sweep_steps, "--num_warmup_steps": warmup,
+            "--output_dir": folder / "lr_sweep" / f"lr_{rate:g}",
+        })  # fmt: skip
+        results = train_task_model(trial, task, accelerator, min(args.task_eval_examples, 64), args.stop_accuracy)
+        trials[rate] = {key: results[key] for key in ("eval_accuracy", "reached_step", "train_loss")}
+        accelerator.print(
+            f"lr sweep, {rate:g}: accuracy {results['eval_accuracy']:.3f} after {results['steps']} steps"
+        )
+
+    def rank(rate: float) -> tuple:
+        trial = trials[rate]
+        return (-trial["eval_accuracy"], trial["reached_step"] or math.inf, trial["train_loss"])
+
+    return {"kept": min(trials, key=rank), "trials": {f"{rate:g}": trial for rate, trial in trials.items()}}
 
 
 def accuracy_summary(runs: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float]) -> dict[str, Any]:
@@ -248,7 +316,9 @@ def accuracy_summary(runs: list[dict[str, Any]], factors: tuple[int, ...], depth
 
 def summarize_tasks(rows: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float]) -> list[dict]:
     """One entry per (scheme, normalizer): :func:`accuracy_summary` over its seeds, the final training loss (mean
-    and spread), the mean speed and training time, and the mean loss curve."""
+    and spread), the mean speed and training time, each seed's learning rate, steps and step it reached
+    ``--stop_accuracy`` (None: unfinished) and accuracy curve, and the mean loss curve (the first seed's where the
+    seeds stopped at different steps)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scheme"], row["normalizer"]), []).append(row)
@@ -262,8 +332,12 @@ def summarize_tasks(rows: list[dict[str, Any]], factors: tuple[int, ...], depths
             "train_loss": mean_and_spread([run["train_loss"] for run in runs]),
             "tokens_per_second": statistics.fmean(run["tokens_per_second"] for run in runs),
             "train_seconds": statistics.fmean(run["train_seconds"] for run in runs),
+            "learning_rates": [run["learning_rate"] for run in runs],
+            "reached_steps": [run["reached_step"] for run in runs], "steps": [run["steps"] for run in runs],
             "loss_curve": [(step, statistics.fmean(column)) for step, column in
-                           zip(steps, zip(*curves, strict=True), strict=True)],
+                           zip(steps, zip(*curves, strict=True), strict=True)] if len(set(map(len, curves))) == 1
+                          else runs[0]["loss_curve"],
+            "eval_curves": [run["eval_curve"] for run in runs],
         })  # fmt: skip
     return summary
 
@@ -303,44 +377,55 @@ def depth_table(entries: list[dict[str, Any]], factors: tuple[int, ...], depths:
     return "\n".join(lines) + "\n"
 
 
-def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float], path: Path, title: str,
-               curves: bool = True) -> None:  # fmt: skip
+def plot_tasks(
+    entries: list[dict[str, Any]], factors: tuple[int, ...], depths: list[float], path: Path, title: str,
+    curves: bool = True, baselines: dict[str, float] | None = None,
+) -> None:  # fmt: skip
     """The accuracy against the length factor (the mean, error bars of one standard deviation over the seeds or
-    models), beside the training loss curves (``curves``); for passkey a row of heat maps below, accuracy by depth
-    and length, one per entry. Lengths a model cannot run are left out."""
+    models), the ``baselines`` (guessers' accuracy, :meth:`TaskSpec.baselines`) as grey horizontal lines, after the
+    training loss curves and each seed's accuracy at the training length during training (``curves``); for passkey a
+    row of heat maps below, accuracy by depth and length, one per entry. Lengths a model cannot run are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     passkey = "by_depth" in entries[0]
-    rows, columns = (2, max(2, len(entries))) if passkey else (1, 2 if curves else 1)
+    panels = 3 if curves else 1  # the top row: the loss curves, the accuracy curves, the accuracy by length
+    rows, columns = (2, max(panels, len(entries))) if passkey else (1, panels)
     figure = plt.figure(figsize=(5.5 * columns, 4.2 * rows), layout="constrained")
     grid = figure.add_gridspec(rows, columns)
-    split = columns // 2 if curves else 0  # the top row: the loss curves and the accuracy, each half of it
-    accuracy = figure.add_subplot(grid[0, split:])
+    top = [figure.add_subplot(grid[0, i * columns // panels : (i + 1) * columns // panels]) for i in range(panels)]
+    accuracy = top[-1]
     for entry in entries:
         points = [(f, entry["accuracy"][f"{f}x"]) for f in factors]
         points = [(f, value) for f, value in points if isinstance(value, dict)]
         means = [value["mean"] for _, value in points]
         spread = [value["std"] or 0.0 for _, value in points]
         accuracy.errorbar([f for f, _ in points], means, yerr=spread, marker="o", capsize=3, label=entry["label"])
+    for (name, value), style in zip((baselines or {}).items(), (":", "--", "-."), strict=False):
+        accuracy.axhline(value, color="grey", linestyle=style, linewidth=1, label=f"guess {name} ({value:.3f})")
     accuracy.set_xscale("log", base=2)
     accuracy.set_xticks(list(factors), [f"{f}x" for f in factors])
     accuracy.set_ylim(-0.03, 1.03)
     accuracy.set_xlabel("evaluation length / training length")
     accuracy.set_ylabel("accuracy")
     accuracy.set_title(title)
-    top = [accuracy]
     if curves:
-        loss = figure.add_subplot(grid[0, :split])
+        loss, learning = top[:2]
         for entry in entries:
             steps, losses = zip(*entry["loss_curve"], strict=True)
-            loss.plot(steps, losses, linewidth=1, label=entry["label"])
+            (line,) = loss.plot(steps, losses, linewidth=1, label=entry["label"])
+            for index, curve in enumerate(entry["eval_curves"]):
+                label = entry["label"] if index == 0 else None
+                learning.plot(*zip(*curve, strict=True), marker=".", color=line.get_color(), label=label)
         loss.set_xlabel("optimizer step")
         loss.set_ylabel("training loss on the answers (nats)")
         loss.set_title("training loss")
-        top.append(loss)
+        learning.set_ylim(-0.03, 1.03)
+        learning.set_xlabel("optimizer step")
+        learning.set_ylabel("accuracy at the training length")
+        learning.set_title("accuracy while training (each seed)")
     for axis in top:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
@@ -363,11 +448,24 @@ def plot_tasks(entries: list[dict[str, Any]], factors: tuple[int, ...], depths: 
     plt.close(figure)
 
 
+def baseline_notes(task: TaskSpec) -> list[str]:
+    """The report's line on the task's no-binding baselines (:meth:`TaskSpec.baselines`), when it has them."""
+    baselines = task.baselines()
+    if not baselines:
+        return []
+    guesses = "; ".join(f"{name}: {value:.3f}" for name, value in baselines.items())
+    return [
+        f"Without binding keys to values (guessing uniformly, this layout, {task.mqar_layout}): {guesses}; drawn as "
+        "grey lines in the plot. An accuracy near them: no binding learnt (yet)."
+    ]
+
+
 def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[str, Any]], wall_seconds: float):
     """``compare.md`` (the accuracy table, passkey's by depth), ``compare.json`` (every seed's row, the summary) and
     ``compare.png`` in ``--output_dir``; the report printed."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize_tasks(rows, args.factors, args.passkey_depths)
+    reached = f"step at {args.stop_accuracy:g}"
     for entry in summary:
         entry["label"] = f"{entry['scheme']} + {entry['normalizer']}"
         entry["train loss"] = summary_cell(entry["train_loss"])
@@ -375,27 +473,57 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
         entry["tokens/s"] = f"{entry['tokens_per_second']:,.0f}"
         entry["train s"] = f"{entry['train_seconds']:.0f}"
         entry["seeds"] = " ".join(str(seed) for seed in entry["seeds"])
-    last = ("train loss", "parameters", "tokens/s", "train s", "seeds")
+        entry["lr"] = " ".join(f"{rate:g}" for rate in entry["learning_rates"])
+        entry[reached] = " ".join(
+            f"unfinished ({steps})" if step is None else str(step)
+            for step, steps in zip(entry["reached_steps"], entry["steps"], strict=True)
+        )
+    last = ("train loss", reached, "lr", "parameters", "tokens/s", "train s", "seeds")
     report = f"### {task.describe()}\n\n" + accuracy_table(summary, args.factors, ["scheme", "normalizer"], last)
     if task.name == "passkey":
         report += "\n#### passkey by depth\n\n" + depth_table(summary, args.factors, args.passkey_depths, "label")
     seeds = sorted({row["seed"] for row in rows})
     notes = [
-        f"{args.max_train_steps} steps x {args.per_device_train_batch_size} examples of {args.block_size} tokens, "
-        f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
+        f"At most {args.max_train_steps} steps x {args.per_device_train_batch_size} examples of {args.block_size} "
+        f"tokens, width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
         f"{wall_seconds / 60:.1f} min this invocation.",
+        f"{reached}: the step at which the accuracy at the training length on {min(args.task_eval_examples, 64)} "
+        f"held-out examples (checked every {args.eval_steps} steps) reached --stop_accuracy {args.stop_accuracy:g} "
+        "and training stopped (one figure per seed); unfinished (N): the run ended at the --max_train_steps cap "
+        "below it, its accuracy where its training stopped, not a limit of the scheme: its curves are in "
+        "compare.png.",
+        "lr: the learning rate of each seed's run"
+        + (
+            f", kept by a sweep of {args.lr_sweep_steps} steps over {' '.join(f'{r:g}' for r in args.lr_sweep)} "
+            "(--lr_sweep; every trial in compare.json)"
+            if args.lr_sweep
+            else " (--learning_rate)"
+        )
+        + ".",
         f"Nx: accuracy on {args.task_eval_examples} held-out examples of N times the training length"
         + (" at each depth (the mean over the depths in the first table)" if task.name == "passkey" else "")
         + ", the same examples for every model; n/a: the model cannot run at that length (see compare.json).",
     ]
     if len(seeds) > 1:
         notes.append(f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample standard deviation.")
+    notes += baseline_notes(task)
+    if task.name == "passkey":
+        fixed, _ = task.passkey_filler(args.block_size)
+        lengths = "; ".join(
+            f"{f}x {f * args.block_size} tokens, filler {task.passkey_filler(f * args.block_size)[1]} "
+            f"({task.passkey_filler(f * args.block_size)[1] / (f * args.block_size):.0%})"
+            for f in args.factors
+        )
+        notes.append(f"Passkey's needle, question and key take {fixed} tokens; the rest is filler: {lengths}.")
     report += "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     (args.output_dir / "compare.md").write_text(report)
     arguments = {key: str(value) for key, value in vars(args).items() if key != "hub_token"}
     document = {"arguments": arguments, "wall_seconds": wall_seconds, "rows": rows, "summary": summary}
     (args.output_dir / "compare.json").write_text(json.dumps(document, indent=2))
-    plot_tasks(summary, args.factors, args.passkey_depths, args.output_dir / "compare.png", f"{task.name}: accuracy")
+    plot_tasks(
+        summary, args.factors, args.passkey_depths, args.output_dir / "compare.png", f"{task.name}: accuracy",
+        baselines=task.baselines(),
+    )  # fmt: skip
     print("\n" + report + f"\nwritten: {args.output_dir}/compare.md, compare.json, compare.png")
 
 
@@ -523,7 +651,7 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
         model = model.to(accelerator.device).eval()
         held_out = 100 if args.eval_file is not None else args.validation_split_percentage
         texts = passkey_texts(tokenizer, args.eval_file, held_out) if args.task == "passkey" else None
-        task = TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits, texts)
+        task = TaskSpec.from_flags(args, texts)
         scores = task_row(
             model, task, train_length, args.factors, args.task_eval_examples, args.per_device_eval_batch_size,
             args.seed, args.passkey_depths,
@@ -550,7 +678,7 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
         entry["model"] = entry["models"][0] if len(entry["models"]) == 1 else f"{len(entry['models'])} models"
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        description = TaskSpec(args.task, args.mqar_pairs, args.mqar_queries, args.mqar_vocab, args.passkey_digits)
+        description = TaskSpec.from_flags(args)
         report = f"### {description.describe()}\n\n" + accuracy_table(summary, args.factors, ["model", "label"])
         if args.task == "passkey":
             report += "\n#### passkey by depth\n\n" + depth_table(summary, args.factors, args.passkey_depths, "label")
@@ -558,11 +686,15 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
             f"\n- Nx: accuracy on {args.task_eval_examples} examples of N times each model's training length, the "
             "same examples for every model; several models of one recipe (seeds): mean ± sample standard deviation.\n"
         )
+        report += "".join(f"- {note}\n" for note in baseline_notes(description))
         (args.output_dir / "extrapolation.md").write_text(report)
         document = {"task": args.task, "rows": rows, "summary": summary}
         (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))
         title = f"{args.task}: accuracy"
-        plot_tasks(summary, args.factors, args.passkey_depths, args.output_dir / "extrapolation.png", title, False)
+        plot_tasks(
+            summary, args.factors, args.passkey_depths, args.output_dir / "extrapolation.png", title, False,
+            description.baselines(),
+        )  # fmt: skip
         print(report)
     accelerator.wait_for_everyone()
     return rows

@@ -102,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.randomized_positions is not None and args.randomized_positions < args.block_size:
+        parser.error(
+            f"--randomized_positions {args.randomized_positions} must be >= --block_size {args.block_size}: a block "
+            "draws that many distinct positions below it"
+        )
     if args.resume_from_checkpoint is not None:
         if not args.resume_from_checkpoint.is_dir():
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a folder")
@@ -217,17 +222,18 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
         initializer_range=args.initializer_range,
     )
     intermediate_size = args.intermediate_size or 4 * args.hidden_size
+    positions = max(args.block_size, args.randomized_positions or 0)  # the largest position id a block can hold
     if args.task == "clm":
         return hf_posenc.PosEncGPT2Config(
             n_embd=args.hidden_size, n_layer=args.num_hidden_layers, n_head=args.num_attention_heads,
-            n_inner=intermediate_size, n_positions=args.block_size, bos_token_id=eos_token_id,
+            n_inner=intermediate_size, n_positions=positions, bos_token_id=eos_token_id,
             eos_token_id=eos_token_id, resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
             **common,
         )  # fmt: skip
     return hf_posenc.PosEncBertConfig(
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=args.block_size, hidden_dropout_prob=args.dropout,
+        max_position_embeddings=positions, hidden_dropout_prob=args.dropout,
         attention_probs_dropout_prob=args.dropout, **common,
     )  # fmt: skip
 
@@ -316,16 +322,39 @@ def batch_generator(seed: int, *indices: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, *indices]).generate_state(1)[0]))
 
 
+def randomized_position_ids(
+    generator: torch.Generator, batch_size: int, length: int, max_position: int
+) -> torch.Tensor:
+    """Randomized positional encodings (Ruoss et al., ACL 2023, "Randomized Positional Encodings Boost Length
+    Generalization of Transformers"; google-deepmind/randomized_positional_encodings): ``length`` distinct positions
+    drawn uniformly from ``[0, max_position)`` and sorted, one draw for the whole batch as the reference draws one
+    per call; ``(batch_size, length)``. A ``ValueError`` names the limit when ``length > max_position``."""
+    if length > max_position:
+        raise ValueError(
+            f"Randomized positions draw {length} distinct positions below {max_position} (--randomized_positions): "
+            "the length is longer."
+        )
+    positions = torch.randperm(max_position, generator=generator)[:length].sort().values
+    return positions.expand(batch_size, length)
+
+
 def model_inputs(
-    input_ids: torch.Tensor, task: str, collator, generator: torch.Generator, device: torch.device
-) -> dict[str, torch.Tensor]:
+    input_ids: torch.Tensor, task: str, collator, generator: torch.Generator, device: torch.device,
+    randomized_positions: int | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """Inputs and labels of one batch: labels = inputs for CLM (the model shifts them); BERT's 80/10/10 masking,
-    drawn from ``generator`` by ``DataCollatorForLanguageModeling``, for MLM."""
+    drawn from ``generator`` by ``DataCollatorForLanguageModeling``, for MLM; with ``randomized_positions`` the
+    position ids of :func:`randomized_position_ids`, drawn from ``generator`` after the masks."""
     if task == "clm":
-        return {"input_ids": input_ids.to(device), "labels": input_ids.to(device)}
-    collator.generator = generator  # the collator draws its masks from this generator when one is set
-    masked, labels = collator.torch_mask_tokens(input_ids.clone())
-    return {"input_ids": masked.to(device), "labels": labels.to(device)}
+        inputs = {"input_ids": input_ids.to(device), "labels": input_ids.to(device)}
+    else:
+        collator.generator = generator  # the collator draws its masks from this generator when one is set
+        masked, labels = collator.torch_mask_tokens(input_ids.clone())
+        inputs = {"input_ids": masked.to(device), "labels": labels.to(device)}
+    if randomized_positions is not None:
+        positions = randomized_position_ids(generator, *input_ids.shape, randomized_positions)
+        inputs["position_ids"] = positions.to(device)
+    return inputs
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,8 +376,11 @@ def evaluate_model(model, loader, accelerator: Accelerator, args, collator) -> d
     totals = torch.zeros(3, dtype=torch.float64)
     for index, batch in enumerate(loader):
         generator = batch_generator(args.seed, 2**31, index, accelerator.process_index)
-        inputs = model_inputs(batch["input_ids"], args.task, collator, generator, accelerator.device)
-        losses, correct = token_losses(model(input_ids=inputs["input_ids"]).logits, inputs["labels"], args.task)
+        inputs = model_inputs(
+            batch["input_ids"], args.task, collator, generator, accelerator.device, args.randomized_positions
+        )
+        labels = inputs.pop("labels")
+        losses, correct = token_losses(model(**inputs).logits, labels, args.task)
         per_block = torch.stack([losses.nan_to_num().sum(-1), (~losses.isnan()).sum(-1), correct.sum(-1)], -1)
         totals += accelerator.gather_for_metrics(per_block.double()).sum(0).cpu()
     model.train()
@@ -527,7 +559,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         for micro_step, batch in enumerate(active_loader, start=skip):
             generator = batch_generator(args.seed, completed_steps, micro_step, accelerator.process_index)
-            inputs = model_inputs(batch["input_ids"], args.task, collator, generator, accelerator.device)
+            inputs = model_inputs(
+                batch["input_ids"], args.task, collator, generator, accelerator.device, args.randomized_positions
+            )
             with accelerator.accumulate(model):
                 loss = model(**inputs).loss
                 accelerator.backward(loss)

@@ -14,7 +14,7 @@ from typing import Any
 import transformers
 
 from hf_posenc.configuration_posenc import layout_name
-from hf_posenc_recipes.parsers.common import layout_sizes, parse_scheme
+from hf_posenc_recipes.parsers.common import MODEL_FLAGS, TRAINING_FLAGS, layout_sizes, parse_scheme
 
 
 Run = tuple[str, str, str, int]
@@ -47,9 +47,10 @@ def spec_argument(text: str) -> str:
 
 
 def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:
-    """The pretraining command line of one run: everything shared, except the scheme (or layout), the normalizer and
-    the seed; with ``--push_to_hub`` the run uploads to ``<--hub_model_id>-<task>-<scheme>-<normalizer>`` (and
-    ``-seed<s>`` with ``--seeds``)."""
+    """The pretraining command line of one run: every model and training flag of compare's (its
+    :data:`~hf_posenc_recipes.parsers.common.MODEL_FLAGS` and ``TRAINING_FLAGS``, given or at compare's default),
+    the scheme (or layout), the normalizer and the run's seed; with ``--push_to_hub`` the run uploads to
+    ``<--hub_model_id>-<task>-<scheme>-<normalizer>`` (and ``-seed<s>`` with ``--seeds``)."""
     task, scheme, normalizer, seed = run
     if scheme in args.layouts:
         argv = ["--task", task, "--layout", scheme]
@@ -59,11 +60,10 @@ def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[st
     else:
         argv = ["--task", task, "--position_encoding", spec_argument(scheme)]
     argv += ["--attention_normalizer", spec_argument(normalizer)]
-    for flag in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_train_steps"):
-        argv += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("num_warmup_steps", "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size"):
-        argv += [f"--{flag}", str(getattr(args, flag))]
-    argv += ["--eval_steps", str(args.eval_steps), "--seed", str(seed), "--threads", str(args.threads)]
+    for flag in ("block_size", *MODEL_FLAGS, *TRAINING_FLAGS):
+        value = seed if flag == "seed" else getattr(args, flag)
+        argv += [f"--{flag}", str(value)] if value is not None else []
+    argv += ["--reference_init", str(args.reference_init).lower(), "--threads", str(args.threads)]
     if args.with_tracking:
         argv += ["--with_tracking", "--report_to", args.report_to]
     if args.train_file is not None:

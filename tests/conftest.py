@@ -62,6 +62,7 @@ NORMALIZER_VARIANTS = [
     {"type": "softmax", "sink": "learned"},
     {"type": "softmax", "output_gate": "elementwise"},
     {"type": "differential", "output_gate": "headwise"},
+    {"type": "softmax", "output_norm": True, "output_gate": "elementwise"},
 ]
 # Per-layer layouts of the 2-layer test models (``position_encoding=[layer_0, layer_1]``): a rotary layer beside a
 # score bias; Llama 4's NoPE layer with its temperature (a step every 4 positions, so the tests see it) beside a

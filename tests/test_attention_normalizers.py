@@ -1144,9 +1144,11 @@ def padded_batch():
 # --- gated attention --------------------------------------------------------------------------------------------
 
 
-def hand_gated_attention(x, weights, gate_weight, visible, headwise: bool) -> torch.Tensor:
+def hand_gated_attention(x, weights, gate_weight, visible, headwise: bool, norm_weight=None) -> torch.Tensor:
     """Softmax attention with ``Y * sigmoid(X W_g)`` per head by loops over rows, heads and keys, in float64:
-    ``x`` ``(batch, n, hidden)``, ``visible`` ``(batch, n, n)``; the output projection's result."""
+    ``x`` ``(batch, n, hidden)``, ``visible`` ``(batch, n, n)``; with ``norm_weight`` ``(heads * head_dim,)`` each
+    head's output first becomes ``y / sqrt(mean(y^2) + 1e-6) * w_h`` (FoX-Pro's output norm); the output projection's
+    result."""
     x = x.double()
     (wq, bq), (wk, bk), (wv, bv), (wo, bo) = ((w.double(), b.double()) for w, b in weights.values())
     q, k, v = (x @ w.T + b for w, b in ((wq, bq), (wk, bk), (wv, bv)))
@@ -1161,6 +1163,9 @@ def hand_gated_attention(x, weights, gate_weight, visible, headwise: bool) -> to
                 scores = torch.stack([q[b, i, head] @ k[b, j, head] / math.sqrt(HEAD_DIM) for j in keys])
                 weights_ = torch.softmax(scores, dim=0)
                 out = sum(a * v[b, j, head] for a, j in zip(weights_, keys, strict=True))
+                if norm_weight is not None:
+                    out = out / torch.sqrt((out**2).sum() / HEAD_DIM + 1e-6)
+                    out = out * norm_weight[head].double()
                 y[b, i, head] = out * (gates[b, i, h] if headwise else gates[b, i, head])
     return y @ wo.T + bo
 
@@ -1178,6 +1183,27 @@ def test_output_gate_equals_a_hand_loop_of_gated_attention(family, gate, attn):
     expected = hand_gated_attention(
         captured["x"], projections(attention, family), gate_weight, visible_keys(attention_mask, family == "gpt2"),
         headwise=gate == "headwise",
+    )  # fmt: skip
+    torch.testing.assert_close(captured["y"].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_output_norm_then_gate_equals_a_hand_loop(family, attn):
+    """FoX-Pro's output: each head's output RMS-normalised with its own scale per feature (here drawn, not 1), then
+    gated, then projected; loops in float64."""
+    spec = {"type": "softmax", "output_norm": True, "output_gate": "elementwise"}
+    model = make_model(family, "learned", spec, attn=attn)
+    attention = attention_of(model, family, 1)
+    norm_weight = attention.normalizer.output_norm
+    assert norm_weight.shape == (HEADS * HEAD_DIM,) and torch.equal(norm_weight, torch.ones(HEADS * HEAD_DIM))
+    with torch.no_grad():
+        norm_weight.copy_(torch.linspace(0.5, 2.0, HEADS * HEAD_DIM))
+    ids, attention_mask = padded_batch()
+    captured = run_capturing(model, family, 1, ids, attention_mask)
+    expected = hand_gated_attention(
+        captured["x"], projections(attention, family), attention.normalizer.output_gate.weight,
+        visible_keys(attention_mask, family == "gpt2"), headwise=False, norm_weight=norm_weight.detach(),
     )  # fmt: skip
     torch.testing.assert_close(captured["y"].double(), expected, atol=1e-5, rtol=1e-5)
 

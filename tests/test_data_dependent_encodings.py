@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from conftest import cache_of, forward_in_two_chunks, make_config, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
@@ -53,6 +54,42 @@ def test_fox_gates_start_as_the_reference_initialises_them():
     assert abs(gate.weight.std().item() - 0.02) < 0.002
 
 
+@pytest.mark.parametrize("bias", [5.0, 8.0, -1.5])
+def test_fox_gate_bias_init_starts_every_gate_at_sigmoid_of_it(bias, tmp_path):
+    """``gate_bias_init=b``: every gate's bias starts at b. With the gates' weights and q, k at zero,
+    ``f = sigmoid(b)`` for every token and ``a_ij = f^(i-j) / sum_(m=0..i) f^m``, computed with ``math``; a saved
+    model loads its trained bias, not the init; a BERT-family decoder starts its gates at b too."""
+    torch.manual_seed(0)
+    model = make_model("gpt2", {"type": "fox", "gate_bias_init": bias}, n_layer=1, attn="eager").double()
+    gate = model.transformer.h[0].attn.position_term.forget_gate
+    assert torch.equal(gate.bias, torch.full((4,), bias, dtype=torch.float64))
+    with torch.no_grad():
+        gate.weight.zero_()
+        model.transformer.h[0].attn.c_attn.weight[:, :64].zero_()  # q and k
+        weights = model(random_ids(1, 5), output_attentions=True).attentions[0][0]
+    f = 1 / (1 + math.exp(-bias))
+    expected = torch.zeros(5, 5, dtype=torch.float64)
+    for i in range(5):
+        for j in range(i + 1):
+            expected[i, j] = f ** (i - j) / sum(f**m for m in range(i + 1))
+    torch.testing.assert_close(weights, expected.expand(4, 5, 5), atol=1e-12, rtol=0)
+    with torch.no_grad():
+        gate.bias.fill_(1.25)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.transformer.h[0].attn.position_term.forget_gate.bias, torch.full((4,), 1.25))
+    bert = make_model("bert", {"type": "fox", "gate_bias_init": bias}, is_decoder=True)
+    gates = [module.forget_gate.bias for name, module in bert.named_modules() if name.endswith("position_term")]
+    assert len(gates) == 2 and all(torch.equal(gate, torch.full((4,), bias)) for gate in gates)
+
+
+def test_fox_gate_bias_init_refuses_what_is_not_a_finite_number():
+    with pytest.raises(ValueError, match="option 'gate_bias_init'=inf is out of range; valid: a finite number"):
+        make_config("gpt2", {"type": "fox", "gate_bias_init": math.inf})
+    with pytest.raises(ValueError, match="option 'gate_bias_init' must be float or int, got '5'"):
+        make_config("gpt2", {"type": "fox", "gate_bias_init": "5"})
+
+
 def test_fox_keeps_each_layers_gates_with_the_cache():
     """The cached keys' log gates are kept per layer (extra cache layers after the positions): a second chunk's bias
     reads them, so chunked forwards equal one forward only if each layer's own gates come back."""
@@ -69,7 +106,7 @@ def test_fox_keeps_each_layers_gates_with_the_cache():
 def test_fox_in_an_encoder_config_says_why_it_is_refused():
     with pytest.raises(ValueError, match="'fox' has no encoder form: its bias sums the forget gates"):
         make_config("bert", "fox")
-    assert make_config("bert", "fox", is_decoder=True).position_encoding == {"type": "fox"}
+    assert make_config("bert", "fox", is_decoder=True).position_encoding == {"type": "fox", "gate_bias_init": 0.0}
 
 
 def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):

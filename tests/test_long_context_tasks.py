@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import hf_posenc
-from hf_posenc_recipes import compare, extrapolate, long_context
+from hf_posenc_recipes import compare, extrapolate, long_context, reporting
 from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
 from hf_posenc_recipes.tasks import (
@@ -29,6 +29,7 @@ from hf_posenc_recipes.tasks import (
     TaskSpec,
     answer_accuracy,
     copy_batch,
+    mqar_baselines,
     mqar_batch,
     passkey_batch,
     passkey_texts,
@@ -48,32 +49,66 @@ def as_bytes(ids: torch.Tensor) -> list[int]:
 # --- mqar ---
 
 
-def test_mqar_smallest_example_is_its_pairs_then_both_queries():
-    """vocab 4, 2 pairs, 2 queries, length 8: keys {0, 1}, values {2, 3}, and the two query slots both asked, so the
-    example is ``ka va kb vb kx vx ky vy`` with {ka, kb} = {0, 1}, {va, vb} = {2, 3}, each query followed by the
-    value its key had; the answers are positions 5 and 7."""
-    batch = mqar_batch(generator(), 16, 8, num_pairs=2, num_queries=2, vocab_size=4)
+def test_mqar_smallest_example_in_zoologys_layout_hides_its_answers():
+    """2 keys, 2 values, 2 pairs, 2 queries, length 8: ``ka va kb vb kx f ky f`` with {ka, kb} = {0, 1},
+    {va, vb} = {2, 3}, both query slots asked (the queries are the keys again, in any order); the labels are the
+    values at positions 5 and 7, but the input there is filler drawn from the 4 bytes of the task, so it is the answer
+    only by chance."""
+    batch = mqar_batch(generator(), 256, 8, num_pairs=2, num_queries=2, key_vocab=2, value_vocab=2)
+    shown = 0
     for row, labels in zip(batch.input_ids, batch.labels, strict=True):
-        ka, va, kb, vb, kx, vx, ky, vy = as_bytes(row)
-        assert {ka, kb} == {0, 1} and {va, vb} == {2, 3}
+        ka, va, kb, vb, kx, fx, ky, fy = as_bytes(row)
+        assert {ka, kb} == {0, 1} and {va, vb} == {2, 3} and {kx, ky} == {0, 1}
+        assert {fx, fy} <= {0, 1, 2, 3}
         pairs = {ka: va, kb: vb}
-        assert {kx, ky} == {0, 1} and vx == pairs[kx] and vy == pairs[ky]
         expected = [IGNORE_INDEX] * 8
-        expected[5], expected[7] = row[5].item(), row[7].item()
+        expected[5], expected[7] = pairs[kx] + BYTE_OFFSET, pairs[ky] + BYTE_OFFSET
         assert labels.tolist() == expected
+        shown += (fx == pairs[kx]) + (fy == pairs[ky])
+    assert 0.15 < shown / 512 < 0.35  # a uniform filler byte of 4 is the answer a quarter of the time
 
 
-def test_mqar_queries_fill_even_slots_and_the_rest_is_filler():
-    """8 pairs, 3 queries, vocab 32, length 40: keys of [0, 16), values of [16, 32), all distinct; after the 16
-    context tokens, 3 keys come back at even offsets, each followed by its value (the only labels); every other byte
-    is filler, of [32, 256)."""
-    batch = mqar_batch(generator(1), 32, 40, num_pairs=8, num_queries=3, vocab_size=32)
-    fillers = set()
+def test_mqar_zoology_query_gaps_follow_the_power_law():
+    """One pair, one query, 10 slots after it: the query's gap g (its offset / 2) has ``P(g) = (g + 1) ** (a - 1) /
+    sum_k k ** (a - 1)``, computed here with ``math``; a = 1 is uniform. Frequencies over 4000 rows within 4.5
+    standard errors."""
+    for power_a in (0.01, 1.0):
+        batch = mqar_batch(generator(7), 4000, 22, num_pairs=1, num_queries=1, power_a=power_a)
+        gaps = ((batch.labels != IGNORE_INDEX).float().argmax(-1) - 3) // 2
+        weights = [k ** (power_a - 1) for k in range(1, 11)]
+        for gap in range(10):
+            p = weights[gap] / sum(weights)
+            assert abs(float((gaps == gap).float().mean()) - p) < 4.5 * math.sqrt(p * (1 - p) / 4000) + 1e-9
+
+
+def test_mqar_zoology_queries_are_distinct_keys_at_even_offsets_and_the_filler_spans_the_task_vocabulary():
+    batch = mqar_batch(generator(1), 64, 40, num_pairs=8, num_queries=5, key_vocab=16, value_vocab=16)
+    seen = set()
     for row, labels in zip(batch.input_ids, batch.labels, strict=True):
         data = as_bytes(row)
         keys, values = data[0:16:2], data[1:16:2]
         assert len(set(keys)) == 8 and all(0 <= key < 16 for key in keys)
         assert len(set(values)) == 8 and all(16 <= value < 32 for value in values)
+        answers = [place for place in range(40) if labels[place] != IGNORE_INDEX]
+        queries = [place - 1 for place in answers]
+        assert len(answers) == 5 and all((place - 16) % 2 == 0 for place in queries)
+        assert len({data[place] for place in queries}) == 5 and {data[place] for place in queries} <= set(keys)
+        pairs = dict(zip(keys, values, strict=True))
+        assert [int(labels[place]) - BYTE_OFFSET for place in answers] == [pairs[data[place]] for place in queries]
+        seen.update(data[16:])
+    assert seen == set(range(32))  # Zoology's filler: any byte of the task's vocabulary
+
+
+def test_mqar_visible_answers_layout_writes_each_answer_after_its_query():
+    """8 pairs, 3 queries, 16 keys and 16 values, length 40: after the 16 context tokens, 3 keys come back at even
+    offsets, each followed by its value (the only labels); every other byte is filler, of [32, 256)."""
+    batch = mqar_batch(
+        generator(1), 32, 40, num_pairs=8, num_queries=3, key_vocab=16, value_vocab=16, layout="visible_answers"
+    )
+    fillers = set()
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        data = as_bytes(row)
+        keys, values = data[0:16:2], data[1:16:2]
         pairs = dict(zip(keys, values, strict=True))
         queries = [place for place in range(16, 40) if data[place] < 16]
         assert len(queries) == 3 and len({data[place] for place in queries}) == 3
@@ -88,15 +123,40 @@ def test_mqar_queries_fill_even_slots_and_the_rest_is_filler():
     assert len(fillers) > 150  # drawn over the whole filler range
 
 
+def test_mqar_no_binding_baselines_against_closed_forms_and_a_simulated_guesser():
+    """A guesser that never binds: uniform over the example's values (Zoology's layout: 1/4 at 4 pairs), or over
+    those not yet shown as an earlier query's answer (visible answers: (1/4 + 1/3 + 1/2 + 1) / 4 = 25/48); simulated
+    on 3 pairs, 2 queries ((1/3 + 1/2) / 2 = 5/12) by reading the rows and drawing its guesses."""
+    assert mqar_baselines(4, 4, 32, "zoology") == {"a value of the vocabulary": 1 / 32, "a value of the example": 0.25}
+    assert mqar_baselines(4, 4, 32, "visible_answers")["a value of the example"] == pytest.approx(25 / 48)
+    assert mqar_baselines(3, 2, 8, "visible_answers")["a value of the example"] == pytest.approx(5 / 12)
+    batch = mqar_batch(generator(3), 3000, 16, num_pairs=3, num_queries=2, layout="visible_answers")
+    draws, right, total = generator(4), 0, 0
+    for row, labels in zip(batch.input_ids.tolist(), batch.labels.tolist(), strict=True):
+        shown = set()
+        for place in (place for place in range(16) if labels[place] != IGNORE_INDEX):
+            candidates = sorted(set(row[1:6:2]) - shown)
+            guess = candidates[int(torch.randint(len(candidates), (1,), generator=draws))]
+            right, total = right + (guess == labels[place]), total + 1
+            shown.add(row[place])
+    assert abs(right / total - 5 / 12) < 4 * math.sqrt(5 / 12 * 7 / 12 / total)
+
+
 def test_mqar_is_the_same_for_the_same_seed_and_refuses_what_cannot_fit():
     first, again = mqar_batch(generator(5), 4, 64), mqar_batch(generator(5), 4, 64)
     assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.labels, again.labels)
     with pytest.raises(ValueError, match="--mqar_pairs 8 and --mqar_queries 8 take 32 tokens"):
         mqar_batch(generator(), 1, 30, num_pairs=8, num_queries=8)
-    with pytest.raises(ValueError, match="--mqar_vocab must be even"):
-        mqar_batch(generator(), 1, 64, vocab_size=255)
+    with pytest.raises(ValueError, match="together at most 255 bytes"):
+        mqar_batch(generator(), 1, 64, key_vocab=128, value_vocab=128, layout="visible_answers")
+    with pytest.raises(ValueError, match=r"--mqar_pairs must be in 1..3"):
+        mqar_batch(generator(), 1, 64, num_pairs=4, value_vocab=3)
     with pytest.raises(ValueError, match=r"--mqar_queries must be in 1..4"):
         mqar_batch(generator(), 1, 64, num_pairs=4, num_queries=5)
+    with pytest.raises(ValueError, match="--mqar_layout must be one of zoology, visible_answers, got 'uniform'"):
+        mqar_batch(generator(), 1, 64, layout="uniform")
+    with pytest.raises(ValueError, match="--mqar_power_a must be > 0"):
+        mqar_batch(generator(), 1, 64, power_a=0.0)
 
 
 # --- copy ---
@@ -163,6 +223,16 @@ def test_passkey_sizes_agree_with_the_parser_and_the_byte_tokenizer():
     assert len(texts["train"].filler) > 15 * len(texts["eval"].filler)
 
 
+def test_passkey_trains_at_a_length_where_filler_is_most_of_the_row():
+    """compare's training length when --block_size is not given: 128 for passkey, 64 for the others; at 128 the
+    needle (`` The pass key is 99999. ``, 24 bytes), the question (17) and the key (5) leave 82 bytes of filler."""
+    assert compare.parse_args(["--task", "passkey"]).block_size == 128
+    assert compare.parse_args(["--task", "mqar"]).block_size == compare.parse_args([]).block_size == 64
+    assert compare.parse_args(["--task", "passkey", "--block_size", "96"]).block_size == 96
+    task = TaskSpec("passkey", passkey=passkey_texts(byte_tokenizer()))
+    assert task.passkey_filler(128) == (24 + 17 + 5, 82)
+
+
 # --- the accuracy metric ---
 
 
@@ -205,7 +275,7 @@ class MqarSolver(torch.nn.Module):
 
 def test_accuracy_is_one_for_an_oracle_and_zero_for_a_wrong_model():
     for batch in (
-        mqar_batch(generator(), 8, 64),
+        mqar_batch(generator(), 8, 64, layout="visible_answers"),
         copy_batch(generator(), 8, 33),
         passkey_batch(generator(), 8, 80, letters_text()),
     ):
@@ -226,13 +296,42 @@ def test_accuracy_per_answer_and_per_example_when_one_answer_per_row_is_wrong():
 
 
 def test_task_accuracy_of_a_solver_that_reads_only_the_prefix():
-    """A solver of mqar that never sees an answer before predicting it scores 1 at every length; a model giving
-    the filler byte scores 0; the rows say n/a with the reason where the model refuses a length."""
-    task = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4, mqar_vocab=64)
+    """A solver of mqar that never sees an answer before predicting it scores 1 at every length, in both layouts; a
+    model reading the next input token scores 1 only where the answers are visible (by chance in Zoology's layout),
+    one giving the byte after it 0; the rows say n/a with the reason where the model refuses a length."""
+    task = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4)
+    visible = TaskSpec("mqar", mqar_pairs=4, mqar_queries=4, mqar_layout="visible_answers")
     assert task_accuracy(MqarSolver(4), task, 64, 20, 8, seed=0) == 1.0
-    assert task_accuracy(Peeking(384, shift=1), task, 64, 20, 8, seed=0) == 0.0
+    assert task_accuracy(MqarSolver(4), visible, 64, 20, 8, seed=0) == 1.0
+    assert task_accuracy(Peeking(384), visible, 64, 20, 8, seed=0) == 1.0
+    assert task_accuracy(Peeking(384), task, 64, 64, 8, seed=0) < 0.1
+    assert task_accuracy(Peeking(384, shift=1), visible, 64, 20, 8, seed=0) == 0.0
     row = task_row(MqarSolver(4), task, 32, (1, 2, 4), 8, 8, seed=0)
     assert row == {"accuracy": {"1x": 1.0, "2x": 1.0, "4x": 1.0}}
+
+
+class PositionRecorder(torch.nn.Module):
+    """Keeps the position ids of every forward; predicts token 0 everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+        self.seen = []
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        self.seen.append(position_ids)
+        return argparse.Namespace(logits=torch.zeros(*input_ids.shape, 384))
+
+
+def test_a_task_row_with_randomized_positions_draws_them_at_each_length_it_can():
+    """Scored with randomized positions up to 100: at 1x (32 tokens) every forward gets sorted distinct ids below
+    100, the same draw for every example; at 4x (128 tokens) the row gives the reason instead of a number."""
+    model = PositionRecorder()
+    row = task_row(model, TaskSpec("copy"), 32, (1, 4), 8, 4, seed=0, randomized_positions=100)
+    assert isinstance(row["accuracy"]["1x"], float) and len(model.seen) == 2
+    assert torch.equal(model.seen[0], model.seen[1]) and model.seen[0].shape == (4, 32)
+    assert (model.seen[0].diff(dim=-1) > 0).all() and model.seen[0].max() < 100
+    assert row["accuracy"]["4x"].startswith("Randomized positions draw 128 distinct positions below 100")
 
 
 def test_passkey_rows_give_each_depth_and_their_mean():
@@ -323,6 +422,7 @@ def mqar_compare(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("mqar")
     command = [str(Path(sys.executable).parent / "hf-posenc"), "compare", "--task", "mqar", "--schemes", "rope"]
     command += ["learned", "--mqar_pairs", "3", "--mqar_queries", "2", *TINY, "--output_dir", str(output)]
+    command += ["--lr_sweep", "1e-3", "3e-3", "--lr_sweep_steps", "2"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -331,18 +431,83 @@ def mqar_compare(tmp_path_factory) -> Path:
 
 def test_compare_mqar_writes_its_table_json_and_plot(mqar_compare):
     table = (mqar_compare / "compare.md").read_text()
-    assert table.startswith("### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 64 key")
-    assert "| scheme | normalizer | 1x | 2x | train loss |" in table
-    assert "| learned | softmax |" in table and "| n/a |" in table
+    assert table.startswith(
+        "### mqar: multi-query associative recall, 3 key-value pairs, 2 queries, 32 keys and 32 values, Zoology's"
+    )
+    assert "a value of the example: 0.333" in table
+    assert "| scheme | normalizer | 1x | 2x | train loss | step at 0.99 | lr |" in table
+    assert "| learned | softmax |" in table and "| n/a |" in table and "| unfinished (3) |" in table
+    assert "kept by a sweep of 2 steps over 0.001 0.003" in table and "cannot recall" not in table
     document = json.loads((mqar_compare / "compare.json").read_text())
     rows = {row["scheme"]: row for row in document["rows"]}
     assert set(rows) == {"rope", "learned"}
     assert 0.0 <= rows["rope"]["accuracy"]["2x"] <= 1.0 and isinstance(rows["learned"]["accuracy"]["2x"], str)
+    sweep = rows["rope"]["lr_sweep"]
+    assert set(sweep["trials"]) == {"0.001", "0.003"} and rows["rope"]["learning_rate"] == sweep["kept"]
+    assert rows["rope"]["reached_step"] is None and rows["rope"]["steps"] == 3
+    trial = json.loads(
+        (mqar_compare / "models" / "mqar-rope-softmax" / "lr_sweep" / "lr_0.003" / "results.json").read_text()
+    )
+    assert trial["steps"] == 2 and trial["learning_rate"] == 0.003
     assert (mqar_compare / "compare.png").stat().st_size > 10_000
     saved = json.loads((mqar_compare / "models" / "mqar-rope-softmax" / "training_args.json").read_text())
     assert saved["block_size"] == 32 and saved["long_context_task"] == {
-        "task": "mqar", "pairs": 3, "queries": 2, "vocab": 64
+        "task": "mqar", "pairs": 3, "queries": 2, "key_vocab": 32, "value_vocab": 32, "layout": "zoology",
+        "power_a": 0.01,
     }  # fmt: skip
+
+
+def test_a_task_model_stops_when_it_reaches_the_accuracy_else_ends_unfinished_at_the_cap(tmp_path):
+    """With --stop_accuracy 0 the first evaluation (step 2 of --eval_steps 2) stops training; at 1.0 a tiny model
+    runs to the cap of 4 steps, unfinished."""
+    from accelerate import Accelerator
+
+    task = TaskSpec("mqar", mqar_pairs=2, mqar_queries=2)
+    flags = ["--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "16"]
+    flags += ["--max_train_steps", "4", "--num_warmup_steps", "1", "--eval_steps", "2"]
+    flags += ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4"]
+    accelerator = Accelerator(cpu=True)
+    stopped = long_context.train_task_model([*flags, "--output_dir", str(tmp_path / "a")], task, accelerator, 4, 0.0)
+    assert (stopped["steps"], stopped["reached_step"], stopped["max_train_steps"]) == (2, 2, 4)
+    capped = long_context.train_task_model([*flags, "--output_dir", str(tmp_path / "b")], task, accelerator, 4, 1.0)
+    assert (capped["steps"], capped["reached_step"]) == (4, None)
+    log = [json.loads(line) for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log if "eval_accuracy" in record] == [2, 4]
+
+
+def test_the_lr_sweep_keeps_the_best_accuracy_then_the_earliest_to_reach_it_then_the_lowest_loss(
+    monkeypatch, tmp_path
+):
+    """Three trials (their results made up): 1e-3 reaches 0.5; 3e-3 and 1e-2 both 0.9, 1e-2 reaching the stop accuracy
+    at step 200 and 3e-3 never: 1e-2 is kept. Each trial runs --lr_sweep_steps 100 with the full run's warm-up
+    fraction (60 of 600 -> 10), in its own folder."""
+    made_up = {"0.001": (0.5, None, 1.0), "0.003": (0.9, None, 0.2), "0.01": (0.9, 200, 0.3)}
+    seen = []
+
+    def train(argv, task, accelerator, examples, stop):
+        seen.append(argv)
+        accuracy, reached, loss = made_up[argv[argv.index("--learning_rate") + 1]]
+        return {"eval_accuracy": accuracy, "reached_step": reached, "train_loss": loss, "steps": 100}
+
+    monkeypatch.setattr(long_context, "train_task_model", train)
+    args = compare.parse_args(["--task", "mqar", "--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100"])
+    argv = reporting.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
+    accelerator = argparse.Namespace(print=lambda *words: None)
+    sweep = long_context.sweep_learning_rate(args, argv, tmp_path, TaskSpec("mqar"), accelerator)
+    assert sweep["kept"] == 0.01 and set(sweep["trials"]) == set(made_up)
+    for trial in seen:
+        assert trial[trial.index("--max_train_steps") + 1] == "100"
+        assert trial[trial.index("--num_warmup_steps") + 1] == "10"
+    assert {trial[trial.index("--output_dir") + 1] for trial in seen} == {
+        str(tmp_path / "lr_sweep" / f"lr_{rate}") for rate in made_up
+    }
+
+
+def test_compare_lr_sweep_without_rates_takes_zoologys_range_and_lm_refuses_it(capsys):
+    assert compare.parse_args(["--task", "mqar", "--lr_sweep"]).lr_sweep == [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--lr_sweep"])
+    assert "--lr_sweep trains the task models of --task mqar, copy or passkey" in capsys.readouterr().err
 
 
 def test_extrapolate_scores_saved_models_on_the_task_and_by_position(mqar_compare, tmp_path):
@@ -389,6 +554,7 @@ def test_extrapolate_passkey_zero_shot_on_a_retrofitted_stock_decoder(tmp_path):
         (["--task", "mqar", "--mqar_pairs", "4", "--mqar_queries", "5"], "--mqar_queries must be in 1..4"),
         (["--task", "mqar", "--block_size", "12"], "take 16 tokens, more than the length 12"),
         (["--task", "passkey", "--block_size", "40"], "take 46 bytes, more than --block_size 40"),
+        (["--task", "copy", "--randomized_positions", "32"], "--randomized_positions 32 must be >= --block_size 64"),
         (["--task", "copy", "--train_file", str(Path(__file__).parents[1] / "README.md")], "passkey's filler text"),
     ],
 )

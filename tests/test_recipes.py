@@ -492,6 +492,96 @@ def test_compare_takes_a_scheme_or_normalizer_with_options(tmp_path):
     )
 
 
+PER_RUN_FLAGS = {
+    "help": "not a setting",
+    "task": "compare's --task is lm or a long-context task; each run's is clm or mlm",
+    "output_dir": "each run writes to its folder under models/",
+    "seed": "each run gets its own seed of --seeds (checked below)",
+    "hub_model_id": "each run's repository is the prefix and its run name (checked below)",
+    "sliding_window": "a layout's size, handed to the runs of the layouts that take it (the layout tests)",
+    "attention_chunk_size": "a layout's size, handed to the runs of the layouts that take it (the layout tests)",
+}
+
+
+def non_default_value(action: argparse.Action) -> tuple[list[str], object]:
+    """A command-line value of ``action`` other than its default, and what the parser makes of it."""
+    if action.nargs == 0:  # store_true
+        return [], True
+    if action.dest == "reference_init":
+        return ["false"], False
+    if action.choices:
+        choice = next(choice for choice in action.choices if choice != action.default)
+        return [choice], choice
+    if isinstance(action.default, (int, float)) or action.type in (int, float):
+        word = str((action.default or 0) + 3)
+        return [word], action.type(word)
+    if action.type is Path:
+        return ["some/text.txt"], Path("some/text.txt")
+    return ["some-value"], "some-value"
+
+
+def test_compare_hands_every_pretrain_flag_it_takes_to_each_pretraining_run(tmp_path):
+    """Every flag both parsers have (read from the parsers), given to compare with a value other than its default,
+    reaches each run's pretraining command line with that value (parsed back by pretrain's parser), except the flags
+    set per run (PER_RUN_FLAGS, with the reason)."""
+    from hf_posenc_recipes.parsers import compare_parser, pretrain_parser
+
+    pretrain_flags = {action.dest for action in pretrain_parser()._actions if action.option_strings}
+    shared = [
+        action for action in compare_parser()._actions
+        if action.option_strings and action.dest in pretrain_flags and action.dest not in PER_RUN_FLAGS
+    ]  # fmt: skip
+    argv, expected = ["--output_dir", str(tmp_path), "--hub_model_id", "prefix"], {}
+    for action in shared:
+        if action.dest in expected:  # a second spelling (--no_reference_init)
+            continue
+        words, expected[action.dest] = non_default_value(action)
+        argv += [action.option_strings[0], *words]
+    assert {"weight_decay", "lr_scheduler_type", "dropout", "intermediate_size", "reference_init"} <= set(expected)
+    args = compare_parser().parse_args(argv)
+    run = ("clm", "rope", "softmax", 5)
+    run_args = pretrain_parser().parse_args(reporting.recipe_argv(args, run, tmp_path / "run"))
+    assert {dest: getattr(run_args, dest) for dest in expected} == expected
+    assert run_args.seed == 5 and run_args.output_dir == tmp_path / "run"
+    assert run_args.hub_model_id == "prefix-clm-rope-softmax"
+
+
+def test_randomized_positions_are_a_sorted_uniform_draw_of_distinct_positions():
+    """Ruoss et al. 2023: n distinct positions of [0, N), sorted, one draw for the batch; each position is in a draw
+    with probability n / N (a uniform n-subset), checked over 3000 draws within 4.5 standard errors."""
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([pretrain_recipe.randomized_position_ids(generator, 3, 8, 20) for _ in range(3000)])
+    assert draws.shape == (3000, 3, 8) and torch.equal(draws[:, 0], draws[:, 2])
+    first = draws[:, 0]
+    assert (first.diff(dim=-1) > 0).all() and first.min() >= 0 and first.max() < 20
+    frequency = torch.stack([(first == position).any(-1).float().mean() for position in range(20)])
+    p = 8 / 20
+    assert (frequency - p).abs().max() < 4.5 * math.sqrt(p * (1 - p) / 3000)
+    with pytest.raises(ValueError, match="draw 21 distinct positions below 20 .--randomized_positions."):
+        pretrain_recipe.randomized_position_ids(generator, 1, 21, 20)
+
+
+def test_pretrain_with_randomized_positions_feeds_them_in_training_and_evaluation(tmp_path, monkeypatch):
+    """Every forward of a run with --randomized_positions 40 (blocks of 16) gets 16 sorted distinct position ids
+    below 40, never 0..15 alone every time; the learned table holds 40 rows; N below the block is refused."""
+    seen = []
+    forward = hf_posenc.PosEncGPT2LMHeadModel.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("position_ids"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf_posenc.PosEncGPT2LMHeadModel, "forward", recording)
+    pretrain(tmp_path / "run", "--randomized_positions", "40", "--max_eval_blocks", "8", steps=4)
+    assert len(seen) > 4 and all(ids is not None and ids.shape[-1] == 16 for ids in seen)
+    assert all((ids.diff(dim=-1) > 0).all() and ids.max() < 40 for ids in seen)
+    assert any(ids.max() > 15 for ids in seen)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["n_positions"] == 40
+    with pytest.raises(SystemExit):
+        pretrain_recipe.parse_args([*TINY, "--randomized_positions", "15"])
+
+
 def test_pretrain_builds_a_layout_preset(tmp_path):
     """``pretrain --layout smollm3``: the preset's per-layer list at the model's depth; with --position_encoding too
     it stops, naming both."""

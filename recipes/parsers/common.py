@@ -22,6 +22,7 @@ from hf_posenc_recipes.registry import RECIPES
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
 
 MULTI_PROCESS_NOTE = """
 Several processes: `accelerate launch --multi_gpu --num_processes 2 ...` on GPUs and on CPUs (on a machine without
@@ -270,3 +271,89 @@ def add_layout_flags(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="the chunk of the --layouts with chunked attention (irope), in tokens",
     )
+
+
+SHARED_FLAGS: dict[str, dict[str, Any]] = {
+    "block_size": {"type": int, "default": 64, "help": "training length: tokens per block"},
+    **{
+        name: {"type": int, "default": None, "help": f"when None: {default}, or the config's"}
+        for name, default in MODEL_SIZE_DEFAULTS.items()
+    },
+    "intermediate_size": {"type": int, "default": None, "help": "the MLP's width (when None: 4 * hidden_size)"},
+    "dropout": {"type": float, "default": None, "help": "every dropout probability (when None: 0)"},
+    "initializer_range": {"type": float, "default": None, "help": "std of the weights (when None: 0.02)"},
+    "attn_implementation": {
+        "choices": ["eager", "sdpa", "flex_attention"],
+        "default": None,
+        "help": "the attention backend (when None: Transformers' choice for the scheme)",
+    },
+    "per_device_train_batch_size": {"type": int, "default": 32, "help": "blocks per process and step"},
+    "per_device_eval_batch_size": {"type": int, "default": 64, "help": "blocks per process, evaluating"},
+    "learning_rate": {"type": float, "default": 2e-3, "help": "AdamW's peak learning rate"},
+    "weight_decay": {"type": float, "default": 0.1, "help": "AdamW's, on matrices only (not embeddings, norms)"},
+    "adam_beta1": {"type": float, "default": 0.9, "help": "AdamW's beta1"},
+    "adam_beta2": {"type": float, "default": 0.99, "help": "AdamW's beta2"},
+    "max_grad_norm": {"type": float, "default": 1.0, "help": "gradient clipping (0: none)"},
+    "lr_scheduler_type": {"default": "cosine", "choices": SCHEDULER_TYPES, "help": "the schedule after warm-up"},
+    "num_warmup_steps": {"type": int, "default": 60, "help": "optimizer steps of linear warm-up"},
+    "max_train_steps": {"type": int, "default": 600, "help": "optimizer steps (pretrain: 0 runs --num_train_epochs)"},
+    "eval_steps": {"type": int, "default": 200, "help": "evaluate every N steps (and at the end)"},
+    "seed": {"type": int, "default": 0, "help": "initialisation, batch order, masks, dropout"},
+    "randomized_positions": {
+        "type": int,
+        "default": None,
+        "help": "randomized positions (Ruoss et al. 2023) up to N: each batch's position ids are a sorted draw of "
+        "distinct positions of [0, N), in training and evaluation, instead of 0..n-1 (N >= --block_size; a learned "
+        "table gets N rows); None: 0..n-1",
+    },
+    "factors": {
+        "type": int,
+        "nargs": "+",
+        "default": list(DEFAULT_FACTORS),
+        "help": "evaluation lengths / training length",
+    },
+    "max_eval_tokens": {"type": int, "default": 16384, "help": "held-out tokens for extrapolation"},
+}
+"""The flags several recipes take, each defined once (type, default, help): :func:`add_flags` adds them to a
+parser."""
+
+MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "dropout")
+MODEL_FLAGS += ("initializer_range", "attn_implementation")
+TRAINING_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "learning_rate", "weight_decay")
+TRAINING_FLAGS += ("adam_beta1", "adam_beta2", "max_grad_norm", "lr_scheduler_type", "num_warmup_steps")
+TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed", "randomized_positions")
+"""The pretraining recipe's model and training flags (with ``--block_size`` and ``--reference_init``): what
+``compare`` takes and hands to every pretraining run it starts."""
+
+
+def add_flags(group, names: tuple[str, ...], notes: dict[str, str] | None = None, **defaults: Any) -> None:
+    """The flags ``names`` of :data:`SHARED_FLAGS`, with the recipe's own ``defaults`` where it differs and its
+    ``notes`` appended to a flag's help (what a default of None means there)."""
+    for name in names:
+        kwargs = dict(SHARED_FLAGS[name])
+        kwargs["default"] = defaults.get(name, kwargs["default"])
+        if notes and name in notes:
+            kwargs["help"] = f"{kwargs['help']} ({notes[name]})"
+        group.add_argument(f"--{name}", **kwargs)
+
+
+def add_reference_init_flags(parser: argparse.ArgumentParser, group) -> None:
+    """``--reference_init [true|false]`` and ``--no_reference_init`` (and its old spelling)."""
+    group.add_argument(
+        "--reference_init",
+        type=string_to_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="initialise each scheme's parameters as its reference does "
+        "(hf_posenc_recipes.pretrain.reference_init); --reference_init false or --no_reference_init: as "
+        "GPT-2 / BERT do",
+    )
+    group.add_argument(
+        "--no_reference_init",
+        action="store_false",
+        dest="reference_init",
+        default=argparse.SUPPRESS,
+        help="the same as --reference_init false",
+    )
+    hidden_alias(parser, "--no-reference_init", "reference_init", action="store_false")

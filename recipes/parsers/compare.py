@@ -7,16 +7,20 @@ import argparse
 from pathlib import Path
 
 from .common import (
-    DEFAULT_FACTORS,
+    MODEL_FLAGS,
+    MODEL_SIZE_DEFAULTS,
+    TRAINING_FLAGS,
+    add_flags,
     add_hub_flags,
     add_layout_flags,
+    add_reference_init_flags,
     add_threads_flag,
     add_tracking_flags,
     catalogue_name,
     new_parser,
     output_folder,
 )
-from .tasks import add_task_flags
+from .tasks import TASK_BLOCK_SIZES, add_task_flags
 
 
 DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
@@ -70,17 +74,13 @@ the answers) and the report gives its accuracy at each length (passkey's also by
     parser.add_argument("--text_column_name", default="text", help="--dataset_name: the column holding the text")
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded corpus)")
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
-    parser.add_argument("--block_size", type=int, default=64, help="training length in tokens")
-    parser.add_argument("--hidden_size", type=int, default=128, help="every model's width")
-    parser.add_argument("--num_hidden_layers", type=int, default=3, help="every model's depth")
-    parser.add_argument("--num_attention_heads", type=int, default=4, help="attention heads per layer")
-    parser.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps per model")
-    parser.add_argument("--num_warmup_steps", type=int, default=60, help="optimizer steps of linear warm-up")
-    parser.add_argument("--learning_rate", type=float, default=2e-3, help="AdamW's peak learning rate")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=32, help="blocks per process and step")
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=16, help="held-out blocks and windows")
-    parser.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
-    parser.add_argument("--seed", type=int, default=0, help="the same seed for every model")
+    training = parser.add_argument_group("each model and its training (the pretrain recipe's flags)")
+    shared = ("block_size", *MODEL_FLAGS, *TRAINING_FLAGS)
+    block = f"when None: 64, {TASK_BLOCK_SIZES['passkey']} for --task passkey (its filler then most of the row)"
+    add_flags(
+        training, shared, {"block_size": block}, **MODEL_SIZE_DEFAULTS, block_size=None, per_device_eval_batch_size=16
+    )
+    add_reference_init_flags(parser, training)
     parser.add_argument(
         "--seeds",
         type=int,
@@ -94,13 +94,10 @@ the answers) and the report gives its accuracy at each length (passkey's also by
         help="keep the runs whose folder already holds their result (compare_row.json) from the same recipe: an "
         "interrupted compare, or seeds run by separate processes into one --output_dir",
     )
-    parser.add_argument(
-        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
-    )
-    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="held-out tokens for extrapolation")
+    add_flags(parser, ("factors", "max_eval_tokens"))
     parser.add_argument("--probe_steps", type=int, default=400, help="training steps of the position probe")
     add_threads_flag(parser)
-    add_task_flags(parser, "train each model on the task")
+    add_task_flags(parser, "train each model on the task", training=True)
     add_tracking_flags(parser)
     add_hub_flags(
         parser, "each pretrained model (models/)", "the repositories' prefix: <prefix>-<task>-<scheme>-<normalizer>"

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .common import (
-    DEFAULT_FACTORS,
+    add_flags,
     add_threads_flag,
     new_parser,
     output_folder,
@@ -48,12 +48,8 @@ model trained on language (a compare run, a retrofitted checkpoint) is scored ze
         help="without --eval_file: the held-out first %% of the embedded corpus, as the pretraining recipe splits it",
     )
     parser.add_argument("--train_length", type=int, default=None, help="when None: each model's training block size")
-    parser.add_argument(
-        "--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS), help="evaluation lengths / training length"
-    )
-    parser.add_argument("--max_eval_tokens", type=int, default=16384, help="evaluate on the first N tokens only")
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="windows per process and batch")
-    parser.add_argument("--seed", type=int, default=0, help="the encoders' masking draw")
+    add_flags(parser, ("factors", "max_eval_tokens", "per_device_eval_batch_size"), per_device_eval_batch_size=8)
+    add_flags(parser, ("seed",))
     parser.add_argument(
         "--seeds",
         type=int,

@@ -9,20 +9,18 @@ from pathlib import Path
 from hf_posenc_recipes import catalogue
 
 from .common import (
-    SCHEDULER_TYPES,
+    MODEL_SIZE_DEFAULTS,
+    TRAINING_FLAGS,
+    add_flags,
     add_hub_flags,
+    add_reference_init_flags,
     add_threads_flag,
     add_tracking_flags,
-    hidden_alias,
     new_parser,
     output_folder,
     positive_int,
     scheme_spec,
-    string_to_bool,
 )
-
-
-MODEL_SIZE_DEFAULTS = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
 
 
 def pretrain_parser() -> argparse.ArgumentParser:
@@ -53,7 +51,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         "--validation_split_percentage", type=int, default=5, help="%% of train held out when there is no validation"
     )
     data.add_argument("--text_column_name", default="text", help="the column holding the text")
-    data.add_argument("--block_size", type=int, default=64, help="training length: tokens per packed block")
+    add_flags(data, ("block_size",))
     data.add_argument(
         "--preprocessing_num_workers", type=int, default=None, help="processes tokenising (when None: this one)"
     )
@@ -78,8 +76,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         default=None,
         help="a name or a JSON dict (when None: softmax)",
     )
-    for name, default in MODEL_SIZE_DEFAULTS.items():
-        model.add_argument(f"--{name}", type=int, default=None, help=f"when None: {default}")
+    add_flags(model, tuple(MODEL_SIZE_DEFAULTS))
     model.add_argument(
         "--layout",
         choices=catalogue.names("layout"),
@@ -100,46 +97,11 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         help="tokens per chunk of a chunked-attention layer (Llama 4's, decoders): irope's rope layers, or, without "
         "--layout, every layer",
     )
-    model.add_argument("--intermediate_size", type=int, default=None, help="when None: 4 * hidden_size")
-    model.add_argument("--dropout", type=float, default=None, help="every dropout probability (when None: 0)")
-    model.add_argument("--initializer_range", type=float, default=None, help="std of the weights (when None: 0.02)")
-    model.add_argument(
-        "--reference_init",
-        type=string_to_bool,
-        nargs="?",
-        const=True,
-        default=True,
-        help="initialise each scheme's parameters as its reference does "
-        "(hf_posenc_recipes.pretrain.reference_init); --reference_init false or --no_reference_init: as "
-        "GPT-2 / BERT do",
-    )
-    model.add_argument(
-        "--no_reference_init",
-        action="store_false",
-        dest="reference_init",
-        default=argparse.SUPPRESS,
-        help="the same as --reference_init false",
-    )
-    hidden_alias(parser, "--no-reference_init", "reference_init", action="store_false")
-    model.add_argument(
-        "--attn_implementation",
-        choices=["eager", "sdpa", "flex_attention"],
-        default=None,
-        help="the attention backend (when None: Transformers' choice for the scheme)",
-    )
+    add_flags(model, ("intermediate_size", "dropout", "initializer_range"))
+    add_reference_init_flags(parser, model)
+    add_flags(model, ("attn_implementation",))
     train = parser.add_argument_group("training")
-    train.add_argument("--per_device_train_batch_size", type=int, default=32, help="blocks per process and step")
-    train.add_argument("--per_device_eval_batch_size", type=int, default=64, help="blocks per process, evaluating")
-    train.add_argument("--learning_rate", type=float, default=2e-3, help="AdamW's peak learning rate")
-    train.add_argument("--weight_decay", type=float, default=0.1, help="on matrices only (not embeddings, norms)")
-    train.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's beta1")
-    train.add_argument("--adam_beta2", type=float, default=0.99, help="AdamW's beta2")
-    train.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0: none)")
-    train.add_argument(
-        "--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES, help="the schedule after warm-up"
-    )
-    train.add_argument("--num_warmup_steps", type=int, default=60, help="optimizer steps of linear warm-up")
-    train.add_argument("--max_train_steps", type=int, default=600, help="optimizer steps (0: use --num_train_epochs)")
+    add_flags(train, TRAINING_FLAGS)
     train.add_argument("--num_train_epochs", type=int, default=None, help="used when --max_train_steps is 0")
     train.add_argument(
         "--gradient_accumulation_steps", type=int, default=1, help="batches accumulated per optimizer step"
@@ -148,8 +110,6 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         "--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="when None: accelerate's config"
     )
     train.add_argument("--mlm_probability", type=float, default=0.15, help="--task mlm: the share of tokens masked")
-    train.add_argument("--seed", type=int, default=0, help="initialisation, batch order, masks, dropout")
-    train.add_argument("--eval_steps", type=int, default=200, help="evaluate every N steps (and at the end)")
     train.add_argument("--max_eval_blocks", type=int, default=None, help="evaluate on the first N blocks only")
     train.add_argument(
         "--checkpointing_steps",

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .common import (
+    add_flags,
     add_hub_flags,
     add_threads_flag,
     add_tracking_flags,
@@ -59,9 +60,7 @@ steps with its position encoding kept. Writes results.json and drope.md.
         help="with --drope: recalibrate for this fraction of the pretraining steps (training_args.json of a "
         "pretrain folder); None: --max_train_steps",
     )
-    parser.add_argument(
-        "--factors", nargs="+", type=int, default=[1, 2, 4, 8], help="with --drope: lengths, x the training length"
-    )
+    add_flags(parser, ("factors",))
     parser.add_argument(
         "--eval_tokens", type=int, default=None, help="with --drope: at most this many held-out tokens scored"
     )
@@ -86,14 +85,15 @@ steps with its position encoding kept. Writes results.json and drope.md.
     )
     parser.add_argument("--train_file", type=Path, default=None, help="plain text (when None: the embedded Emma)")
     parser.add_argument("--max_seq_length", type=int, default=64, help="tokens per block, [CLS] and [SEP] included")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="blocks per process and step")
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="blocks per process, evaluating")
-    parser.add_argument("--max_train_steps", type=int, default=50, help="MLM steps after the patch")
+    training = ("per_device_train_batch_size", "per_device_eval_batch_size", "max_train_steps", "learning_rate")
+    add_flags(
+        parser, training, per_device_train_batch_size=8, per_device_eval_batch_size=8, max_train_steps=50,
+        learning_rate=3e-4,
+    )  # fmt: skip
+    add_flags(parser, ("seed",))
     parser.add_argument("--head_steps", type=int, default=60, help="steps fitting a missing MLM head (0: none)")
-    parser.add_argument("--learning_rate", type=float, default=3e-4, help="AdamW's peak learning rate")
     parser.add_argument("--eval_blocks", type=int, default=32, help="held-out blocks every evaluation uses")
     parser.add_argument("--mlm_probability", type=float, default=0.15, help="the share of tokens masked")
-    parser.add_argument("--seed", type=int, default=0, help="masks, batch order, the eval blocks")
     parser.add_argument(
         "--output_dir", type=output_folder, default="retrofit-output", help="the results, the plot, the models"
     )

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from .common import int_at_least, positive_int
+from .common import positive_int
 
 
 TASKS = ("lm", "mqar", "copy", "passkey")
+MQAR_LAYOUTS = ("zoology", "visible_answers")
+TASK_BLOCK_SIZES = {"lm": 64, "mqar": 64, "copy": 64, "passkey": 128}
+"""``compare``'s training length of each ``--task`` when ``--block_size`` is not given: passkey's needle, question and
+5-digit key take 46 bytes, so at 128 its filler is 82 of them (64 %) and 210 of 256 at 2x; at 64 it was 18."""
 PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
 PASSKEY_QUESTION_BYTES = len(" The pass key is ")
 
@@ -24,8 +28,24 @@ def unit_interval(text: str) -> float:
     return value
 
 
-def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--task`` (``what`` it does with a task) and the settings of the tasks."""
+def positive_float(text: str) -> float:
+    """The flag type of a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+DEFAULT_LR_SWEEP = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+"""``--lr_sweep``'s rates when none is given: Zoology's range, 1e-4 to 1e-2."""
+
+
+def add_task_flags(parser: argparse.ArgumentParser, what: str, training: bool = False) -> None:
+    """``--task`` (``what`` it does with a task) and the settings of the tasks; with ``training``, how a task model
+    trains (``--stop_accuracy``, ``--lr_sweep``)."""
     group = parser.add_argument_group("long-context tasks (--task mqar, copy, passkey)")
     group.add_argument(
         "--task",
@@ -39,10 +59,23 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
     )
     group.add_argument("--mqar_queries", type=positive_int, default=4, help="mqar: keys asked per example (<= pairs)")
     group.add_argument(
-        "--mqar_vocab",
-        type=int_at_least(2),
-        default=64,
-        help="mqar: bytes the keys (first half) and values (second half) are drawn from; the other bytes fill",
+        "--mqar_layout",
+        choices=MQAR_LAYOUTS,
+        default="zoology",
+        help="mqar: zoology (Zoology's multiquery_ar: the answers are labels only, queries placed by a power law, "
+        "filler drawn from the keys and values); visible_answers (each query followed by its value in the input, "
+        "so later queries see earlier answers; queries placed uniformly; filler from the other bytes)",
+    )
+    group.add_argument(
+        "--mqar_power_a",
+        type=positive_float,
+        default=0.01,
+        help="mqar, zoology layout: the query gaps' power law P(g) ∝ (g + 1) ** (a - 1) (Zoology's power_a; 1: "
+        "uniform)",
+    )
+    group.add_argument("--mqar_key_vocab", type=positive_int, default=32, help="mqar: the bytes keys are drawn from")
+    group.add_argument(
+        "--mqar_value_vocab", type=positive_int, default=32, help="mqar: the bytes values are drawn from (after keys)"
     )
     group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")
     group.add_argument(
@@ -58,6 +91,27 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str) -> None:
         default=128,
         help="examples scored at each length (passkey: at each length and depth), the same for every model",
     )
+    if not training:
+        return
+    group.add_argument(
+        "--stop_accuracy",
+        type=unit_interval,
+        default=0.99,
+        help="stop training a task model at the first evaluation (every --eval_steps) whose accuracy at the training "
+        "length reaches this (Zoology's 0.99); --max_train_steps is the cap: a run ending there is unfinished",
+    )
+    group.add_argument(
+        "--lr_sweep",
+        type=positive_float,
+        nargs="*",
+        default=None,
+        help="before each task model, a run of --lr_sweep_steps at each of these learning rates (none given: "
+        f"{' '.join(f'{rate:g}' for rate in DEFAULT_LR_SWEEP)}, Zoology's range); the model trains at the rate with "
+        "the best accuracy, reported beside it",
+    )
+    group.add_argument(
+        "--lr_sweep_steps", type=positive_int, default=300, help="--lr_sweep: the steps of each trial (at most)"
+    )
 
 
 def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, length: int | None) -> None:
@@ -65,7 +119,10 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     tokens of ``compare``'s models): a parser error naming the flag."""
     if args.task == "mqar":
         try:
-            check_mqar(length, args.mqar_pairs, args.mqar_queries, args.mqar_vocab)
+            check_mqar(
+                length, args.mqar_pairs, args.mqar_queries, args.mqar_key_vocab, args.mqar_value_vocab,
+                args.mqar_layout, args.mqar_power_a,
+            )  # fmt: skip
         except ValueError as error:
             parser.error(str(error))
     if args.task == "copy" and length is not None and length < 3:
@@ -79,15 +136,27 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             )
 
 
-def check_mqar(length: int | None, num_pairs: int, num_queries: int, vocab_size: int) -> None:
+def check_mqar(
+    length: int | None, num_pairs: int, num_queries: int, key_vocab: int, value_vocab: int, layout: str,
+    power_a: float,
+) -> None:  # fmt: skip
     """A ``ValueError`` naming the flag when ``mqar``'s settings cannot make an example of ``length`` tokens (any
     length when None)."""
-    if vocab_size % 2 or not 2 <= vocab_size <= 254:
+    if layout not in MQAR_LAYOUTS:
+        raise ValueError(f"--mqar_layout must be one of {', '.join(MQAR_LAYOUTS)}, got {layout!r}")
+    if power_a <= 0:
+        raise ValueError(f"--mqar_power_a must be > 0 (1: uniform), got {power_a}")
+    spare = 0 if layout == "zoology" else 1  # visible_answers fills with the bytes above the keys and values
+    if key_vocab < 1 or value_vocab < 1 or key_vocab + value_vocab > 256 - spare:
         raise ValueError(
-            f"--mqar_vocab must be even and in 2..254 (the bytes above it fill the rest), got {vocab_size}"
+            f"--mqar_key_vocab {key_vocab} and --mqar_value_vocab {value_vocab} must be >= 1 and together at most "
+            f"{256 - spare} bytes" + (" (the layout visible_answers fills with the bytes above them)" if spare else "")
         )
-    if not 1 <= num_pairs <= vocab_size // 2:
-        raise ValueError(f"--mqar_pairs must be in 1..{vocab_size // 2} (half of --mqar_vocab), got {num_pairs}")
+    if not 1 <= num_pairs <= min(key_vocab, value_vocab):
+        raise ValueError(
+            f"--mqar_pairs must be in 1..{min(key_vocab, value_vocab)} (distinct keys of --mqar_key_vocab, values of "
+            f"--mqar_value_vocab), got {num_pairs}"
+        )
     if not 1 <= num_queries <= num_pairs:
         raise ValueError(f"--mqar_queries must be in 1..{num_pairs} (--mqar_pairs), got {num_queries}")
     if length is not None and 2 * num_pairs + 2 * num_queries > length:
