@@ -37,13 +37,15 @@ has none for it, e.g. CamemBERT), so LoRA needs no ``target_modules`` (``registe
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 import json
 import shutil
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ import torch
 import transformers
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
@@ -59,8 +61,10 @@ from transformers.utils import logging
 
 from .attention_normalizers import AttentionNormalizer
 from .configuration_posenc import (
+    check_layer_windows,
     config_layer_types,
     layer_position_specs,
+    layout_name,
     resolve_attention_normalizer,
     resolve_position_layout,
 )
@@ -68,8 +72,6 @@ from .modeling_posenc_common import (
     SEQUENCE_PARALLEL_ATTENTION,
     attention_dims,
     build_attention_normalizer,
-    build_layer_position_term,
-    build_position_encoding,
     build_query_key_norms,
     pairs_head_halves,
     parallelism_refusals,
@@ -79,6 +81,7 @@ from .modeling_posenc_common import (
     shard_heads,
 )
 from .posenc_attention import positional_attention
+from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import (
     CACHE_NAME,
     EmbeddingInputs,
@@ -338,6 +341,11 @@ class StockFamily:
             )
         return {"type": "learned"}
 
+    def own_rotary(self, config) -> list[dict[str, Any]] | None:
+        """The ``rope`` spec of each layer's own rotary parameters (a NoPE layer's too: those of its layer type), from
+        which a rotary variant named in a retrofit starts; None for a model without rotary embeddings."""
+        return None
+
     def own_normalizer(self, config) -> str | dict[str, Any]:
         """The normalizer under which the patched model computes what the stock model computes: ``softmax``, with
         gpt-oss's learned sinks (``sink="learned"``) where the family has them."""
@@ -480,17 +488,21 @@ class LlamaFamily(StockFamily):
     def attention_dropout(self, config):
         return config.attention_dropout
 
-    def own_scheme(self, config):
-        """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
-        type (Gemma 3's local and global bases, OLMo 3's YaRN on the full layers) or where SmolLM3 leaves a layer
-        without (``no_rope_layers[i] == 0``: ``none``)."""
+    def own_rotary(self, config):
+        """The rotary parameters per layer: one ``rope_parameters`` dict for all, or one per layer type (Gemma 3,
+        OLMo 3)."""
         rope = config.rope_parameters
         fraction = getattr(config, "partial_rotary_factor", None) or 1.0
         layer_types = config_layer_types(config)
         if "rope_theta" in rope:
-            specs = [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
-        else:
-            specs = [rope_spec_of(rope[kind], config.max_position_embeddings, fraction) for kind in layer_types]
+            return [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
+        return [rope_spec_of(rope[kind], config.max_position_embeddings, fraction) for kind in layer_types]
+
+    def own_scheme(self, config):
+        """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
+        type (Gemma 3's local and global bases, OLMo 3's YaRN on the full layers) or where SmolLM3 leaves a layer
+        without (``no_rope_layers[i] == 0``: ``none``)."""
+        specs = self.own_rotary(config)
         keeps_rope = getattr(config, "no_rope_layers", None) or [1] * len(specs)
         specs = [spec if keep else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
@@ -522,11 +534,14 @@ class ModernBertFamily(StockFamily):
     def attention_dropout(self, config):
         return config.attention_dropout
 
-    def own_scheme(self, config):
-        specs = [
+    def own_rotary(self, config):
+        return [
             rope_spec_of(config.rope_parameters[kind], config.max_position_embeddings)
             for kind in config_layer_types(config)
         ]
+
+    def own_scheme(self, config):
+        specs = self.own_rotary(config)
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
 
 
@@ -681,7 +696,37 @@ def retrofit(
     sink of a normalizer that has one, and are dropped under any other.
     """
     if isinstance(model, (str, Path)):
+        # Checked on the model built without weights (meta tensors), so a bad request reads no weight.
+        plan_retrofit(stock_skeleton(model), position_encoding, attention_normalizer, layers, use_qk_norm, options)
         model = load_stock_model(model)
+    plan = plan_retrofit(model, position_encoding, attention_normalizer, layers, use_qk_norm, options)
+    apply_retrofit(model, plan)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrofitPlan:
+    """What a retrofit writes into the config, every part checked before anything changes."""
+
+    family: StockFamily
+    position_encoding: dict[str, Any] | list[dict[str, Any]]
+    attention_normalizer: dict[str, Any]
+    use_qk_norm: bool
+    drops_softcapping: bool
+    """Gemma 3's config keeps Gemma 2's ``attn_logit_softcapping``, but its attention passes no softcap."""
+
+
+def plan_retrofit(
+    model: PreTrainedModel,
+    position_encoding: Any,
+    attention_normalizer: Any,
+    layers: list[int] | None,
+    use_qk_norm: bool | None,
+    options: dict[str, Any],
+) -> RetrofitPlan:
+    """The checked request of :func:`retrofit` for ``model``, which it leaves unchanged; ``ValueError`` naming the bad
+    value otherwise. The new modules are built once here (and dropped), so an option only a module checks fails
+    before the patch too."""
     family = stock_family(model)
     config = model.config
     family.check(config)
@@ -705,8 +750,15 @@ def retrofit(
         position_encoding = {**position_encoding, **options}
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
+    own_rotary = family.own_rotary(config)
+    if own_rotary is not None:
+        position_encoding = from_own_rotary(position_encoding, own_rotary)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
-    spec = resolve_position_layout(position_encoding, num_layers, max_positions, causal, config.hidden_size)
+    # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
+    # the size check of a PosEnc config's rope does not apply to what the stock config holds.
+    originals = [(spec.get("scaling") or {}).get("original_max_positions") or 0 for spec in own_rotary or []]
+    size = max([max_positions, *originals]) if table is None else max_positions
+    spec = resolve_position_layout(position_encoding, num_layers, size, causal, config.hidden_size)
     if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
         spec = spec[0]
     first = layer_position_specs(spec, num_layers)[0]
@@ -715,6 +767,12 @@ def retrofit(
             f"retrofit(): the stock position table has {max_positions} positions; got max_positions="
             f"{first['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
         )
+    check_layer_windows(
+        spec,
+        config_layer_types(config),
+        getattr(config, "sliding_window", None),
+        getattr(config, "attention_chunk_size", None),
+    )
     if use_qk_norm is None:
         use_qk_norm = family.qk_norm is not None
     if not isinstance(use_qk_norm, bool):
@@ -723,18 +781,72 @@ def retrofit(
         )
     if attention_normalizer is None:
         attention_normalizer = family.own_normalizer(config)
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        # Gemma 3's config keeps Gemma 2's field, but its attention passes no softcap: the stock model does not cap.
+    plan = RetrofitPlan(
+        family,
+        spec,
+        resolve_attention_normalizer(attention_normalizer, causal, config.num_attention_heads),
+        use_qk_norm,
+        getattr(config, "attn_logit_softcapping", None) is not None,
+    )
+    trial = copy.copy(config)
+    write_plan(trial, plan)
+    build_modules(trial, causal)
+    return plan
+
+
+def from_own_rotary(
+    position_encoding: dict[str, Any] | list[Any], own_rotary: list[dict[str, Any]]
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """A rotary variant named in a retrofit (a scheme with a ``theta``: ``rope``, p-RoPE, ``xpos``, ...) starts from
+    the model's own rotary parameters of each layer (``theta``, ``rotary_fraction``, ``scaling`` where the scheme has
+    them); the options given override them. Other schemes are left as given."""
+    per_layer = isinstance(position_encoding, (list, tuple))
+    if per_layer and len(position_encoding) != len(own_rotary):  # resolve_position_layout names the lengths
+        return position_encoding
+    specs = list(position_encoding) if per_layer else [position_encoding] * len(own_rotary)
+    merged = []
+    for spec, own in zip(specs, own_rotary, strict=True):
+        spec = {"type": spec} if isinstance(spec, str) else spec
+        scheme = POSITION_ENCODINGS.get(spec.get("type")) if isinstance(spec, dict) else None
+        if scheme is not None and "theta" in scheme.options:
+            inherited = {key: value for key, value in own.items() if key != "type" and key in scheme.options}
+            spec = {**inherited, **spec}
+        merged.append(spec)
+    return merged if per_layer or any(spec != merged[0] for spec in merged) else merged[0]
+
+
+def write_plan(config, plan: RetrofitPlan) -> None:
+    """Write a checked plan into ``config``."""
+    if plan.drops_softcapping:
+        config.attn_logit_softcapping = None
+    config.position_encoding = plan.position_encoding
+    config.attention_normalizer = plan.attention_normalizer
+    config.use_qk_norm = plan.use_qk_norm
+
+
+def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[AttentionNormalizer], list]:
+    """The scheme, and each attention layer's normalizer and position term, of a config holding resolved specs
+    (built from them as they are: a retrofit resolved them against the stock config)."""
+    dims = attention_dims(config, causal)
+    specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
+    encoding = build_position_encoding_module(config.position_encoding, dims)
+    normalizers = [build_attention_normalizer(config, causal, idx) for idx in range(config.num_hidden_layers)]
+    terms = [POSITION_ENCODINGS[spec["type"]].layer_term(spec, dims, idx) for idx, spec in enumerate(specs)]
+    return encoding, normalizers, terms
+
+
+def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
+    """Write ``plan`` into the config, patch the model and initialise the new modules (the stock position table
+    becomes the ``learned`` table, gpt-oss's sinks the learned sink)."""
+    family, config, base = plan.family, model.config, model.base_model
+    if plan.drops_softcapping:
         logger.warning(
             f"retrofit(): this {config.model_type} model's attention does not apply its config's "
             f"attn_logit_softcapping={config.attn_logit_softcapping}; set to None, as the model computes."
         )
-        config.attn_logit_softcapping = None
-    config.position_encoding = spec
-    config.attention_normalizer = resolve_attention_normalizer(
-        attention_normalizer, causal, config.num_attention_heads
-    )
-    config.use_qk_norm = use_qk_norm
+    offset, table = family.position_offset(base), family.stock_table(base)
+    first = layer_position_specs(plan.position_encoding, config.num_hidden_layers)[0]
+    write_plan(config, plan)
     stock_sinks = []
     if family.sinks:
         stock_sinks = [family.attention(layer).sinks.detach().clone() for layer in family.layers(base)]
@@ -753,7 +865,6 @@ def retrofit(
             sink = getattr(family.attention(layer).normalizer, "sink", None)
             if sink is not None:
                 sink.copy_(sinks)
-    return model
 
 
 def layer_switch(
@@ -811,8 +922,9 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         check_retrofit_parallelism(model, "tensor")
     causal = family.causal(config)
     reference = base.get_input_embeddings().weight
-    new_modules = [build_position_encoding(config, causal).to(reference.device, reference.dtype)]
-    base.position_encoding = new_modules[0]
+    encoding, normalizers, terms = build_modules(config, causal)
+    new_modules = [encoding.to(reference.device, reference.dtype)]
+    base.position_encoding = encoding
     family.remove_stock_positions(base)
     use_qk_norm = getattr(config, "use_qk_norm", False)
     eps = next(
@@ -828,8 +940,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         if family.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
             del attention.sinks
         attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
-        attention.normalizer = build_attention_normalizer(config, causal, layer_idx).to(weight.device, weight.dtype)
-        attention.position_term = build_layer_position_term(config, causal, layer_idx)
+        attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)
+        attention.position_term = terms[layer_idx]
         new_modules.append(attention.normalizer)
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
@@ -851,6 +963,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
+        # The attention is the library's composition, on every backend (stock gpt-oss refuses SDPA for its sinks).
+        owner._supports_sdpa = owner._supports_flex_attn = True
     model.create_masks_for_generate = keep_attention_mask_for_generate
     if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: the scheme keeps this rank's heads
         shard_heads(model)
@@ -876,14 +990,55 @@ def patch_from_config(model: PreTrainedModel) -> None:
     patch(model, stock_family(model))
 
 
-def load_stock_model(name_or_path: str | Path) -> PreTrainedModel:
-    """A model from a folder or Hub id, with the class its config names (``architectures``), else the base model."""
-    config = AutoConfig.from_pretrained(name_or_path)
+def stock_config(name_or_path: str | Path) -> PretrainedConfig:
+    """The config of a stock model's folder or Hub id; ``ValueError`` for a folder a retrofit saved (read as plain
+    JSON, so Transformers' remote-code prompt is not reached)."""
+    saved, _ = PretrainedConfig.get_config_dict(name_or_path)
+    model_type = saved.get("model_type", "")
+    if model_type.startswith(retrofit_model_type("")):
+        raise ValueError(
+            f"retrofit(): {name_or_path} holds a model already retrofitted ({model_type}: "
+            f"{layout_name(saved['position_encoding'])}, {saved['attention_normalizer']['type']}); retrofit() patches "
+            "a stock model once. Load it with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True) (or "
+            "its head's Auto class) and switch from the stock checkpoint it came from."
+        )
+    return AutoConfig.from_pretrained(name_or_path)
+
+
+def stock_model_class(config: PretrainedConfig) -> type:
+    """The class a stock config names (``architectures``), else ``AutoModel``."""
     architectures = getattr(config, "architectures", None) or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None:
-        model_class = transformers.AutoModel
-    return model_class.from_pretrained(name_or_path)
+    return model_class or transformers.AutoModel
+
+
+def stock_skeleton(name_or_path: str | Path) -> PreTrainedModel:
+    """The stock model of a folder or Hub id built without weights (on the meta device), to check a request on."""
+    config = stock_config(name_or_path)
+    model_class = stock_model_class(config)
+    with torch.device("meta"):
+        return model_class.from_config(config) if model_class is transformers.AutoModel else model_class(config)
+
+
+@contextlib.contextmanager
+def stock_classes_built_as_eager(config: PretrainedConfig) -> Iterator[None]:
+    """Build the stock classes of a saved retrofit as for eager, then set the backend requested (None: SDPA,
+    Transformers' default): their ``__init__`` checks it against the stock attention (gpt-oss refuses SDPA for its
+    sinks), which the patch replaces by the library's composition, on every backend."""
+    requested = config._attn_implementation
+    if requested not in (None, "sdpa", "flex_attention"):
+        yield
+        return
+    config._attn_implementation_internal = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = requested or "sdpa"
+
+
+def load_stock_model(name_or_path: str | Path) -> PreTrainedModel:
+    """A model from a folder or Hub id, with the class its config names (``architectures``), else the base model."""
+    return stock_model_class(stock_config(name_or_path)).from_pretrained(name_or_path)
 
 
 # Saving: the stock folder, plus the code that re-applies the patch.
@@ -899,7 +1054,7 @@ it, with or without hf_posenc installed.
 
 from transformers import {imports}
 
-from .retrofit import patch_from_config
+from .retrofit import patch_from_config, stock_classes_built_as_eager
 
 
 class Retrofit{config_class}({config_class}):
@@ -910,9 +1065,12 @@ MODEL_CLASS_TEMPLATE = """
 
 class Retrofit{stock_class}({stock_class}):
     config_class = Retrofit{config_class}
+    _supports_sdpa = True  # the attention is hf_posenc's composition, on every backend
+    _supports_flex_attn = True
 
     def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
+        with stock_classes_built_as_eager(config):
+            super().__init__(config, *args, **kwargs)
         patch_from_config(self)
 """
 

