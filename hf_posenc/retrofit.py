@@ -53,7 +53,7 @@ import torch
 import transformers
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
@@ -291,7 +291,8 @@ def retrofit_forward(stock_class: type, family: StockFamily) -> Callable:
 
     @functools.wraps(stock_forward)
     def forward(self, *args, **kwargs):
-        return stock_forward(self, **prepare_forward(family, self, signature.bind(*args, **kwargs).arguments))
+        call = prepare_forward(family, self, signature.bind(*args, **kwargs).arguments)
+        return family.stock_output(stock_forward(self, **call), call)
 
     return forward
 
@@ -365,6 +366,44 @@ class StockFamily:
 
     def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
         return encoding.embed(inputs)
+
+    def patch_attention(self, attention: nn.Module, config, causal: bool, eps: float) -> list[nn.Module]:
+        """Make ``attention`` (given its ``normalizer`` and ``position_term``) run :func:`positional_attention`: its
+        class becomes ``Retrofit<Attention>``, gpt-oss's ``sinks`` move into the normalizer, the QK-norm is kept,
+        removed or added per ``config.use_qk_norm``; returns the modules it added."""
+        weight = next(attention.parameters())
+        if self.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
+            del attention.sinks
+        attention.__class__ = retrofit_class(type(attention), self.attention_mixin)
+        use_qk_norm = getattr(config, "use_qk_norm", False)
+        has_qk_norm = getattr(attention, "q_norm", None) is not None
+        if has_qk_norm and not use_qk_norm:
+            del attention.q_norm, attention.k_norm
+        if not has_qk_norm or not use_qk_norm:
+            attention.q_norm, attention.k_norm = build_query_key_norms(
+                config, attention_dims(config, causal).head_dim, eps
+            )
+        if attention.q_norm is not None and not has_qk_norm:
+            return [attention.q_norm.to(weight.device, weight.dtype), attention.k_norm.to(weight.device, weight.dtype)]
+        return []
+
+    def applies_softcapping(self, model: PreTrainedModel) -> bool:
+        """Whether the stock attention caps its scores by ``config.attn_logit_softcapping`` (Gemma 3's config has the
+        field, its attention passes no softcap)."""
+        return False
+
+    def patch_rotary(self, base: nn.Module) -> None:
+        """Take the stock rotary embedding out where the stock attention still applies it (the attention-interface
+        family); the other families' attention modules no longer read it."""
+
+    def hand_down(self, call: dict[str, Any], cache) -> None:
+        """Put the KV cache in the stock forward's arguments: here its attention layers read it (under
+        :data:`CACHE_NAME`) and give it to :func:`positional_attention`."""
+        call[CACHE_NAME] = cache
+
+    def stock_output(self, output, call: dict[str, Any]):
+        """The stock forward's output as the retrofitted model returns it."""
+        return output
 
     def check(self, config) -> None:
         """Raise on a configuration the patched attention cannot reproduce."""
@@ -545,6 +584,226 @@ class ModernBertFamily(StockFamily):
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
 
 
+RETROFIT_ATTENTION = "posenc_retrofit"
+"""The name :func:`interface_attention` is registered under with Transformers' ``AttentionInterface``."""
+RETROFIT_CACHE = "posenc_cache"
+"""The keyword under which the KV cache reaches :func:`interface_attention` (the stock attention gets none)."""
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def interface_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention function of a decoder retrofitted through Transformers' attention interface: the stock module
+    hands over its ``(batch, heads, seq, head_dim)`` q, k, v (projected, QK-normed, not rotated: its rotary embedding
+    is the identity) and its scaling; :func:`positional_attention` runs the layer's scheme, normalizer, cache and
+    mask from the attention inputs the retrofitted forward built (the stock ``attention_mask`` is not read).
+    Returns ``(batch, seq, heads, head_dim)`` and the weights (eager), as Transformers' attention functions."""
+    return positional_attention(
+        query,
+        key,
+        value,
+        kwargs[ATTENTION_INPUTS],
+        kwargs[POSITION_ENCODING],
+        module.normalizer,
+        module.position_term,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout,
+        training=module.training,
+        causal=True,
+        cache=kwargs.get(RETROFIT_CACHE),
+        layer_idx=module.layer_idx,
+    )
+
+
+AttentionInterface.register(RETROFIT_ATTENTION, interface_attention)
+
+
+def calls_attention_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` calls the function ``ALL_ATTENTION_FUNCTIONS`` returns (read from its source,
+    as ``PreTrainedModel._can_set_attn_implementation`` reads it)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
+    attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
+    layouts alike) and the scheme acts in :func:`interface_attention`."""
+    cos, sin = type(self).forward(self, *args, **kwargs)
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+class InterfaceFamily(LlamaFamily):
+    """Any other causal LM of Transformers whose attention modules call the function of
+    ``ALL_ATTENTION_FUNCTIONS`` with the ``position_embeddings`` of its rotary module (MoE models among them: their
+    expert layers are not touched). The retrofit goes through those two seams: the rotary module becomes the
+    identity (:func:`identity_rotary_forward`) and each attention module calls :func:`interface_attention` (its own
+    config copy names it), which runs the scheme's rotation, bias or content term and the normalizer. The stock
+    attention keeps computing q, k, v (its QK-norm, its scaling); the KV cache goes to the library's attention
+    only. The model's own scheme is ``rope`` with its ``rope_parameters`` per layer type, checked against the stock
+    rotary function before anything changes (:meth:`refusal`)."""
+
+    def layers(self, base):
+        return list(base.layers)
+
+    def attention(self, layer):
+        return next(module for module in layer.children() if calls_attention_interface(module))
+
+    def refusal(self, model: PreTrainedModel) -> str | None:
+        """Why ``model`` does not fit the seams, or None: the reason names what the library cannot reproduce."""
+        config, base = model.config, model.base_model
+        if getattr(config, "is_encoder_decoder", False) or not isinstance(
+            getattr(base, "layers", None), nn.ModuleList
+        ):
+            return "it is not a decoder with its layers in base_model.layers"
+        if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
+            return "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
+        rope = getattr(config, "rope_parameters", None)
+        if not isinstance(rope, dict) or not rope:
+            return "its config has no rope_parameters"
+        other_types = sorted(set(config_layer_types(config)) - set(ATTENTION_LAYER_TYPES))
+        if other_types:
+            return (
+                f"its layer_types hold {other_types} (a hybrid): the retrofit switches attention layers only, and "
+                "does not yet keep the other layers' caches"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
+        attentions = []
+        for idx, layer in enumerate(base.layers):
+            found = [module for module in layer.children() if calls_attention_interface(module)]
+            if len(found) != 1:
+                return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
+            attentions.append(found[0])
+        dims = attention_dims(config, True)
+        for attention in attentions:
+            if hasattr(attention, "qk_rope_head_dim"):
+                return (
+                    "its attention is MLA (decoupled rotary: a rotary slice beside a no-position slice of each head), "
+                    "which hf_posenc's rope does not lay out yet"
+                )
+            if getattr(attention, "layer_idx", None) is None:
+                return f"its attention {type(attention).__name__} has no layer_idx"
+            if isinstance(getattr(attention, "sinks", None), torch.Tensor):
+                return f"its attention {type(attention).__name__} has attention sinks, not yet moved into a normalizer"
+            if getattr(attention, "head_dim", dims.head_dim) != dims.head_dim:
+                return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
+        return None
+
+    def check_own_rotation(self, model: PreTrainedModel, own_rotary: list[dict[str, Any]]) -> None:
+        """``ValueError`` unless hf_posenc's ``rope`` of each layer type's own spec rotates q and k as the stock
+        rotary module and the stock attention's ``apply_rotary_pos_emb`` do (1e-5 on random q, k of 8 positions,
+        float32): a partial, interleaved or otherwise laid out rotation that the spec does not describe is refused
+        by name. Skipped on a model built without weights (meta)."""
+        config, base = model.config, model.base_model
+        rotary = base.rotary_emb
+        buffers = list(rotary.buffers()) or list(base.parameters())
+        if buffers[0].is_meta:
+            return
+        attention = self.attention(base.layers[0])
+        apply = getattr(inspect.getmodule(type(attention)), "apply_rotary_pos_emb", None)
+        if apply is None:
+            raise ValueError(
+                f"retrofit(): {type(model).__name__}: its attention module's file has no apply_rotary_pos_emb to "
+                "check the rotation against."
+            )
+        dims = attention_dims(config, True)
+        positions = torch.arange(8, device=buffers[0].device)[None]
+        hidden = torch.zeros(1, 8, config.hidden_size, device=positions.device)
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(1, dims.num_heads, 8, dims.head_dim, generator=generator).to(positions.device)
+        key = torch.randn(1, dims.num_heads, 8, dims.head_dim, generator=generator).to(positions.device)
+        layer_types = config_layer_types(config)
+        per_type = "rope_theta" not in config.rope_parameters
+        for layer_type in dict.fromkeys(layer_types):
+            spec = own_rotary[layer_types.index(layer_type)]
+            with torch.no_grad():
+                cos, sin = rotary(hidden, positions, layer_type) if per_type else rotary(hidden, positions)
+                expected = apply(query, key, cos, sin)
+                resolved = resolve_position_layout(spec, 1, max(64, dims.max_positions), True, config.hidden_size)
+                ours = POSITION_ENCODINGS["rope"](resolved, dims)
+                actual = ours.transform_qkv(query, key, key, ours.prepare(positions, positions, "eager"))
+            difference = max((a - e).abs().max().item() for a, e in zip(actual[:2], expected, strict=True))
+            if difference > 1e-5:
+                raise ValueError(
+                    f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than "
+                    f"hf_posenc's rope with its own parameters ({spec}; {layer_type}): max difference "
+                    f"{difference:.2g} (a partial, interleaved or rescaled layout the rope spec does not describe)."
+                )
+
+    def check_request(self, specs: list[dict[str, Any]], normalizer: dict[str, Any], use_qk_norm: bool | None) -> None:
+        """``ValueError`` for what the stock attention module does not hand over: a scheme's content term (it reads
+        the layer's input and projections), a normalizer's output gate (the layer's input), a QK-norm switch (the
+        stock module applies its own)."""
+        content = sorted({spec["type"] for spec in specs if POSITION_ENCODINGS[spec["type"]].has_layer_term})
+        if content:
+            raise ValueError(
+                f"retrofit(): position_encoding {content} reads the layer's input and projections, which a decoder "
+                f"retrofitted through the attention interface ({self.name}) does not hand to its attention function; "
+                "choose a rotary, score-bias or input-side scheme."
+            )
+        if normalizer.get("output_gate") is not None:
+            raise ValueError(
+                f"retrofit(): attention_normalizer option output_gate={normalizer['output_gate']!r} gates with the "
+                f"layer's input, which a decoder retrofitted through the attention interface ({self.name}) does not "
+                "hand to its attention function; use output_gate=None."
+            )
+        if use_qk_norm is not None:
+            raise ValueError(
+                f"retrofit(): use_qk_norm={use_qk_norm!r}: a decoder retrofitted through the attention interface "
+                f"({self.name}) keeps its own QK-norm or none; leave use_qk_norm=None."
+            )
+
+    def patch_attention(self, attention, config, causal, eps):
+        """The stock module stays; its own config copy names :data:`RETROFIT_ATTENTION`, so it calls
+        :func:`interface_attention` whatever backend the model's config requests (the library's backend choice
+        reads that one)."""
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation_internal = RETROFIT_ATTENTION
+        return []
+
+    def applies_softcapping(self, model):
+        """Gemma 2's attention passes ``softcap=config.attn_logit_softcapping`` to the attention function."""
+        attention = self.attention(model.base_model.layers[0])
+        return "softcap" in inspect.getsource(type(attention).forward)
+
+    def patch_rotary(self, base):
+        base.rotary_emb.forward = types.MethodType(identity_rotary_forward, base.rotary_emb)
+
+    def hand_down(self, call, cache):
+        """The stock forward runs without a cache (``use_cache=False``): its attention modules would store k and v
+        before the attention function; :func:`interface_attention` gets the cache and :func:`positional_attention`
+        stores them after the scheme's transform, as in every family."""
+        call[RETROFIT_CACHE] = cache if call["use_cache"] else None
+        call.update({CACHE_NAME: None, "use_cache": False})
+
+    def stock_output(self, output, call):
+        if call[RETROFIT_CACHE] is not None:
+            output["past_key_values"] = call[RETROFIT_CACHE]
+        return output
+
+    def check(self, config):
+        StockFamily.check(self, config)
+
+
+INTERFACE_FAMILY = InterfaceFamily(
+    "decoders whose attention goes through Transformers' attention interface with a rotary module (MoE included)",
+    (),
+    RetrofitLlamaAttention,
+    "llama",
+)
+
+
 FAMILIES = (
     BertFamily(
         "BERT family (Bert*, Roberta*, XLMRoberta*, Camembert*, Electra*, Data2VecText*)",
@@ -595,7 +854,13 @@ def stock_family(model: nn.Module) -> StockFamily:
     for family in FAMILIES:
         if names & set(family.attention_classes):
             return family
-    raise ValueError(f"retrofit() supports the {supported}; got {type(model).__name__} ({model.config.model_type}).")
+    reason = INTERFACE_FAMILY.refusal(model)
+    if reason is None:
+        return INTERFACE_FAMILY
+    raise ValueError(
+        f"retrofit() supports the {supported}; and {INTERFACE_FAMILY.name}; got {type(model).__name__} "
+        f"({model.config.model_type}): {reason}."
+    )
 
 
 # The per-forward set-up, run by the base model's ``forward`` before the stock one.
@@ -622,7 +887,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
         if call["use_cache"] and cache is None:
             cache = DynamicCache(config=config)
-        call[CACHE_NAME] = cache
+        family.hand_down(call, cache)
     elif cache is not None:
         raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got {CACHE_NAME}.")
     past_length = cache.get_seq_length() if cache is not None else 0
@@ -751,6 +1016,8 @@ def plan_retrofit(
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
     own_rotary = family.own_rotary(config)
+    if family is INTERFACE_FAMILY:
+        family.check_own_rotation(model, own_rotary)
     if own_rotary is not None:
         position_encoding = from_own_rotary(position_encoding, own_rotary)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
@@ -773,20 +1040,24 @@ def plan_retrofit(
         getattr(config, "sliding_window", None),
         getattr(config, "attention_chunk_size", None),
     )
+    if attention_normalizer is None:
+        attention_normalizer = family.own_normalizer(config)
+    normalizer = resolve_attention_normalizer(attention_normalizer, causal, config.num_attention_heads)
+    if family is INTERFACE_FAMILY:
+        family.check_request(layer_position_specs(spec, num_layers), normalizer, use_qk_norm)
+        use_qk_norm = getattr(family.attention(family.layers(base)[0]), "q_norm", None) is not None
     if use_qk_norm is None:
         use_qk_norm = family.qk_norm is not None
     if not isinstance(use_qk_norm, bool):
         raise ValueError(
             f"retrofit(): use_qk_norm must be True, False or None (the model's own); got {use_qk_norm!r}."
         )
-    if attention_normalizer is None:
-        attention_normalizer = family.own_normalizer(config)
     plan = RetrofitPlan(
         family,
         spec,
-        resolve_attention_normalizer(attention_normalizer, causal, config.num_attention_heads),
+        normalizer,
         use_qk_norm,
-        getattr(config, "attn_logit_softcapping", None) is not None,
+        getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
     )
     trial = copy.copy(config)
     write_plan(trial, plan)
@@ -926,7 +1197,6 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     new_modules = [encoding.to(reference.device, reference.dtype)]
     base.position_encoding = encoding
     family.remove_stock_positions(base)
-    use_qk_norm = getattr(config, "use_qk_norm", False)
     eps = next(
         getattr(config, name)
         for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
@@ -937,27 +1207,14 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         weight = next(attention.parameters())
-        if family.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
-            del attention.sinks
-        attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
         attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)
         attention.position_term = terms[layer_idx]
         new_modules.append(attention.normalizer)
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
             new_modules.append(attention.position_term)
-        has_qk_norm = getattr(attention, "q_norm", None) is not None
-        if has_qk_norm and not use_qk_norm:
-            del attention.q_norm, attention.k_norm
-        if not has_qk_norm or not use_qk_norm:
-            attention.q_norm, attention.k_norm = build_query_key_norms(
-                config, attention_dims(config, causal).head_dim, eps
-            )
-        if attention.q_norm is not None and not has_qk_norm:
-            new_modules += [
-                attention.q_norm.to(weight.device, weight.dtype),
-                attention.k_norm.to(weight.device, weight.dtype),
-            ]
+        new_modules += family.patch_attention(attention, config, causal, eps)
+    family.patch_rotary(base)
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)
