@@ -342,9 +342,10 @@ class StockFamily:
             )
         return {"type": "learned"}
 
-    def own_rotary(self, config) -> list[dict[str, Any]] | None:
-        """The ``rope`` spec of each layer's own rotary parameters (a NoPE layer's too: those of its layer type), from
-        which a rotary variant named in a retrofit starts; None for a model without rotary embeddings."""
+    def own_rotary(self, config) -> list[dict[str, Any] | None] | None:
+        """The ``rope`` spec of each layer's own rotary parameters (a NoPE layer's too: those of its layer type; None
+        for a layer type without any, Beam's full layers), from which a rotary variant named in a retrofit starts;
+        None for a model without rotary embeddings."""
         return None
 
     def own_normalizer(self, config) -> str | dict[str, Any]:
@@ -367,7 +368,7 @@ class StockFamily:
     def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
         return encoding.embed(inputs)
 
-    def patch_attention(self, attention: nn.Module, config, causal: bool, eps: float) -> list[nn.Module]:
+    def patch_attention(self, attention: nn.Module, config, causal: bool) -> list[nn.Module]:
         """Make ``attention`` (given its ``normalizer`` and ``position_term``) run :func:`positional_attention`: its
         class becomes ``Retrofit<Attention>``, gpt-oss's ``sinks`` move into the normalizer, the QK-norm is kept,
         removed or added per ``config.use_qk_norm``; returns the modules it added."""
@@ -380,6 +381,11 @@ class StockFamily:
         if has_qk_norm and not use_qk_norm:
             del attention.q_norm, attention.k_norm
         if not has_qk_norm or not use_qk_norm:
+            eps = next(
+                getattr(config, name)
+                for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+                if hasattr(config, name)
+            )
             attention.q_norm, attention.k_norm = build_query_key_norms(
                 config, attention_dims(config, causal).head_dim, eps
             )
@@ -529,13 +535,16 @@ class LlamaFamily(StockFamily):
 
     def own_rotary(self, config):
         """The rotary parameters per layer: one ``rope_parameters`` dict for all, or one per layer type (Gemma 3,
-        OLMo 3)."""
+        OLMo 3; None for a type without: NoPE)."""
         rope = config.rope_parameters
         fraction = getattr(config, "partial_rotary_factor", None) or 1.0
         layer_types = config_layer_types(config)
         if "rope_theta" in rope:
             return [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
-        return [rope_spec_of(rope[kind], config.max_position_embeddings, fraction) for kind in layer_types]
+        return [
+            rope_spec_of(rope[kind], config.max_position_embeddings, fraction) if rope.get(kind) else None
+            for kind in layer_types
+        ]
 
     def own_scheme(self, config):
         """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
@@ -543,7 +552,7 @@ class LlamaFamily(StockFamily):
         without (``no_rope_layers[i] == 0``: ``none``)."""
         specs = self.own_rotary(config)
         keeps_rope = getattr(config, "no_rope_layers", None) or [1] * len(specs)
-        specs = [spec if keep else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
+        specs = [spec if keep and spec else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
 
     def check(self, config):
@@ -605,7 +614,12 @@ def interface_attention(
     hands over its ``(batch, heads, seq, head_dim)`` q, k, v (projected, QK-normed, not rotated: its rotary embedding
     is the identity) and its scaling; :func:`positional_attention` runs the layer's scheme, normalizer, cache and
     mask from the attention inputs the retrofitted forward built (the stock ``attention_mask`` is not read).
+    Where the stock rotation pairs features otherwise than hf_posenc's rope (interleaved: GLM, Cohere), q and k are
+    read in the order that makes the pairs the same (``posenc_feature_order``, :func:`half_layout_order`).
     Returns ``(batch, seq, heads, head_dim)`` and the weights (eager), as Transformers' attention functions."""
+    order = getattr(module, "posenc_feature_order", None)
+    if order is not None:
+        query, key = query[..., order], key[..., order]
     return positional_attention(
         query,
         key,
@@ -635,12 +649,50 @@ def calls_attention_interface(module: nn.Module) -> bool:
         return False
 
 
+def call_arguments(function: Callable, callee: str) -> str:
+    """The source text of the arguments of the first call ``callee(...)`` in ``function`` ('' if none)."""
+    source = inspect.getsource(function)
+    start = source.find(f"{callee}(")
+    if start < 0:
+        return ""
+    depth, end = 0, start + len(callee)
+    for end in range(start + len(callee), len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    return source[start + len(callee) + 1 : end]
+
+
 def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
     attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
     layouts alike) and the scheme acts in :func:`interface_attention`."""
     cos, sin = type(self).forward(self, *args, **kwargs)
     return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> torch.Tensor:
+    """The feature order that reads a head in ``layout`` as hf_posenc's rope lays it out: the identity for
+    ``"half"``; for ``"interleaved"`` the even rotary features, then the odd ones, then the rest
+    (``0, 2, .., r - 2, 1, 3, .., r - 1, r, .., d - 1``), so rotating pairs ``(i, i + r/2)`` of the reordered head
+    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged)."""
+    if layout == "half":
+        return torch.arange(head_dim)
+    return torch.cat(
+        (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head_dim))
+    )
+
+
+def stock_rotation(
+    apply: Callable, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by a model's ``apply_rotary_pos_emb``: on whole heads, or, where it takes only the rotary
+    features (Phi, Persimmon, StableLM slice them before the call), on the first ``cos.shape[-1]`` of each head."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == query.shape[-1]:
+        return apply(query, key, cos, sin)
+    rotated = apply(query[..., :rotary_dim], key[..., :rotary_dim], cos, sin)
+    return tuple(torch.cat((r, t[..., rotary_dim:]), dim=-1) for r, t in zip(rotated, (query, key), strict=True))
 
 
 class InterfaceFamily(LlamaFamily):
@@ -681,10 +733,21 @@ class InterfaceFamily(LlamaFamily):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
         for idx, layer in enumerate(base.layers):
-            found = [module for module in layer.children() if calls_attention_interface(module)]
+            found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
-            attentions.append(found[0])
+            name, attention = found[0]
+            if "**kwargs" not in call_arguments(type(layer).forward, f"self.{name}"):
+                return (
+                    f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
+                    f"{type(attention).__name__}, through which the attention inputs reach the attention function"
+                )
+            if inspect.getsource(type(attention).forward).count("attention_interface(") > 1:
+                return (
+                    f"its attention {type(attention).__name__} calls the attention function more than once per layer "
+                    "(e.g. differential attention: the differential normalizer is hf_posenc's form of it)"
+                )
+            attentions.append(attention)
         dims = attention_dims(config, True)
         for attention in attentions:
             if hasattr(attention, "qk_rope_head_dim"):
@@ -700,16 +763,18 @@ class InterfaceFamily(LlamaFamily):
                 return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
         return None
 
-    def check_own_rotation(self, model: PreTrainedModel, own_rotary: list[dict[str, Any]]) -> None:
-        """``ValueError`` unless hf_posenc's ``rope`` of each layer type's own spec rotates q and k as the stock
-        rotary module and the stock attention's ``apply_rotary_pos_emb`` do (1e-5 on random q, k of 8 positions,
-        float32): a partial, interleaved or otherwise laid out rotation that the spec does not describe is refused
-        by name. Skipped on a model built without weights (meta)."""
+    def rotary_layout(self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]) -> str | None:
+        """The layout of the stock rotation that hf_posenc's ``rope`` of each layer type's own spec reproduces (1e-5
+        on random q, k of 8 positions, float32, against the stock rotary module and the stock attention's
+        ``apply_rotary_pos_emb``): ``"half"`` (pairs ``(i, i + r/2)``, Llama's ``rotate_half``) or
+        ``"interleaved"`` (pairs ``(2i, 2i + 1)``, GLM, Cohere: read through :func:`half_layout_order`);
+        ``ValueError`` naming the difference for any other. None on a model built without weights (meta), where
+        nothing can be computed."""
         config, base = model.config, model.base_model
         rotary = base.rotary_emb
         buffers = list(rotary.buffers()) or list(base.parameters())
         if buffers[0].is_meta:
-            return
+            return None
         attention = self.attention(base.layers[0])
         apply = getattr(inspect.getmodule(type(attention)), "apply_rotary_pos_emb", None)
         if apply is None:
@@ -725,21 +790,33 @@ class InterfaceFamily(LlamaFamily):
         key = torch.randn(1, dims.num_heads, 8, dims.head_dim, generator=generator).to(positions.device)
         layer_types = config_layer_types(config)
         per_type = "rope_theta" not in config.rope_parameters
+        differences = {"half": 0.0, "interleaved": 0.0}
         for layer_type in dict.fromkeys(layer_types):
             spec = own_rotary[layer_types.index(layer_type)]
+            if spec is None:
+                continue
+            size = rotary_size(config.max_position_embeddings, [spec])
+            resolved = resolve_position_layout(spec, 1, size, True, config.hidden_size)
+            ours = POSITION_ENCODINGS["rope"](resolved, dims)
             with torch.no_grad():
                 cos, sin = rotary(hidden, positions, layer_type) if per_type else rotary(hidden, positions)
-                expected = apply(query, key, cos, sin)
-                resolved = resolve_position_layout(spec, 1, max(64, dims.max_positions), True, config.hidden_size)
-                ours = POSITION_ENCODINGS["rope"](resolved, dims)
-                actual = ours.transform_qkv(query, key, key, ours.prepare(positions, positions, "eager"))
-            difference = max((a - e).abs().max().item() for a, e in zip(actual[:2], expected, strict=True))
-            if difference > 1e-5:
-                raise ValueError(
-                    f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than "
-                    f"hf_posenc's rope with its own parameters ({spec}; {layer_type}): max difference "
-                    f"{difference:.2g} (a partial, interleaved or rescaled layout the rope spec does not describe)."
-                )
+                expected = stock_rotation(apply, query, key, cos, sin)
+                tables = ours.prepare(positions, positions, "eager")
+                for layout in differences:
+                    order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
+                    actual = ours.transform_qkv(query[..., order], key[..., order], key, tables)
+                    difference = max(
+                        (a - e[..., order]).abs().max().item() for a, e in zip(actual[:2], expected, strict=True)
+                    )
+                    differences[layout] = max(differences[layout], difference)
+        layout = min(differences, key=differences.get)
+        if differences[layout] > 1e-5:
+            raise ValueError(
+                f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
+                f"rope with its own parameters ({own_rotary[0]}), in either pair layout: max difference "
+                f"{differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
+            )
+        return layout
 
     def check_request(self, specs: list[dict[str, Any]], normalizer: dict[str, Any], use_qk_norm: bool | None) -> None:
         """``ValueError`` for what the stock attention module does not hand over: a scheme's content term (it reads
@@ -764,12 +841,18 @@ class InterfaceFamily(LlamaFamily):
                 f"({self.name}) keeps its own QK-norm or none; leave use_qk_norm=None."
             )
 
-    def patch_attention(self, attention, config, causal, eps):
+    def patch_attention(self, attention, config, causal):
         """The stock module stays; its own config copy names :data:`RETROFIT_ATTENTION`, so it calls
         :func:`interface_attention` whatever backend the model's config requests (the library's backend choice
         reads that one)."""
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation_internal = RETROFIT_ATTENTION
+        if getattr(config, "posenc_rotary_layout", "half") != "half":
+            dims = attention_dims(config, causal)
+            fraction = (self.own_rotary(config)[attention.layer_idx] or {}).get("rotary_fraction", 1.0)
+            rotary_dim = int(dims.head_dim * fraction) // 2 * 2
+            order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
+            attention.register_buffer("posenc_feature_order", order.to(next(attention.parameters()).device), False)
         return []
 
     def applies_softcapping(self, model):
@@ -791,6 +874,9 @@ class InterfaceFamily(LlamaFamily):
         if call[RETROFIT_CACHE] is not None:
             output["past_key_values"] = call[RETROFIT_CACHE]
         return output
+
+    def attention_dropout(self, config):
+        return getattr(config, "attention_dropout", 0.0)
 
     def check(self, config):
         StockFamily.check(self, config)
@@ -858,8 +944,8 @@ def stock_family(model: nn.Module) -> StockFamily:
     if reason is None:
         return INTERFACE_FAMILY
     raise ValueError(
-        f"retrofit() supports the {supported}; and {INTERFACE_FAMILY.name}; got {type(model).__name__} "
-        f"({model.config.model_type}): {reason}."
+        f"retrofit() cannot take {type(model).__name__} ({model.config.model_type}): {reason}. It takes the "
+        f"{supported}; and {INTERFACE_FAMILY.name}."
     )
 
 
@@ -979,6 +1065,9 @@ class RetrofitPlan:
     use_qk_norm: bool
     drops_softcapping: bool
     """Gemma 3's config keeps Gemma 2's ``attn_logit_softcapping``, but its attention passes no softcap."""
+    rotary_layout: str | None = None
+    """The stock rotation's pair layout (:meth:`InterfaceFamily.rotary_layout`), for the attention-interface family;
+    stored as ``config.posenc_rotary_layout``."""
 
 
 def plan_retrofit(
@@ -1016,15 +1105,13 @@ def plan_retrofit(
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
     own_rotary = family.own_rotary(config)
-    if family is INTERFACE_FAMILY:
-        family.check_own_rotation(model, own_rotary)
+    rotary_layout = family.rotary_layout(model, own_rotary) if family is INTERFACE_FAMILY else None
     if own_rotary is not None:
         position_encoding = from_own_rotary(position_encoding, own_rotary)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
     # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
     # the size check of a PosEnc config's rope does not apply to what the stock config holds.
-    originals = [(spec.get("scaling") or {}).get("original_max_positions") or 0 for spec in own_rotary or []]
-    size = max([max_positions, *originals]) if table is None else max_positions
+    size = rotary_size(max_positions, own_rotary) if table is None else max_positions
     spec = resolve_position_layout(position_encoding, num_layers, size, causal, config.hidden_size)
     if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
         spec = spec[0]
@@ -1058,6 +1145,7 @@ def plan_retrofit(
         normalizer,
         use_qk_norm,
         getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
+        rotary_layout,
     )
     trial = copy.copy(config)
     write_plan(trial, plan)
@@ -1065,8 +1153,15 @@ def plan_retrofit(
     return plan
 
 
+def rotary_size(max_positions: int, own_rotary: list[dict[str, Any] | None] | None) -> int:
+    """The length a retrofit checks rotary specs against: ``max_position_embeddings``, or a stock scaling's longer
+    original length (Transformers warns and runs it: a tiny config of a model scaled from 8192 positions)."""
+    originals = [(spec.get("scaling") or {}).get("original_max_positions") or 0 for spec in own_rotary or [] if spec]
+    return max([max_positions, *originals])
+
+
 def from_own_rotary(
-    position_encoding: dict[str, Any] | list[Any], own_rotary: list[dict[str, Any]]
+    position_encoding: dict[str, Any] | list[Any], own_rotary: list[dict[str, Any] | None]
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """A rotary variant named in a retrofit (a scheme with a ``theta``: ``rope``, p-RoPE, ``xpos``, ...) starts from
     the model's own rotary parameters of each layer (``theta``, ``rotary_fraction``, ``scaling`` where the scheme has
@@ -1079,7 +1174,7 @@ def from_own_rotary(
     for spec, own in zip(specs, own_rotary, strict=True):
         spec = {"type": spec} if isinstance(spec, str) else spec
         scheme = POSITION_ENCODINGS.get(spec.get("type")) if isinstance(spec, dict) else None
-        if scheme is not None and "theta" in scheme.options:
+        if own is not None and scheme is not None and "theta" in scheme.options:
             inherited = {key: value for key, value in own.items() if key != "type" and key in scheme.options}
             spec = {**inherited, **spec}
         merged.append(spec)
@@ -1093,6 +1188,8 @@ def write_plan(config, plan: RetrofitPlan) -> None:
     config.position_encoding = plan.position_encoding
     config.attention_normalizer = plan.attention_normalizer
     config.use_qk_norm = plan.use_qk_norm
+    if plan.rotary_layout is not None:
+        config.posenc_rotary_layout = plan.rotary_layout
 
 
 def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[AttentionNormalizer], list]:
@@ -1197,11 +1294,6 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     new_modules = [encoding.to(reference.device, reference.dtype)]
     base.position_encoding = encoding
     family.remove_stock_positions(base)
-    eps = next(
-        getattr(config, name)
-        for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
-        if hasattr(config, name)
-    )
     for layer_idx, layer in enumerate(family.layers(base)):
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
@@ -1213,7 +1305,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
             new_modules.append(attention.position_term)
-        new_modules += family.patch_attention(attention, config, causal, eps)
+        new_modules += family.patch_attention(attention, config, causal)
     family.patch_rotary(base)
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.

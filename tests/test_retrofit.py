@@ -472,7 +472,10 @@ def test_unsupported_models_raise_naming_the_supported_families():
         ffn_dim=16,
         word_embed_proj_dim=16,
     )
-    with pytest.raises(ValueError, match=r"supports the BERT family .*GPT-2 .*Llama family .*got OPTForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot take OPTForCausalLM \(opt\): it has no rotary module.*takes the BERT family .*GPT-2 .*Llama",
+    ):
         hf_posenc.retrofit(transformers.OPTForCausalLM(config))
     with pytest.raises(ValueError, match="already has a switchable position encoding"):
         hf_posenc.retrofit(transformers.AutoModel.from_config(hf_posenc.PosEncBertConfig(**CONFIGS["bert"])))
