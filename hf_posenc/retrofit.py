@@ -671,16 +671,15 @@ def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 
-def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> torch.Tensor:
+def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> list[int]:
     """The feature order that reads a head in ``layout`` as hf_posenc's rope lays it out: the identity for
     ``"half"``; for ``"interleaved"`` the even rotary features, then the odd ones, then the rest
     (``0, 2, .., r - 2, 1, 3, .., r - 1, r, .., d - 1``), so rotating pairs ``(i, i + r/2)`` of the reordered head
-    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged)."""
+    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged). Plain ints: no tensor
+    that a meta-device build would leave empty."""
     if layout == "half":
-        return torch.arange(head_dim)
-    return torch.cat(
-        (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head_dim))
-    )
+        return list(range(head_dim))
+    return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
 
 
 def stock_rotation(
@@ -851,8 +850,7 @@ class InterfaceFamily(LlamaFamily):
             dims = attention_dims(config, causal)
             fraction = (self.own_rotary(config)[attention.layer_idx] or {}).get("rotary_fraction", 1.0)
             rotary_dim = int(dims.head_dim * fraction) // 2 * 2
-            order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
-            attention.register_buffer("posenc_feature_order", order.to(next(attention.parameters()).device), False)
+            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
         return []
 
     def applies_softcapping(self, model):
@@ -1322,7 +1320,24 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
     register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
+    register_stock_conversions(stock_type)
     return new_modules
+
+
+def register_stock_conversions(stock_type: str) -> None:
+    """Give the saved type the stock type's checkpoint conversions: Transformers saves MoE experts one by one and
+    fuses them on load by a mapping keyed by ``model_type`` (and applies none to remote code unless registered), so
+    without it a reloaded retrofitted MoE would miss its experts."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # a Transformers without load-time conversions loads the saved keys as they are
+        return
+    mapping = get_checkpoint_conversion_mapping(stock_type)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(retrofit_model_type(stock_type), mapping, overwrite=True)
 
 
 def keep_attention_mask_for_generate(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

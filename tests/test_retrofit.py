@@ -857,6 +857,90 @@ def test_bad_family_requests_raise():
         )
 
 
+# Decoders retrofitted through the attention interface (no class of their own): MoE, interleaved rotary.
+
+
+def interface_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    """A tiny stock causal LM of ``model_type`` (MoE sizes where it has experts), eager, from seed 0."""
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        **{**LAYERED, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2},
+        **overrides,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_moe_decoder_retrofits_through_the_attention_interface_and_keeps_its_experts(tmp_path):
+    """Qwen3-MoE: the identity retrofit gives the stock logits; ``alibi`` leaves every expert weight and the router
+    as they were, generates with the cache as without, saves and reloads as remote code where hf_posenc is not
+    installed (the same logits), and LoRA finds PEFT's default targets of the stock type."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    from peft import LoraConfig, get_peft_model
+
+    stock = interface_model("qwen3_moe")
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi", "l2")
+    experts = {name: value for name, value in stock.state_dict().items() if ".mlp." in name}
+    assert experts and all(torch.equal(patched.state_dict()[name], value) for name, value in experts.items())
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = patched.generate(ids, **kwargs)
+    assert torch.equal(tokens, patched.generate(ids, use_cache=False, **kwargs))
+    patched.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    called, _ = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():  # another process: its experts' matmuls may sum in another order
+        torch.testing.assert_close(called, patched(ids).logits, atol=1e-6, rtol=1e-6)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert torch.equal(reloaded.generate(ids, **kwargs), tokens)
+    lora = get_peft_model(reloaded, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
+    assert lora.peft_config["default"].target_modules == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "cohere", "phi"])
+def test_interleaved_and_partial_rotary_are_kept_and_switched(model_type, tmp_path):
+    """GLM-4 (interleaved pairs on half of each head), Cohere (interleaved), Phi (half of each head, the rotary slice
+    cut before the rotary function): the identity retrofit gives the stock logits, also after reload; ``rope`` with
+    another base changes them, and generates with the cache as without."""
+    stock = interface_model(model_type)
+    ids = random_ids(2, 10)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    switched = hf_posenc.retrofit(copy.deepcopy(stock), "rope", theta=100.0)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+        assert (switched(ids).logits - expected).abs().max() > 1e-3
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(switched.generate(ids, **kwargs), switched.generate(ids, use_cache=False, **kwargs))
+
+
+def test_interface_retrofit_refuses_what_the_stock_attention_does_not_hand_over():
+    """A content term (it reads the layer's input), an output gate, a QK-norm switch: refused by name, nothing
+    changed."""
+    stock = interface_model("qwen3_moe")
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=r"position_encoding \['shaw'\] reads the layer's input"):
+        hf_posenc.retrofit(model, "shaw")
+    with pytest.raises(ValueError, match="output_gate='elementwise' gates with the layer's input"):
+        hf_posenc.retrofit(model, "none", {"type": "softmax", "output_gate": "elementwise"})
+    with pytest.raises(ValueError, match="use_qk_norm=False: a decoder retrofitted through the attention interface"):
+        hf_posenc.retrofit(model, "none", use_qk_norm=False)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+
+
 # Defects found in review, each with the test that shows it.
 
 

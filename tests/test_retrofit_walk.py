@@ -63,12 +63,17 @@ class WalkRow:
 
 
 def tiny_config(model_type: str) -> transformers.PretrainedConfig:
-    """``model_type``'s config with the :data:`TINY` sizes it has fields for; Transformers' default layer pattern
-    (``layer_types=None``), decoders' ``is_decoder=True`` (BERT-like causal LMs)."""
+    """``model_type``'s config with the :data:`TINY` sizes it has fields for; one layer of each of its default layer
+    types, decoders' ``is_decoder=True`` (BERT-like causal LMs)."""
     defaults = transformers.AutoConfig.for_model(model_type)
     values = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
-    if getattr(defaults, "layer_types", None) is not None:
-        values["layer_types"] = None
+    if "qk_rope_head_dim" in values:  # MLA: the head sizes are the nope and rope parts, a key head per query head
+        values.pop("head_dim", None)
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    layer_types = getattr(defaults, "layer_types", None)
+    if layer_types is not None:  # each layer type once, in the order of the default pattern (hybrids keep theirs)
+        values["layer_types"] = list(dict.fromkeys(layer_types))
+        values["num_hidden_layers"] = len(values["layer_types"])
     if hasattr(defaults, "is_decoder"):
         values["is_decoder"] = True
     config = transformers.AutoConfig.for_model(model_type, **values, pad_token_id=0, bos_token_id=1, eos_token_id=2)
