@@ -663,6 +663,43 @@ def call_arguments(function: Callable, callee: str) -> str:
     return source[start + len(callee) + 1 : end]
 
 
+CAPTURE_ATTENTION = "posenc_retrofit_capture"
+"""The attention function a retrofit's probe of a stock attention module runs for one call."""
+
+
+def capture_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Keep the q and k a stock attention module hands over (``module.posenc_captured``); return zeros of the
+    output's shape ``(batch, seq, heads, value_dim)``."""
+    module.posenc_captured = (query, key)
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+AttentionInterface.register(CAPTURE_ATTENTION, capture_attention)
+
+
+def captured_query_key(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, read by
+    running it once with :func:`capture_attention` (its config and the module are restored afterwards)."""
+    stock_config = attention.config
+    attention.config = copy.copy(stock_config)
+    attention.config._attn_implementation_internal = CAPTURE_ATTENTION
+    accepted = inspect.signature(attention.forward).parameters
+    extra = {"position_ids": position_ids} if "position_ids" in accepted else {}
+    try:
+        attention(hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=None, **extra)
+        return attention.posenc_captured
+    finally:
+        attention.config = stock_config
+        attention.__dict__.pop("posenc_captured", None)
+
+
 def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
     attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
@@ -680,18 +717,6 @@ def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> list[int]:
     if layout == "half":
         return list(range(head_dim))
     return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
-
-
-def stock_rotation(
-    apply: Callable, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated by a model's ``apply_rotary_pos_emb``: on whole heads, or, where it takes only the rotary
-    features (Phi, Persimmon, StableLM slice them before the call), on the first ``cos.shape[-1]`` of each head."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == query.shape[-1]:
-        return apply(query, key, cos, sin)
-    rotated = apply(query[..., :rotary_dim], key[..., :rotary_dim], cos, sin)
-    return tuple(torch.cat((r, t[..., rotary_dim:]), dim=-1) for r, t in zip(rotated, (query, key), strict=True))
 
 
 class InterfaceFamily(LlamaFamily):
@@ -762,60 +787,69 @@ class InterfaceFamily(LlamaFamily):
                 return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
         return None
 
-    def rotary_layout(self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]) -> str | None:
-        """The layout of the stock rotation that hf_posenc's ``rope`` of each layer type's own spec reproduces (1e-5
-        on random q, k of 8 positions, float32, against the stock rotary module and the stock attention's
-        ``apply_rotary_pos_emb``): ``"half"`` (pairs ``(i, i + r/2)``, Llama's ``rotate_half``) or
-        ``"interleaved"`` (pairs ``(2i, 2i + 1)``, GLM, Cohere: read through :func:`half_layout_order`);
-        ``ValueError`` naming the difference for any other. None on a model built without weights (meta), where
-        nothing can be computed."""
+    def probe_rotation(
+        self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]
+    ) -> tuple[str | None, list[int]]:
+        """What each stock attention module does with the rotary embedding, read from the module itself: it runs on
+        random hidden states of 8 positions with the stock ``(cos, sin)`` of its layer type and with the identity
+        (``cos = 1, sin = 0``), its attention function replaced for the call by :func:`capture_attention`. Equal q
+        and k mean a layer without rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the
+        layer's own spec must rotate the identity's q and k into the stock ones (1e-5, float32), in the pair layout
+        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`). Returns
+        the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
+        rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
+        they were."""
         config, base = model.config, model.base_model
-        rotary = base.rotary_emb
-        buffers = list(rotary.buffers()) or list(base.parameters())
-        if buffers[0].is_meta:
-            return None
-        attention = self.attention(base.layers[0])
-        apply = getattr(inspect.getmodule(type(attention)), "apply_rotary_pos_emb", None)
-        if apply is None:
-            raise ValueError(
-                f"retrofit(): {type(model).__name__}: its attention module's file has no apply_rotary_pos_emb to "
-                "check the rotation against."
-            )
+        parameters = list(base.parameters())
+        if parameters[0].is_meta:
+            return None, []
+        device = parameters[0].device
         dims = attention_dims(config, True)
-        positions = torch.arange(8, device=buffers[0].device)[None]
-        hidden = torch.zeros(1, 8, config.hidden_size, device=positions.device)
-        generator = torch.Generator().manual_seed(0)
-        query = torch.randn(1, dims.num_heads, 8, dims.head_dim, generator=generator).to(positions.device)
-        key = torch.randn(1, dims.num_heads, 8, dims.head_dim, generator=generator).to(positions.device)
+        positions = torch.arange(8, device=device)[None]
+        hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
         layer_types = config_layer_types(config)
         per_type = "rope_theta" not in config.rope_parameters
-        differences = {"half": 0.0, "interleaved": 0.0}
-        for layer_type in dict.fromkeys(layer_types):
-            spec = own_rotary[layer_types.index(layer_type)]
-            if spec is None:
-                continue
-            size = rotary_size(config.max_position_embeddings, [spec])
-            resolved = resolve_position_layout(spec, 1, size, True, config.hidden_size)
-            ours = POSITION_ENCODINGS["rope"](resolved, dims)
+        differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
+        for idx, layer in enumerate(base.layers):
+            attention, spec = self.attention(layer), own_rotary[idx]
             with torch.no_grad():
-                cos, sin = rotary(hidden, positions, layer_type) if per_type else rotary(hidden, positions)
-                expected = stock_rotation(apply, query, key, cos, sin)
-                tables = ours.prepare(positions, positions, "eager")
-                for layout in differences:
-                    order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
-                    actual = ours.transform_qkv(query[..., order], key[..., order], key, tables)
-                    difference = max(
-                        (a - e[..., order]).abs().max().item() for a, e in zip(actual[:2], expected, strict=True)
-                    )
-                    differences[layout] = max(differences[layout], difference)
+                cos, sin = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
+                rotated = captured_query_key(attention, hidden.to(parameters[0].dtype), (cos, sin), positions)
+                plain = captured_query_key(
+                    attention, hidden.to(parameters[0].dtype), (torch.ones_like(cos), torch.zeros_like(sin)), positions
+                )
+            if all(torch.equal(r, q) for r, q in zip(rotated, plain, strict=True)):
+                nope_layers.append(idx)
+                continue
+            if spec is None or plain[0].shape[-1] != dims.head_dim:
+                raise ValueError(
+                    f"retrofit(): {type(model).__name__} ({config.model_type}): layer {idx} rotates q and k "
+                    f"({plain[0].shape[-1]} features a head) without rope parameters of its own that describe it."
+                )
+            resolved = resolve_position_layout(
+                spec, 1, rotary_size(config.max_position_embeddings, [spec]), True, config.hidden_size
+            )
+            ours = POSITION_ENCODINGS["rope"](resolved, dims)
+            tables = ours.prepare(positions, positions, "eager")
+            for layout in differences:
+                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
+                with torch.no_grad():
+                    actual = ours.transform_qkv(plain[0][..., order], plain[1][..., order], plain[1], tables)
+                difference = max(
+                    (a.float() - e[..., order].float()).abs().max().item()
+                    for a, e in zip(actual[:2], rotated, strict=True)
+                )
+                differences[layout] = max(differences[layout], difference)
+        if len(nope_layers) == len(base.layers):
+            return None, nope_layers
         layout = min(differences, key=differences.get)
         if differences[layout] > 1e-5:
             raise ValueError(
                 f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
-                f"rope with its own parameters ({own_rotary[0]}), in either pair layout: max difference "
-                f"{differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
+                f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in either pair layout: "
+                f"max difference {differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
             )
-        return layout
+        return layout, nope_layers
 
     def check_request(self, specs: list[dict[str, Any]], normalizer: dict[str, Any], use_qk_norm: bool | None) -> None:
         """``ValueError`` for what the stock attention module does not hand over: a scheme's content term (it reads
@@ -1064,7 +1098,7 @@ class RetrofitPlan:
     drops_softcapping: bool
     """Gemma 3's config keeps Gemma 2's ``attn_logit_softcapping``, but its attention passes no softcap."""
     rotary_layout: str | None = None
-    """The stock rotation's pair layout (:meth:`InterfaceFamily.rotary_layout`), for the attention-interface family;
+    """The stock rotation's pair layout (:meth:`InterfaceFamily.probe_rotation`), for the attention-interface family;
     stored as ``config.posenc_rotary_layout``."""
 
 
@@ -1089,6 +1123,12 @@ def plan_retrofit(
     causal = family.causal(config)
     num_layers = config.num_hidden_layers
     own = family.own_scheme(config)
+    own_rotary = family.own_rotary(config)
+    rotary_layout = None
+    if family is INTERFACE_FAMILY:  # the own scheme as the stock modules compute it: none where they do not rotate
+        rotary_layout, nope_layers = family.probe_rotation(model, own_rotary)
+        own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
+        own = own[0] if all(spec == own[0] for spec in own) else own
     if position_encoding is None:
         position_encoding = own
     if isinstance(position_encoding, str):
@@ -1102,8 +1142,6 @@ def plan_retrofit(
         position_encoding = {**position_encoding, **options}
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
-    own_rotary = family.own_rotary(config)
-    rotary_layout = family.rotary_layout(model, own_rotary) if family is INTERFACE_FAMILY else None
     if own_rotary is not None:
         position_encoding = from_own_rotary(position_encoding, own_rotary)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
