@@ -3,7 +3,11 @@
 Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
 CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
 any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
-``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads. The model's own layout is kept by
+``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
+attention calls Transformers' attention interface with its rotary module's ``position_embeddings``
+(:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an attention function
+registered with ``AttentionInterface``; ``docs/retrofit_coverage.md`` lists every causal LM of the installed
+Transformers). The model's own layout is kept by
 default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
 masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
 patched:
@@ -812,6 +816,9 @@ class InterfaceFamily(LlamaFamily):
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
         for idx, layer in enumerate(base.layers):
             attention, spec = self.attention(layer), own_rotary[idx]
+            if spec is None:  # a layer type without rotary parameters (Beam's full layers): the model rotates none
+                nope_layers.append(idx)
+                continue
             with torch.no_grad():
                 cos, sin = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
                 rotated = captured_query_key(attention, hidden.to(parameters[0].dtype), (cos, sin), positions)
@@ -821,10 +828,10 @@ class InterfaceFamily(LlamaFamily):
             if all(torch.equal(r, q) for r, q in zip(rotated, plain, strict=True)):
                 nope_layers.append(idx)
                 continue
-            if spec is None or plain[0].shape[-1] != dims.head_dim:
+            if plain[0].shape[-1] != dims.head_dim:
                 raise ValueError(
-                    f"retrofit(): {type(model).__name__} ({config.model_type}): layer {idx} rotates q and k "
-                    f"({plain[0].shape[-1]} features a head) without rope parameters of its own that describe it."
+                    f"retrofit(): {type(model).__name__} ({config.model_type}): layer {idx} hands over heads of "
+                    f"{plain[0].shape[-1]} features, not the config's head_dim {dims.head_dim}."
                 )
             resolved = resolve_position_layout(
                 spec, 1, rotary_size(config.max_position_embeddings, [spec]), True, config.hidden_size
