@@ -3,7 +3,11 @@
 Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
 CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
 any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
-``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads. The model's own layout is kept by
+``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
+attention calls Transformers' attention interface with its rotary module's ``position_embeddings``
+(:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an attention function
+registered with ``AttentionInterface``; ``docs/retrofit_coverage.md`` lists every causal LM of the installed
+Transformers). The model's own layout is kept by
 default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
 masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
 patched:
@@ -37,13 +41,15 @@ has none for it, e.g. CamemBERT), so LoRA needs no ``target_modules`` (``registe
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 import json
 import shutil
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +57,7 @@ import torch
 import transformers
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
@@ -59,8 +65,10 @@ from transformers.utils import logging
 
 from .attention_normalizers import AttentionNormalizer
 from .configuration_posenc import (
+    check_layer_windows,
     config_layer_types,
     layer_position_specs,
+    layout_name,
     resolve_attention_normalizer,
     resolve_position_layout,
 )
@@ -68,8 +76,6 @@ from .modeling_posenc_common import (
     SEQUENCE_PARALLEL_ATTENTION,
     attention_dims,
     build_attention_normalizer,
-    build_layer_position_term,
-    build_position_encoding,
     build_query_key_norms,
     pairs_head_halves,
     parallelism_refusals,
@@ -79,6 +85,7 @@ from .modeling_posenc_common import (
     shard_heads,
 )
 from .posenc_attention import positional_attention
+from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import (
     CACHE_NAME,
     EmbeddingInputs,
@@ -288,7 +295,8 @@ def retrofit_forward(stock_class: type, family: StockFamily) -> Callable:
 
     @functools.wraps(stock_forward)
     def forward(self, *args, **kwargs):
-        return stock_forward(self, **prepare_forward(family, self, signature.bind(*args, **kwargs).arguments))
+        call = prepare_forward(family, self, signature.bind(*args, **kwargs).arguments)
+        return family.stock_output(stock_forward(self, **call), call)
 
     return forward
 
@@ -338,6 +346,12 @@ class StockFamily:
             )
         return {"type": "learned"}
 
+    def own_rotary(self, config) -> list[dict[str, Any] | None] | None:
+        """The ``rope`` spec of each layer's own rotary parameters (a NoPE layer's too: those of its layer type; None
+        for a layer type without any, Beam's full layers), from which a rotary variant named in a retrofit starts;
+        None for a model without rotary embeddings."""
+        return None
+
     def own_normalizer(self, config) -> str | dict[str, Any]:
         """The normalizer under which the patched model computes what the stock model computes: ``softmax``, with
         gpt-oss's learned sinks (``sink="learned"``) where the family has them."""
@@ -357,6 +371,49 @@ class StockFamily:
 
     def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
         return encoding.embed(inputs)
+
+    def patch_attention(self, attention: nn.Module, config, causal: bool) -> list[nn.Module]:
+        """Make ``attention`` (given its ``normalizer`` and ``position_term``) run :func:`positional_attention`: its
+        class becomes ``Retrofit<Attention>``, gpt-oss's ``sinks`` move into the normalizer, the QK-norm is kept,
+        removed or added per ``config.use_qk_norm``; returns the modules it added."""
+        weight = next(attention.parameters())
+        if self.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
+            del attention.sinks
+        attention.__class__ = retrofit_class(type(attention), self.attention_mixin)
+        use_qk_norm = getattr(config, "use_qk_norm", False)
+        has_qk_norm = getattr(attention, "q_norm", None) is not None
+        if has_qk_norm and not use_qk_norm:
+            del attention.q_norm, attention.k_norm
+        if not has_qk_norm or not use_qk_norm:
+            eps = next(
+                getattr(config, name)
+                for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+                if hasattr(config, name)
+            )
+            attention.q_norm, attention.k_norm = build_query_key_norms(
+                config, attention_dims(config, causal).head_dim, eps
+            )
+        if attention.q_norm is not None and not has_qk_norm:
+            return [attention.q_norm.to(weight.device, weight.dtype), attention.k_norm.to(weight.device, weight.dtype)]
+        return []
+
+    def applies_softcapping(self, model: PreTrainedModel) -> bool:
+        """Whether the stock attention caps its scores by ``config.attn_logit_softcapping`` (Gemma 3's config has the
+        field, its attention passes no softcap)."""
+        return False
+
+    def patch_rotary(self, base: nn.Module) -> None:
+        """Take the stock rotary embedding out where the stock attention still applies it (the attention-interface
+        family); the other families' attention modules no longer read it."""
+
+    def hand_down(self, call: dict[str, Any], cache) -> None:
+        """Put the KV cache in the stock forward's arguments: here its attention layers read it (under
+        :data:`CACHE_NAME`) and give it to :func:`positional_attention`."""
+        call[CACHE_NAME] = cache
+
+    def stock_output(self, output, call: dict[str, Any]):
+        """The stock forward's output as the retrofitted model returns it."""
+        return output
 
     def check(self, config) -> None:
         """Raise on a configuration the patched attention cannot reproduce."""
@@ -480,19 +537,26 @@ class LlamaFamily(StockFamily):
     def attention_dropout(self, config):
         return config.attention_dropout
 
-    def own_scheme(self, config):
-        """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
-        type (Gemma 3's local and global bases, OLMo 3's YaRN on the full layers) or where SmolLM3 leaves a layer
-        without (``no_rope_layers[i] == 0``: ``none``)."""
+    def own_rotary(self, config):
+        """The rotary parameters per layer: one ``rope_parameters`` dict for all, or one per layer type (Gemma 3,
+        OLMo 3; None for a type without: NoPE)."""
         rope = config.rope_parameters
         fraction = getattr(config, "partial_rotary_factor", None) or 1.0
         layer_types = config_layer_types(config)
         if "rope_theta" in rope:
-            specs = [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
-        else:
-            specs = [rope_spec_of(rope[kind], config.max_position_embeddings, fraction) for kind in layer_types]
+            return [rope_spec_of(rope, config.max_position_embeddings, fraction)] * len(layer_types)
+        return [
+            rope_spec_of(rope[kind], config.max_position_embeddings, fraction) if rope.get(kind) else None
+            for kind in layer_types
+        ]
+
+    def own_scheme(self, config):
+        """``rope`` with the model's rotary parameters on every layer; a per-layer list where they differ by layer
+        type (Gemma 3's local and global bases, OLMo 3's YaRN on the full layers) or where SmolLM3 leaves a layer
+        without (``no_rope_layers[i] == 0``: ``none``)."""
+        specs = self.own_rotary(config)
         keeps_rope = getattr(config, "no_rope_layers", None) or [1] * len(specs)
-        specs = [spec if keep else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
+        specs = [spec if keep and spec else {"type": "none"} for spec, keep in zip(specs, keeps_rope, strict=True)]
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
 
     def check(self, config):
@@ -522,12 +586,347 @@ class ModernBertFamily(StockFamily):
     def attention_dropout(self, config):
         return config.attention_dropout
 
-    def own_scheme(self, config):
-        specs = [
+    def own_rotary(self, config):
+        return [
             rope_spec_of(config.rope_parameters[kind], config.max_position_embeddings)
             for kind in config_layer_types(config)
         ]
+
+    def own_scheme(self, config):
+        specs = self.own_rotary(config)
         return specs[0] if all(spec == specs[0] for spec in specs) else specs
+
+
+RETROFIT_ATTENTION = "posenc_retrofit"
+"""The name :func:`interface_attention` is registered under with Transformers' ``AttentionInterface``."""
+RETROFIT_CACHE = "posenc_cache"
+"""The keyword under which the KV cache reaches :func:`interface_attention` (the stock attention gets none)."""
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def interface_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention function of a decoder retrofitted through Transformers' attention interface: the stock module
+    hands over its ``(batch, heads, seq, head_dim)`` q, k, v (projected, QK-normed, not rotated: its rotary embedding
+    is the identity) and its scaling; :func:`positional_attention` runs the layer's scheme, normalizer, cache and
+    mask from the attention inputs the retrofitted forward built (the stock ``attention_mask`` is not read).
+    Where the stock rotation pairs features otherwise than hf_posenc's rope (interleaved: GLM, Cohere), q and k are
+    read in the order that makes the pairs the same (``posenc_feature_order``, :func:`half_layout_order`).
+    Returns ``(batch, seq, heads, head_dim)`` and the weights (eager), as Transformers' attention functions."""
+    order = getattr(module, "posenc_feature_order", None)
+    if order is not None:
+        query, key = query[..., order], key[..., order]
+    return positional_attention(
+        query,
+        key,
+        value,
+        kwargs[ATTENTION_INPUTS],
+        kwargs[POSITION_ENCODING],
+        module.normalizer,
+        module.position_term,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout,
+        training=module.training,
+        causal=True,
+        cache=kwargs.get(RETROFIT_CACHE),
+        layer_idx=module.layer_idx,
+    )
+
+
+AttentionInterface.register(RETROFIT_ATTENTION, interface_attention)
+
+
+def calls_attention_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` calls the function ``ALL_ATTENTION_FUNCTIONS`` returns (read from its source,
+    as ``PreTrainedModel._can_set_attn_implementation`` reads it)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def call_arguments(function: Callable, callee: str) -> str:
+    """The source text of the arguments of the first call ``callee(...)`` in ``function`` ('' if none)."""
+    source = inspect.getsource(function)
+    start = source.find(f"{callee}(")
+    if start < 0:
+        return ""
+    depth, end = 0, start + len(callee)
+    for end in range(start + len(callee), len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    return source[start + len(callee) + 1 : end]
+
+
+CAPTURE_ATTENTION = "posenc_retrofit_capture"
+"""The attention function a retrofit's probe of a stock attention module runs for one call."""
+
+
+def capture_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Keep the q and k a stock attention module hands over (``module.posenc_captured``); return zeros of the
+    output's shape ``(batch, seq, heads, value_dim)``."""
+    module.posenc_captured = (query, key)
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+AttentionInterface.register(CAPTURE_ATTENTION, capture_attention)
+
+
+def captured_query_key(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, read by
+    running it once with :func:`capture_attention` (its config and the module are restored afterwards)."""
+    stock_config = attention.config
+    attention.config = copy.copy(stock_config)
+    attention.config._attn_implementation_internal = CAPTURE_ATTENTION
+    accepted = inspect.signature(attention.forward).parameters
+    extra = {"position_ids": position_ids} if "position_ids" in accepted else {}
+    try:
+        attention(hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=None, **extra)
+        return attention.posenc_captured
+    finally:
+        attention.config = stock_config
+        attention.__dict__.pop("posenc_captured", None)
+
+
+def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
+    attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
+    layouts alike) and the scheme acts in :func:`interface_attention`."""
+    cos, sin = type(self).forward(self, *args, **kwargs)
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> list[int]:
+    """The feature order that reads a head in ``layout`` as hf_posenc's rope lays it out: the identity for
+    ``"half"``; for ``"interleaved"`` the even rotary features, then the odd ones, then the rest
+    (``0, 2, .., r - 2, 1, 3, .., r - 1, r, .., d - 1``), so rotating pairs ``(i, i + r/2)`` of the reordered head
+    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged). Plain ints: no tensor
+    that a meta-device build would leave empty."""
+    if layout == "half":
+        return list(range(head_dim))
+    return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
+
+
+class InterfaceFamily(LlamaFamily):
+    """Any other causal LM of Transformers whose attention modules call the function of
+    ``ALL_ATTENTION_FUNCTIONS`` with the ``position_embeddings`` of its rotary module (MoE models among them: their
+    expert layers are not touched). The retrofit goes through those two seams: the rotary module becomes the
+    identity (:func:`identity_rotary_forward`) and each attention module calls :func:`interface_attention` (its own
+    config copy names it), which runs the scheme's rotation, bias or content term and the normalizer. The stock
+    attention keeps computing q, k, v (its QK-norm, its scaling); the KV cache goes to the library's attention
+    only. The model's own scheme is ``rope`` with its ``rope_parameters`` per layer type, checked against the stock
+    rotary function before anything changes (:meth:`refusal`)."""
+
+    def layers(self, base):
+        return list(base.layers)
+
+    def attention(self, layer):
+        return next(module for module in layer.children() if calls_attention_interface(module))
+
+    def refusal(self, model: PreTrainedModel) -> str | None:
+        """Why ``model`` does not fit the seams, or None: the reason names what the library cannot reproduce."""
+        config, base = model.config, model.base_model
+        if getattr(config, "is_encoder_decoder", False) or not isinstance(
+            getattr(base, "layers", None), nn.ModuleList
+        ):
+            return "it is not a decoder with its layers in base_model.layers"
+        if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
+            return "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
+        rope = getattr(config, "rope_parameters", None)
+        if not isinstance(rope, dict) or not rope:
+            return "its config has no rope_parameters"
+        other_types = sorted(set(config_layer_types(config)) - set(ATTENTION_LAYER_TYPES))
+        if other_types:
+            return (
+                f"its layer_types hold {other_types} (a hybrid): the retrofit switches attention layers only, and "
+                "does not yet keep the other layers' caches"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
+        attentions = []
+        for idx, layer in enumerate(base.layers):
+            found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
+            if len(found) != 1:
+                return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
+            name, attention = found[0]
+            if "**kwargs" not in call_arguments(type(layer).forward, f"self.{name}"):
+                return (
+                    f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
+                    f"{type(attention).__name__}, through which the attention inputs reach the attention function"
+                )
+            if inspect.getsource(type(attention).forward).count("attention_interface(") > 1:
+                return (
+                    f"its attention {type(attention).__name__} calls the attention function more than once per layer "
+                    "(e.g. differential attention: the differential normalizer is hf_posenc's form of it)"
+                )
+            attentions.append(attention)
+        dims = attention_dims(config, True)
+        for attention in attentions:
+            if hasattr(attention, "qk_rope_head_dim"):
+                return (
+                    "its attention is MLA (decoupled rotary: a rotary slice beside a no-position slice of each head), "
+                    "which hf_posenc's rope does not lay out yet"
+                )
+            if getattr(attention, "layer_idx", None) is None:
+                return f"its attention {type(attention).__name__} has no layer_idx"
+            if isinstance(getattr(attention, "sinks", None), torch.Tensor):
+                return f"its attention {type(attention).__name__} has attention sinks, not yet moved into a normalizer"
+            if getattr(attention, "head_dim", dims.head_dim) != dims.head_dim:
+                return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
+        return None
+
+    def probe_rotation(
+        self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]
+    ) -> tuple[str | None, list[int]]:
+        """What each stock attention module does with the rotary embedding, read from the module itself: it runs on
+        random hidden states of 8 positions with the stock ``(cos, sin)`` of its layer type and with the identity
+        (``cos = 1, sin = 0``), its attention function replaced for the call by :func:`capture_attention`. Equal q
+        and k mean a layer without rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the
+        layer's own spec must rotate the identity's q and k into the stock ones (1e-5, float32), in the pair layout
+        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`). Returns
+        the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
+        rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
+        they were."""
+        config, base = model.config, model.base_model
+        parameters = list(base.parameters())
+        if parameters[0].is_meta:
+            return None, []
+        device = parameters[0].device
+        dims = attention_dims(config, True)
+        positions = torch.arange(8, device=device)[None]
+        hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+        layer_types = config_layer_types(config)
+        per_type = "rope_theta" not in config.rope_parameters
+        differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
+        for idx, layer in enumerate(base.layers):
+            attention, spec = self.attention(layer), own_rotary[idx]
+            if spec is None:  # a layer type without rotary parameters (Beam's full layers): the model rotates none
+                nope_layers.append(idx)
+                continue
+            with torch.no_grad():
+                cos, sin = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
+                rotated = captured_query_key(attention, hidden.to(parameters[0].dtype), (cos, sin), positions)
+                plain = captured_query_key(
+                    attention, hidden.to(parameters[0].dtype), (torch.ones_like(cos), torch.zeros_like(sin)), positions
+                )
+            if all(torch.equal(r, q) for r, q in zip(rotated, plain, strict=True)):
+                nope_layers.append(idx)
+                continue
+            if plain[0].shape[-1] != dims.head_dim:
+                raise ValueError(
+                    f"retrofit(): {type(model).__name__} ({config.model_type}): layer {idx} hands over heads of "
+                    f"{plain[0].shape[-1]} features, not the config's head_dim {dims.head_dim}."
+                )
+            resolved = resolve_position_layout(
+                spec, 1, rotary_size(config.max_position_embeddings, [spec]), True, config.hidden_size
+            )
+            ours = POSITION_ENCODINGS["rope"](resolved, dims)
+            tables = ours.prepare(positions, positions, "eager")
+            for layout in differences:
+                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
+                with torch.no_grad():
+                    actual = ours.transform_qkv(plain[0][..., order], plain[1][..., order], plain[1], tables)
+                difference = max(
+                    (a.float() - e[..., order].float()).abs().max().item()
+                    for a, e in zip(actual[:2], rotated, strict=True)
+                )
+                differences[layout] = max(differences[layout], difference)
+        if len(nope_layers) == len(base.layers):
+            return None, nope_layers
+        layout = min(differences, key=differences.get)
+        if differences[layout] > 1e-5:
+            raise ValueError(
+                f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
+                f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in either pair layout: "
+                f"max difference {differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
+            )
+        return layout, nope_layers
+
+    def check_request(self, specs: list[dict[str, Any]], normalizer: dict[str, Any], use_qk_norm: bool | None) -> None:
+        """``ValueError`` for what the stock attention module does not hand over: a scheme's content term (it reads
+        the layer's input and projections), a normalizer's output gate (the layer's input), a QK-norm switch (the
+        stock module applies its own)."""
+        content = sorted({spec["type"] for spec in specs if POSITION_ENCODINGS[spec["type"]].has_layer_term})
+        if content:
+            raise ValueError(
+                f"retrofit(): position_encoding {content} reads the layer's input and projections, which a decoder "
+                f"retrofitted through the attention interface ({self.name}) does not hand to its attention function; "
+                "choose a rotary, score-bias or input-side scheme."
+            )
+        if normalizer.get("output_gate") is not None:
+            raise ValueError(
+                f"retrofit(): attention_normalizer option output_gate={normalizer['output_gate']!r} gates with the "
+                f"layer's input, which a decoder retrofitted through the attention interface ({self.name}) does not "
+                "hand to its attention function; use output_gate=None."
+            )
+        if use_qk_norm is not None:
+            raise ValueError(
+                f"retrofit(): use_qk_norm={use_qk_norm!r}: a decoder retrofitted through the attention interface "
+                f"({self.name}) keeps its own QK-norm or none; leave use_qk_norm=None."
+            )
+
+    def patch_attention(self, attention, config, causal):
+        """The stock module stays; its own config copy names :data:`RETROFIT_ATTENTION`, so it calls
+        :func:`interface_attention` whatever backend the model's config requests (the library's backend choice
+        reads that one)."""
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation_internal = RETROFIT_ATTENTION
+        if getattr(config, "posenc_rotary_layout", "half") != "half":
+            dims = attention_dims(config, causal)
+            fraction = (self.own_rotary(config)[attention.layer_idx] or {}).get("rotary_fraction", 1.0)
+            rotary_dim = int(dims.head_dim * fraction) // 2 * 2
+            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
+        return []
+
+    def applies_softcapping(self, model):
+        """Gemma 2's attention passes ``softcap=config.attn_logit_softcapping`` to the attention function."""
+        attention = self.attention(model.base_model.layers[0])
+        return "softcap" in inspect.getsource(type(attention).forward)
+
+    def patch_rotary(self, base):
+        base.rotary_emb.forward = types.MethodType(identity_rotary_forward, base.rotary_emb)
+
+    def hand_down(self, call, cache):
+        """The stock forward runs without a cache (``use_cache=False``): its attention modules would store k and v
+        before the attention function; :func:`interface_attention` gets the cache and :func:`positional_attention`
+        stores them after the scheme's transform, as in every family."""
+        call[RETROFIT_CACHE] = cache if call["use_cache"] else None
+        call.update({CACHE_NAME: None, "use_cache": False})
+
+    def stock_output(self, output, call):
+        if call[RETROFIT_CACHE] is not None:
+            output["past_key_values"] = call[RETROFIT_CACHE]
+        return output
+
+    def attention_dropout(self, config):
+        return getattr(config, "attention_dropout", 0.0)
+
+    def check(self, config):
+        StockFamily.check(self, config)
+
+
+INTERFACE_FAMILY = InterfaceFamily(
+    "decoders whose attention goes through Transformers' attention interface with a rotary module (MoE included)",
+    (),
+    RetrofitLlamaAttention,
+    "llama",
+)
 
 
 FAMILIES = (
@@ -580,7 +979,13 @@ def stock_family(model: nn.Module) -> StockFamily:
     for family in FAMILIES:
         if names & set(family.attention_classes):
             return family
-    raise ValueError(f"retrofit() supports the {supported}; got {type(model).__name__} ({model.config.model_type}).")
+    reason = INTERFACE_FAMILY.refusal(model)
+    if reason is None:
+        return INTERFACE_FAMILY
+    raise ValueError(
+        f"retrofit() cannot take {type(model).__name__} ({model.config.model_type}): {reason}. It takes the "
+        f"{supported}; and {INTERFACE_FAMILY.name}."
+    )
 
 
 # The per-forward set-up, run by the base model's ``forward`` before the stock one.
@@ -607,7 +1012,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
         if call["use_cache"] and cache is None:
             cache = DynamicCache(config=config)
-        call[CACHE_NAME] = cache
+        family.hand_down(call, cache)
     elif cache is not None:
         raise ValueError(f"A retrofitted {type(base).__name__} encoder keeps no KV cache; got {CACHE_NAME}.")
     past_length = cache.get_seq_length() if cache is not None else 0
@@ -681,7 +1086,40 @@ def retrofit(
     sink of a normalizer that has one, and are dropped under any other.
     """
     if isinstance(model, (str, Path)):
+        # Checked on the model built without weights (meta tensors), so a bad request reads no weight.
+        plan_retrofit(stock_skeleton(model), position_encoding, attention_normalizer, layers, use_qk_norm, options)
         model = load_stock_model(model)
+    plan = plan_retrofit(model, position_encoding, attention_normalizer, layers, use_qk_norm, options)
+    apply_retrofit(model, plan)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrofitPlan:
+    """What a retrofit writes into the config, every part checked before anything changes."""
+
+    family: StockFamily
+    position_encoding: dict[str, Any] | list[dict[str, Any]]
+    attention_normalizer: dict[str, Any]
+    use_qk_norm: bool
+    drops_softcapping: bool
+    """Gemma 3's config keeps Gemma 2's ``attn_logit_softcapping``, but its attention passes no softcap."""
+    rotary_layout: str | None = None
+    """The stock rotation's pair layout (:meth:`InterfaceFamily.probe_rotation`), for the attention-interface family;
+    stored as ``config.posenc_rotary_layout``."""
+
+
+def plan_retrofit(
+    model: PreTrainedModel,
+    position_encoding: Any,
+    attention_normalizer: Any,
+    layers: list[int] | None,
+    use_qk_norm: bool | None,
+    options: dict[str, Any],
+) -> RetrofitPlan:
+    """The checked request of :func:`retrofit` for ``model``, which it leaves unchanged; ``ValueError`` naming the bad
+    value otherwise. The new modules are built once here (and dropped), so an option only a module checks fails
+    before the patch too."""
     family = stock_family(model)
     config = model.config
     family.check(config)
@@ -692,6 +1130,12 @@ def retrofit(
     causal = family.causal(config)
     num_layers = config.num_hidden_layers
     own = family.own_scheme(config)
+    own_rotary = family.own_rotary(config)
+    rotary_layout = None
+    if family is INTERFACE_FAMILY:  # the own scheme as the stock modules compute it: none where they do not rotate
+        rotary_layout, nope_layers = family.probe_rotation(model, own_rotary)
+        own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
+        own = own[0] if all(spec == own[0] for spec in own) else own
     if position_encoding is None:
         position_encoding = own
     if isinstance(position_encoding, str):
@@ -705,8 +1149,13 @@ def retrofit(
         position_encoding = {**position_encoding, **options}
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
+    if own_rotary is not None:
+        position_encoding = from_own_rotary(position_encoding, own_rotary)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
-    spec = resolve_position_layout(position_encoding, num_layers, max_positions, causal, config.hidden_size)
+    # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
+    # the size check of a PosEnc config's rope does not apply to what the stock config holds.
+    size = rotary_size(max_positions, own_rotary) if table is None else max_positions
+    spec = resolve_position_layout(position_encoding, num_layers, size, causal, config.hidden_size)
     if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
         spec = spec[0]
     first = layer_position_specs(spec, num_layers)[0]
@@ -715,26 +1164,100 @@ def retrofit(
             f"retrofit(): the stock position table has {max_positions} positions; got max_positions="
             f"{first['max_positions']}. Lengthen it with hf_posenc.extend_positions(model, max_positions) instead."
         )
+    check_layer_windows(
+        spec,
+        config_layer_types(config),
+        getattr(config, "sliding_window", None),
+        getattr(config, "attention_chunk_size", None),
+    )
+    if attention_normalizer is None:
+        attention_normalizer = family.own_normalizer(config)
+    normalizer = resolve_attention_normalizer(attention_normalizer, causal, config.num_attention_heads)
+    if family is INTERFACE_FAMILY:
+        family.check_request(layer_position_specs(spec, num_layers), normalizer, use_qk_norm)
+        use_qk_norm = getattr(family.attention(family.layers(base)[0]), "q_norm", None) is not None
     if use_qk_norm is None:
         use_qk_norm = family.qk_norm is not None
     if not isinstance(use_qk_norm, bool):
         raise ValueError(
             f"retrofit(): use_qk_norm must be True, False or None (the model's own); got {use_qk_norm!r}."
         )
-    if attention_normalizer is None:
-        attention_normalizer = family.own_normalizer(config)
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        # Gemma 3's config keeps Gemma 2's field, but its attention passes no softcap: the stock model does not cap.
+    plan = RetrofitPlan(
+        family,
+        spec,
+        normalizer,
+        use_qk_norm,
+        getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
+        rotary_layout,
+    )
+    trial = copy.copy(config)
+    write_plan(trial, plan)
+    build_modules(trial, causal)
+    return plan
+
+
+def rotary_size(max_positions: int, own_rotary: list[dict[str, Any] | None] | None) -> int:
+    """The length a retrofit checks rotary specs against: ``max_position_embeddings``, or a stock scaling's longer
+    original length (Transformers warns and runs it: a tiny config of a model scaled from 8192 positions)."""
+    originals = [(spec.get("scaling") or {}).get("original_max_positions") or 0 for spec in own_rotary or [] if spec]
+    return max([max_positions, *originals])
+
+
+def from_own_rotary(
+    position_encoding: dict[str, Any] | list[Any], own_rotary: list[dict[str, Any] | None]
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """A rotary variant named in a retrofit (a scheme with a ``theta``: ``rope``, p-RoPE, ``xpos``, ...) starts from
+    the model's own rotary parameters of each layer (``theta``, ``rotary_fraction``, ``scaling`` where the scheme has
+    them); the options given override them. Other schemes are left as given."""
+    per_layer = isinstance(position_encoding, (list, tuple))
+    if per_layer and len(position_encoding) != len(own_rotary):  # resolve_position_layout names the lengths
+        return position_encoding
+    specs = list(position_encoding) if per_layer else [position_encoding] * len(own_rotary)
+    merged = []
+    for spec, own in zip(specs, own_rotary, strict=True):
+        spec = {"type": spec} if isinstance(spec, str) else spec
+        scheme = POSITION_ENCODINGS.get(spec.get("type")) if isinstance(spec, dict) else None
+        if own is not None and scheme is not None and "theta" in scheme.options:
+            inherited = {key: value for key, value in own.items() if key != "type" and key in scheme.options}
+            spec = {**inherited, **spec}
+        merged.append(spec)
+    return merged if per_layer or any(spec != merged[0] for spec in merged) else merged[0]
+
+
+def write_plan(config, plan: RetrofitPlan) -> None:
+    """Write a checked plan into ``config``."""
+    if plan.drops_softcapping:
+        config.attn_logit_softcapping = None
+    config.position_encoding = plan.position_encoding
+    config.attention_normalizer = plan.attention_normalizer
+    config.use_qk_norm = plan.use_qk_norm
+    if plan.rotary_layout is not None:
+        config.posenc_rotary_layout = plan.rotary_layout
+
+
+def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[AttentionNormalizer], list]:
+    """The scheme, and each attention layer's normalizer and position term, of a config holding resolved specs
+    (built from them as they are: a retrofit resolved them against the stock config)."""
+    dims = attention_dims(config, causal)
+    specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
+    encoding = build_position_encoding_module(config.position_encoding, dims)
+    normalizers = [build_attention_normalizer(config, causal, idx) for idx in range(config.num_hidden_layers)]
+    terms = [POSITION_ENCODINGS[spec["type"]].layer_term(spec, dims, idx) for idx, spec in enumerate(specs)]
+    return encoding, normalizers, terms
+
+
+def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
+    """Write ``plan`` into the config, patch the model and initialise the new modules (the stock position table
+    becomes the ``learned`` table, gpt-oss's sinks the learned sink)."""
+    family, config, base = plan.family, model.config, model.base_model
+    if plan.drops_softcapping:
         logger.warning(
             f"retrofit(): this {config.model_type} model's attention does not apply its config's "
             f"attn_logit_softcapping={config.attn_logit_softcapping}; set to None, as the model computes."
         )
-        config.attn_logit_softcapping = None
-    config.position_encoding = spec
-    config.attention_normalizer = resolve_attention_normalizer(
-        attention_normalizer, causal, config.num_attention_heads
-    )
-    config.use_qk_norm = use_qk_norm
+    offset, table = family.position_offset(base), family.stock_table(base)
+    first = layer_position_specs(plan.position_encoding, config.num_hidden_layers)[0]
+    write_plan(config, plan)
     stock_sinks = []
     if family.sinks:
         stock_sinks = [family.attention(layer).sinks.detach().clone() for layer in family.layers(base)]
@@ -753,7 +1276,6 @@ def retrofit(
             sink = getattr(family.attention(layer).normalizer, "sink", None)
             if sink is not None:
                 sink.copy_(sinks)
-    return model
 
 
 def layer_switch(
@@ -811,46 +1333,30 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         check_retrofit_parallelism(model, "tensor")
     causal = family.causal(config)
     reference = base.get_input_embeddings().weight
-    new_modules = [build_position_encoding(config, causal).to(reference.device, reference.dtype)]
-    base.position_encoding = new_modules[0]
+    encoding, normalizers, terms = build_modules(config, causal)
+    new_modules = [encoding.to(reference.device, reference.dtype)]
+    base.position_encoding = encoding
     family.remove_stock_positions(base)
-    use_qk_norm = getattr(config, "use_qk_norm", False)
-    eps = next(
-        getattr(config, name)
-        for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
-        if hasattr(config, name)
-    )
     for layer_idx, layer in enumerate(family.layers(base)):
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         weight = next(attention.parameters())
-        if family.sinks:  # moved into the normalizer (RetrofitGptOssAttention.sinks reads it there)
-            del attention.sinks
-        attention.__class__ = retrofit_class(type(attention), family.attention_mixin)
-        attention.normalizer = build_attention_normalizer(config, causal, layer_idx).to(weight.device, weight.dtype)
-        attention.position_term = build_layer_position_term(config, causal, layer_idx)
+        attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)
+        attention.position_term = terms[layer_idx]
         new_modules.append(attention.normalizer)
         if attention.position_term is not None:
             attention.position_term.to(weight.device, weight.dtype)
             new_modules.append(attention.position_term)
-        has_qk_norm = getattr(attention, "q_norm", None) is not None
-        if has_qk_norm and not use_qk_norm:
-            del attention.q_norm, attention.k_norm
-        if not has_qk_norm or not use_qk_norm:
-            attention.q_norm, attention.k_norm = build_query_key_norms(
-                config, attention_dims(config, causal).head_dim, eps
-            )
-        if attention.q_norm is not None and not has_qk_norm:
-            new_modules += [
-                attention.q_norm.to(weight.device, weight.dtype),
-                attention.k_norm.to(weight.device, weight.dtype),
-            ]
+        new_modules += family.patch_attention(attention, config, causal)
+    family.patch_rotary(base)
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
+        # The attention is the library's composition, on every backend (stock gpt-oss refuses SDPA for its sinks).
+        owner._supports_sdpa = owner._supports_flex_attn = True
     model.create_masks_for_generate = keep_attention_mask_for_generate
     if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: the scheme keeps this rank's heads
         shard_heads(model)
@@ -859,7 +1365,24 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
     register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
+    register_stock_conversions(stock_type)
     return new_modules
+
+
+def register_stock_conversions(stock_type: str) -> None:
+    """Give the saved type the stock type's checkpoint conversions: Transformers saves MoE experts one by one and
+    fuses them on load by a mapping keyed by ``model_type`` (and applies none to remote code unless registered), so
+    without it a reloaded retrofitted MoE would miss its experts."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # a Transformers without load-time conversions loads the saved keys as they are
+        return
+    mapping = get_checkpoint_conversion_mapping(stock_type)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(retrofit_model_type(stock_type), mapping, overwrite=True)
 
 
 def keep_attention_mask_for_generate(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -876,14 +1399,55 @@ def patch_from_config(model: PreTrainedModel) -> None:
     patch(model, stock_family(model))
 
 
-def load_stock_model(name_or_path: str | Path) -> PreTrainedModel:
-    """A model from a folder or Hub id, with the class its config names (``architectures``), else the base model."""
-    config = AutoConfig.from_pretrained(name_or_path)
+def stock_config(name_or_path: str | Path) -> PretrainedConfig:
+    """The config of a stock model's folder or Hub id; ``ValueError`` for a folder a retrofit saved (read as plain
+    JSON, so Transformers' remote-code prompt is not reached)."""
+    saved, _ = PretrainedConfig.get_config_dict(name_or_path)
+    model_type = saved.get("model_type", "")
+    if model_type.startswith(retrofit_model_type("")):
+        raise ValueError(
+            f"retrofit(): {name_or_path} holds a model already retrofitted ({model_type}: "
+            f"{layout_name(saved['position_encoding'])}, {saved['attention_normalizer']['type']}); retrofit() patches "
+            "a stock model once. Load it with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True) (or "
+            "its head's Auto class) and switch from the stock checkpoint it came from."
+        )
+    return AutoConfig.from_pretrained(name_or_path)
+
+
+def stock_model_class(config: PretrainedConfig) -> type:
+    """The class a stock config names (``architectures``), else ``AutoModel``."""
     architectures = getattr(config, "architectures", None) or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None:
-        model_class = transformers.AutoModel
-    return model_class.from_pretrained(name_or_path)
+    return model_class or transformers.AutoModel
+
+
+def stock_skeleton(name_or_path: str | Path) -> PreTrainedModel:
+    """The stock model of a folder or Hub id built without weights (on the meta device), to check a request on."""
+    config = stock_config(name_or_path)
+    model_class = stock_model_class(config)
+    with torch.device("meta"):
+        return model_class.from_config(config) if model_class is transformers.AutoModel else model_class(config)
+
+
+@contextlib.contextmanager
+def stock_classes_built_as_eager(config: PretrainedConfig) -> Iterator[None]:
+    """Build the stock classes of a saved retrofit as for eager, then set the backend requested (None: SDPA,
+    Transformers' default): their ``__init__`` checks it against the stock attention (gpt-oss refuses SDPA for its
+    sinks), which the patch replaces by the library's composition, on every backend."""
+    requested = config._attn_implementation
+    if requested not in (None, "sdpa", "flex_attention"):
+        yield
+        return
+    config._attn_implementation_internal = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = requested or "sdpa"
+
+
+def load_stock_model(name_or_path: str | Path) -> PreTrainedModel:
+    """A model from a folder or Hub id, with the class its config names (``architectures``), else the base model."""
+    return stock_model_class(stock_config(name_or_path)).from_pretrained(name_or_path)
 
 
 # Saving: the stock folder, plus the code that re-applies the patch.
@@ -899,7 +1463,7 @@ it, with or without hf_posenc installed.
 
 from transformers import {imports}
 
-from .retrofit import patch_from_config
+from .retrofit import patch_from_config, stock_classes_built_as_eager
 
 
 class Retrofit{config_class}({config_class}):
@@ -910,9 +1474,12 @@ MODEL_CLASS_TEMPLATE = """
 
 class Retrofit{stock_class}({stock_class}):
     config_class = Retrofit{config_class}
+    _supports_sdpa = True  # the attention is hf_posenc's composition, on every backend
+    _supports_flex_attn = True
 
     def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
+        with stock_classes_built_as_eager(config):
+            super().__init__(config, *args, **kwargs)
         patch_from_config(self)
 """
 

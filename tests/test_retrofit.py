@@ -435,7 +435,10 @@ def test_unsupported_models_raise_naming_the_supported_families():
         ffn_dim=16,
         word_embed_proj_dim=16,
     )
-    with pytest.raises(ValueError, match=r"supports the BERT family .*GPT-2 .*Llama family .*got OPTForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot take OPTForCausalLM \(opt\): it is not a decoder with its layers.*the BERT family .*GPT-2",
+    ):
         hf_posenc.retrofit(transformers.OPTForCausalLM(config))
     with pytest.raises(ValueError, match="already has a switchable position encoding"):
         hf_posenc.retrofit(transformers.AutoModel.from_config(hf_posenc.PosEncBertConfig(**CONFIGS["bert"])))
@@ -815,6 +818,205 @@ def test_bad_family_requests_raise():
         importlib.import_module("hf_posenc.retrofit").rope_spec_of(
             {"rope_type": "proportional", "rope_theta": 1e4}, 64
         )
+
+
+# Decoders retrofitted through the attention interface (no class of their own): MoE, interleaved rotary.
+
+
+def interface_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    """A tiny stock causal LM of ``model_type`` (MoE sizes where it has experts), eager, from seed 0."""
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        **{**LAYERED, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2},
+        **overrides,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_moe_decoder_retrofits_through_the_attention_interface_and_keeps_its_experts(tmp_path):
+    """Qwen3-MoE: the identity retrofit gives the stock logits; ``alibi`` leaves every expert weight and the router
+    as they were, generates with the cache as without, saves and reloads as remote code where hf_posenc is not
+    installed (the same logits), and LoRA finds PEFT's default targets of the stock type."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    from peft import LoraConfig, get_peft_model
+
+    stock = interface_model("qwen3_moe")
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi", "l2")
+    experts = {name: value for name, value in stock.state_dict().items() if ".mlp." in name}
+    assert experts and all(torch.equal(patched.state_dict()[name], value) for name, value in experts.items())
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = patched.generate(ids, **kwargs)
+    assert torch.equal(tokens, patched.generate(ids, use_cache=False, **kwargs))
+    patched.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    called, _ = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():  # another process: its experts' matmuls may sum in another order
+        torch.testing.assert_close(called, patched(ids).logits, atol=1e-6, rtol=1e-6)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert torch.equal(reloaded.generate(ids, **kwargs), tokens)
+    lora = get_peft_model(reloaded, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
+    assert lora.peft_config["default"].target_modules == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "cohere", "phi"])
+def test_interleaved_and_partial_rotary_are_kept_and_switched(model_type, tmp_path):
+    """GLM-4 (interleaved pairs on half of each head), Cohere (interleaved), Phi (half of each head, the rotary slice
+    cut before the rotary function): the identity retrofit gives the stock logits, also after reload; ``rope`` with
+    another base changes them, and generates with the cache as without."""
+    stock = interface_model(model_type)
+    ids = random_ids(2, 10)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    switched = hf_posenc.retrofit(copy.deepcopy(stock), "rope", theta=100.0)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+        assert (switched(ids).logits - expected).abs().max() > 1e-3
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(switched.generate(ids, **kwargs), switched.generate(ids, use_cache=False, **kwargs))
+
+
+def test_interface_retrofit_refuses_what_the_stock_attention_does_not_hand_over():
+    """A content term (it reads the layer's input), an output gate, a QK-norm switch: refused by name, nothing
+    changed."""
+    stock = interface_model("qwen3_moe")
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=r"position_encoding \['shaw'\] reads the layer's input"):
+        hf_posenc.retrofit(model, "shaw")
+    with pytest.raises(ValueError, match="output_gate='elementwise' gates with the layer's input"):
+        hf_posenc.retrofit(model, "none", {"type": "softmax", "output_gate": "elementwise"})
+    with pytest.raises(ValueError, match="use_qk_norm=False: a decoder retrofitted through the attention interface"):
+        hf_posenc.retrofit(model, "none", use_qk_norm=False)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+
+
+# Defects found in review, each with the test that shows it.
+
+
+def test_a_scheme_reading_past_every_window_is_refused_as_the_config_refuses_it():
+    """Every Mistral layer slides (window 5): the cache keeps 4 tokens before the current ones, so ``conv`` with
+    kernel 9 (reads 8) is refused by name, as ``PosEncGPT2Config`` refuses the same layout; kernel 5 fits and
+    generates with the cache as without."""
+    stock = family_model("mistral-window", sliding_window=5)
+    with pytest.raises(ValueError, match=r"'conv' reads the 8 tokens before each token.*widest window \(5 tokens\)"):
+        hf_posenc.retrofit(copy.deepcopy(stock), {"type": "conv", "kernel_size": 9})
+    with pytest.raises(ValueError, match=r"'conv' reads the 8 tokens before each token"):
+        hf_posenc.PosEncGPT2Config(
+            position_encoding={"type": "conv", "kernel_size": 9}, layer_types=["sliding_attention"] * 2,
+            sliding_window=5, n_layer=2,
+        )  # fmt: skip
+    patched = hf_posenc.retrofit(stock, {"type": "conv", "kernel_size": 5})
+    perturb_position_parameters(patched)
+    batch = left_padded_batch()
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "gemma3", "olmo3"])
+def test_naming_rope_keeps_the_models_own_rotary_parameters(case):
+    """``retrofit(model, "rope")`` starts from the model's own base, scaling and per-layer-type bases: the stock
+    logits; an option given changes only itself."""
+    stock = family_model(case)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(
+            hf_posenc.retrofit(copy.deepcopy(stock), "rope")(ids).logits, expected, atol=1e-5, rtol=0
+        )
+    own = layer_specs(hf_posenc.retrofit(copy.deepcopy(stock)).config.position_encoding)
+    on_values = hf_posenc.retrofit(copy.deepcopy(stock), "rope", apply_to_value=True)
+    for ours, theirs in zip(layer_specs(on_values.config.position_encoding), own, strict=True):
+        assert ours == {**theirs, "apply_to_value": True}
+    other_base = hf_posenc.retrofit(copy.deepcopy(stock), {"type": "rope", "theta": 500.0})
+    assert all(spec["theta"] == 500.0 for spec in layer_specs(other_base.config.position_encoding))
+    assert [spec["scaling"] for spec in layer_specs(other_base.config.position_encoding)] == [
+        spec["scaling"] for spec in own
+    ]
+
+
+def layer_specs(position_encoding) -> list[dict]:
+    return position_encoding if isinstance(position_encoding, list) else [position_encoding] * 4
+
+
+def test_retrofitted_gpt_oss_takes_sdpa_through_transformers_own_switches(tmp_path):
+    """Stock gpt-oss refuses SDPA (its sinks); the retrofit computes them on every backend, so
+    ``set_attn_implementation("sdpa")`` and ``from_pretrained(..., attn_implementation="sdpa")`` are accepted and give
+    the stock eager logits."""
+    stock = family_model("gpt_oss")
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    patched.set_attn_implementation("sdpa")
+    assert patched.config._attn_implementation == "sdpa"
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+    patched.save_pretrained(tmp_path)
+    for attn in ("sdpa", "flex_attention"):
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, trust_remote_code=True, attn_implementation=attn
+        ).eval()
+        assert reloaded.config._attn_implementation == attn
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("case", "scheme", "normalizer", "error"),
+    [
+        ("gemma3", "rope", "no-such-normalizer", "Unknown attention_normalizer 'no-such-normalizer'"),
+        ("qwen3", {"type": "rope", "rotary_fraction": 0.1}, None, "rotates 0 features"),
+    ],
+)
+def test_a_failed_retrofit_changes_nothing(case, scheme, normalizer, error):
+    """Everything is checked before the first change: after the error the config (Gemma 3's soft-cap included) and
+    the modules are the stock ones."""
+    stock = family_model(case, attn_logit_softcapping=2.0) if case == "gemma3" else family_model(case)
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=error):
+        hf_posenc.retrofit(model, scheme, normalizer)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    assert list(model.state_dict()) == list(stock.state_dict())
+
+
+def test_retrofit_of_a_folder_checks_its_request_before_loading_the_weights(saved_stock, monkeypatch, tmp_path):
+    """A bad scheme is refused before ``from_pretrained`` reads any weight; a folder retrofit saved is refused by
+    retrofit's own error, not Transformers' remote-code prompt."""
+    folder = saved_stock("llama", "LlamaForCausalLM")
+    hf_posenc.retrofit(load_stock(saved_stock, "llama", "LlamaForCausalLM"), "alibi").save_pretrained(tmp_path)
+
+    def no_weights(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained loaded weights before the request was checked")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    with pytest.raises(ValueError, match="Unknown position_encoding 'rotary'"):
+        hf_posenc.retrofit(folder, "rotary")
+    with pytest.raises(ValueError, match=r"already retrofitted \(posenc_retrofit_llama: alibi, softmax\)"):
+        hf_posenc.retrofit(tmp_path, "none")
+
+
+def test_gpt_oss_shorter_than_yarns_original_length_is_accepted_as_the_stock_model_runs_it():
+    """A tiny gpt-oss with 8 positions under YaRN's original 16: Transformers runs it, so does the retrofit (the
+    stock logits)."""
+    stock = family_model("gpt_oss", max_position_embeddings=8)
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
 
 
 # The real MiniLM checkpoint (BERT, 6 layers, 512 positions).

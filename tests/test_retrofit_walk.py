@@ -1,0 +1,226 @@
+"""The walk: every causal LM class of the installed Transformers, built from a tiny config on CPU, and what
+``retrofit`` makes of it: the stock model runs / the identity retrofit keeps it (logits within 1e-5 in float32, the
+same greedy tokens) and its ``alibi`` and ``none`` switches generate as their uncached loop with the dynamic and the
+static cache / it is refused, with the reason, before anything changes.
+
+The regular suite walks the model types the retrofit is documented to keep or refuse (``KEPT``, ``REFUSED``); the
+whole walk, over every model type, runs with ``HF_POSENC_FULL_WALK=1`` and writes the table of
+``docs/retrofit_coverage.md`` (``python tests/test_retrofit_walk.py`` prints it)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto import modeling_auto
+
+import hf_posenc
+
+
+TINY = dict(
+    vocab_size=61,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=32,
+    head_dim=8,
+    max_position_embeddings=64,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=16,
+    first_k_dense_replace=0,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=8,
+    q_lora_rank=8,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    sliding_window=4,
+)
+"""Sizes set where the model type's config has the field; the others keep their defaults."""
+MAX_PARAMETERS = 2_000_000
+"""A config these sizes leave larger (fields of other names) is counted as not tiny, not built."""
+GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+@dataclasses.dataclass
+class WalkRow:
+    model_type: str
+    class_name: str
+    outcome: str  # "kept", "refused", "stock fails", "not tiny", "fails"
+    detail: str
+
+
+def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+    """``model_type``'s config with the :data:`TINY` sizes it has fields for; one layer of each of its default layer
+    types, decoders' ``is_decoder=True`` (BERT-like causal LMs)."""
+    defaults = transformers.AutoConfig.for_model(model_type)
+    values = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
+    if "qk_rope_head_dim" in values:  # MLA: the head sizes are the nope and rope parts, a key head per query head
+        values.pop("head_dim", None)
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    layer_types = getattr(defaults, "layer_types", None)
+    if layer_types is not None:  # each layer type once, in the order of the default pattern (hybrids keep theirs)
+        values["layer_types"] = list(dict.fromkeys(layer_types))
+        values["num_hidden_layers"] = len(values["layer_types"])
+    if hasattr(defaults, "is_decoder"):
+        values["is_decoder"] = True
+    config = transformers.AutoConfig.for_model(model_type, **values, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    return config
+
+
+def causal_lm_classes() -> dict[str, str]:
+    """Model type -> its causal LM class name, for every causal LM of the installed Transformers."""
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return {kind: name if isinstance(name, str) else name[0] for kind, name in sorted(names.items())}
+
+
+def first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def walk(model_type: str) -> WalkRow:
+    """One row of the walk (see the module docstring)."""
+    class_name = causal_lm_classes()[model_type]
+    row = WalkRow(model_type, class_name, "stock fails", "")
+    ids = torch.randint(3, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(0))
+    try:
+        model_class = getattr(transformers, class_name)
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in model_class(config).parameters())
+        if size > MAX_PARAMETERS:
+            return dataclasses.replace(row, outcome="not tiny", detail=f"{size:,} parameters")
+        torch.manual_seed(0)
+        stock = model_class(config).eval()
+        with torch.no_grad():
+            expected = stock(ids).logits
+        tokens = stock.generate(ids, **GENERATE)
+    except Exception as error:  # a stock model that does not build or run from this tiny config
+        return dataclasses.replace(row, detail=first_line(error))
+    patched = copy.deepcopy(stock)
+    try:
+        hf_posenc.retrofit(patched)
+    except ValueError as error:
+        unchanged = [type(m) for m in patched.modules()] == [type(m) for m in stock.modules()]
+        unchanged = unchanged and patched.config.to_dict() == stock.config.to_dict()
+        outcome = "refused" if unchanged else "fails"
+        return dataclasses.replace(row, outcome=outcome, detail=str(error).split(". It takes ")[0])
+    except Exception as error:  # anything but a ValueError naming the reason is a failure of the retrofit
+        return dataclasses.replace(row, outcome="fails", detail=first_line(error))
+    try:
+        return checked_row(row, stock, patched, ids, expected, tokens)
+    except Exception as error:  # a retrofitted model that does not run: a failure of the walk, reported
+        return dataclasses.replace(row, outcome="fails", detail=first_line(error))
+
+
+def checked_row(row: WalkRow, stock, patched, ids, expected, tokens) -> WalkRow:
+    """The identity retrofit against the stock logits and tokens, the switches against their uncached loop."""
+    with torch.no_grad():
+        difference = (patched(ids).logits - expected).abs().max().item()
+    problems = [] if difference <= 1e-5 else [f"logits differ by {difference:.2g}"]
+    if not torch.equal(patched.generate(ids, **GENERATE), tokens):
+        problems.append("greedy tokens differ")
+    for scheme in ("alibi", "none"):
+        switched = hf_posenc.retrofit(copy.deepcopy(stock), scheme)
+        uncached = switched.generate(ids, use_cache=False, **GENERATE)
+        for cache in (None, "static"):
+            if not torch.equal(switched.generate(ids, cache_implementation=cache, **GENERATE), uncached):
+                problems.append(f"{scheme} with the {cache or 'dynamic'} cache differs from its uncached loop")
+    family = patched.config.position_encoding
+    kind = family["type"] if isinstance(family, dict) else "+".join(dict.fromkeys(spec["type"] for spec in family))
+    detail = f"own {kind}, logits within {difference:.1g}"
+    return dataclasses.replace(row, outcome="fails" if problems else "kept", detail="; ".join(problems) or detail)
+
+
+KEPT = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "phi3",
+    "gemma2",
+    "cohere",
+    "glm4",
+    "granite",
+    "exaone4",
+    "apertus",
+]
+"""Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
+Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
+REFUSED = {
+    "deepseek_v3": "MLA",
+    "qwen3_next": "hybrid",
+    "xglm": "no rotary module",
+}
+"""Model types it refuses, and a word of the reason."""
+
+
+def present(model_type: str) -> str:
+    if model_type not in causal_lm_classes():
+        pytest.skip(f"{model_type} has no causal LM in Transformers {transformers.__version__}")
+    return model_type
+
+
+@pytest.mark.parametrize("model_type", KEPT)
+def test_walk_keeps_the_model(model_type):
+    row = walk(present(model_type))
+    assert row.outcome == "kept", row
+
+
+@pytest.mark.parametrize(("model_type", "reason"), REFUSED.items())
+def test_walk_refuses_the_model_by_name_before_any_change(model_type, reason):
+    row = walk(present(model_type))
+    assert row.outcome == "refused" and reason in row.detail, row
+
+
+def coverage_table(rows: list[WalkRow]) -> str:
+    """The walk as a Markdown table, with the counts."""
+    runs = [row for row in rows if row.outcome not in ("stock fails", "not tiny")]
+    kept = [row for row in runs if row.outcome == "kept"]
+    lines = [
+        f"Transformers {transformers.__version__}: {len(rows)} causal LM model types; the stock tiny model runs for "
+        f"{len(runs)}; the retrofit keeps {len(kept)} of them ({100 * len(kept) / max(len(runs), 1):.0f} %).",
+        "",
+        "| model type | class | outcome | detail |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{r.model_type}` | `{r.class_name}` | {r.outcome} | {r.detail.replace('|', '/')} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.skipif(
+    os.environ.get("HF_POSENC_FULL_WALK") != "1",
+    reason="the full walk (every causal LM model type, minutes on CPU) runs with HF_POSENC_FULL_WALK=1",
+)
+def test_full_walk_has_no_failures():
+    """Every model type is kept, refused by name, or its stock tiny model does not run; none is kept wrongly."""
+    rows = [walk(model_type) for model_type in causal_lm_classes()]
+    table = coverage_table(rows)
+    if os.environ.get("HF_POSENC_WALK_TABLE"):
+        with open(os.environ["HF_POSENC_WALK_TABLE"], "w") as file:
+            file.write(table)
+    assert not [row for row in rows if row.outcome == "fails"], table
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    selected = sys.argv[1:] or list(causal_lm_classes())
+    all_rows = []
+    for model_type in selected:
+        all_rows.append(walk(model_type))
+        print(all_rows[-1], file=sys.stderr, flush=True)
+    print(coverage_table(all_rows))
