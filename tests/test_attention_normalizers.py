@@ -768,8 +768,9 @@ def test_listing_names_every_normalizer_with_the_gate_options():
     for entry in listing.values():
         assert entry["options"]["toeplitz_max_distance"]["default"] == 128
         assert entry["options"]["output_gate"]["default"] is None
+        assert entry["options"]["output_norm"]["default"] is False
     assert make_config("gpt2", "t5", {"type": "relu2", "toeplitz_gate": True}).attention_normalizer == {
-        "type": "relu2", "output_gate": None, "toeplitz_gate": True, "toeplitz_max_distance": 128
+        "type": "relu2", "output_gate": None, "output_norm": False, "toeplitz_gate": True, "toeplitz_max_distance": 128
     }  # fmt: skip
 
 

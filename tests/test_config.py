@@ -24,7 +24,7 @@ def test_names_expand_to_full_dicts_with_defaults(config_class):
         "init": "reference",
     }
     assert config.attention_normalizer == {
-        "type": "l2", "output_gate": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
+        "type": "l2", "output_gate": None, "output_norm": False, "toeplitz_gate": False, "toeplitz_max_distance": 128
     }  # fmt: skip
 
 
@@ -33,8 +33,13 @@ def test_defaults_are_the_stock_model(config_class):
     config = config_class()
     assert config.position_encoding["type"] == "learned"
     assert config.attention_normalizer == {
-        "type": "softmax", "sink": None, "output_gate": None, "toeplitz_gate": False, "toeplitz_max_distance": 128
-    }  # fmt: skip
+        "type": "softmax",
+        "sink": None,
+        "output_gate": None,
+        "output_norm": False,
+        "toeplitz_gate": False,
+        "toeplitz_max_distance": 128,
+    }
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
