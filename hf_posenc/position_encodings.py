@@ -23,6 +23,7 @@ from .absolute_encodings import (
 )
 from .content_position_encodings import TUPE, DeBERTa, RelativeKey, Shaw, TransformerXL
 from .data_dependent_encodings import CoPE, FoX, PaTH
+from .grape_encodings import Grape
 from .input_dependent_encodings import SelectiveRoPE, Wall
 from .position_interface import AttentionDims, PositionEncoding
 from .rotary_encodings import PoPE, RoPE, XPos
@@ -34,7 +35,7 @@ POSITION_ENCODINGS: dict[str, type[PositionEncoding]] = {
     for scheme in (LearnedAbsolute, SinusoidalAbsolute, NoPosition, RoPE, T5Bias, ALiBi, KERPLE, FIRE, XPos)
     + (RecurrentAbsolute, Floater, MultiplicativeAbsolute, HierarchicalAbsolute, ComplexOrder, ConvAbsolute)
     + (Shaw, TransformerXL, DeBERTa, TUPE, CoPE, RelativeKey)
-    + (PoPE, FoX, PaTH, Wall, SelectiveRoPE)
+    + (PoPE, FoX, PaTH, Wall, SelectiveRoPE, Grape)
 }
 
 

@@ -40,7 +40,9 @@ from hf_posenc.position_interface import rank_heads
 INPUT_SIDE = {
     "learned", "sinusoidal", "recurrent", "floater", "multiplicative", "hierarchical", "complex_order", "conv"
 }  # fmt: skip
-SCORE_SIDE = {"none", "rope", "xpos", "pope", "t5", "alibi", "kerple", "fire", "fox", "path", "wall", "selective_rope"}
+SCORE_SIDE = {
+    "none", "rope", "xpos", "pope", "t5", "alibi", "kerple", "fire", "fox", "path", "wall", "selective_rope", "grape"
+}  # fmt: skip
 CONTENT_TERMS = {"shaw", "xlnet", "deberta", "tupe", "cope", "relative_key"}
 SUPPORTED = {
     "position_encoding": {
@@ -321,6 +323,10 @@ TP_CASES = {
     "gpt2-alibi-softmax": (lambda: make_model("gpt2", "alibi", "softmax"), transformers.AutoModelForCausalLM),
     "gpt2-t5-differential": (lambda: make_model("gpt2", "t5", "differential"), transformers.AutoModelForCausalLM),
     "gpt2-fox-softmax": (lambda: make_model("gpt2", "fox", "softmax"), transformers.AutoModelForCausalLM),
+    "gpt2-grape_ap_a-softmax": (  # GRAPE-AP's per-head projection and slopes, GRAPE-A's per-head rates and gates
+        lambda: make_model("gpt2", [{"type": "grape", "variant": "ap"}, {"type": "grape", "variant": "a"}]),
+        transformers.AutoModelForCausalLM,
+    ),
 }
 BATCH = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(5))
 QUERY_WEIGHTS = ("0.attention.self.query.weight", "0.self_attn.q_proj.weight", "0.attn.c_attn.weight")
