@@ -220,7 +220,10 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
         vocab_size=vocab_size,
         pad_token_id=pad_token_id,
         initializer_range=args.initializer_range,
+        canon_layers=args.canon_layers,
     )
+    if args.canon_kernel_size is not None:  # without canon layers the config refuses it, by name
+        common["canon_kernel_size"] = args.canon_kernel_size
     intermediate_size = args.intermediate_size or 4 * args.hidden_size
     positions = max(args.block_size, args.randomized_positions or 0)  # the largest position id a block can hold
     if args.task == "clm":

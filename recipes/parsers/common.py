@@ -282,6 +282,17 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
     "intermediate_size": {"type": int, "default": None, "help": "the MLP's width (when None: 4 * hidden_size)"},
     "dropout": {"type": float, "default": None, "help": "every dropout probability (when None: 0)"},
     "initializer_range": {"type": float, "default": None, "help": "std of the weights (when None: 0.02)"},
+    "canon_layers": {
+        "type": str,
+        "default": None,
+        "help": "canon layers (Allen-Zhu, arXiv 2512.17351): causal depthwise convolutions at the paper's insertion "
+        "points, a string of A (attention input), B (q, k, v), C (MLP input), D (inside the MLP), e.g. ABCD; None: off",
+    },
+    "canon_kernel_size": {
+        "type": int,
+        "default": None,
+        "help": "the canon layers' kernel size (when None: 4; needs --canon_layers)",
+    },
     "attn_implementation": {
         "choices": ["eager", "sdpa", "flex_attention"],
         "default": None,
@@ -318,7 +329,7 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
 parser."""
 
 MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "dropout")
-MODEL_FLAGS += ("initializer_range", "attn_implementation")
+MODEL_FLAGS += ("initializer_range", "canon_layers", "canon_kernel_size", "attn_implementation")
 TRAINING_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "learning_rate", "weight_decay")
 TRAINING_FLAGS += ("adam_beta1", "adam_beta2", "max_grad_norm", "lr_scheduler_type", "num_warmup_steps")
 TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed", "randomized_positions")

@@ -97,7 +97,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         help="tokens per chunk of a chunked-attention layer (Llama 4's, decoders): irope's rope layers, or, without "
         "--layout, every layer",
     )
-    add_flags(model, ("intermediate_size", "dropout", "initializer_range"))
+    add_flags(model, ("intermediate_size", "dropout", "initializer_range", "canon_layers", "canon_kernel_size"))
     add_reference_init_flags(parser, model)
     add_flags(model, ("attn_implementation",))
     train = parser.add_argument_group("training")
