@@ -14,6 +14,8 @@ Sources: the papers and reference implementations cited per class.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -98,7 +100,9 @@ class WallTerm(LayerPositionTerm):
     ``gate_init_bias`` (8: ``log sigmoid(8) = -3.4e-4``, near-plain attention at init).
 
     Per token it keeps one state with the KV cache, ``wall_state``: ``log g`` (``heads * head_dim``) and, with the
-    scalar gate, FoX's ``log f`` (``heads``), in float32."""
+    scalar gate, FoX's ``log f`` (``heads``), in float32. Its tables give every key's ``P = cumsum(log g)`` and, for
+    fla's Wall kernel (``fla_kernels.py``, which sums the gates itself), every key's ``log g`` ``(batch, kv_len,
+    heads, head_dim)`` and ``log f`` ``(batch, kv_len, heads)``."""
 
     cache_states = ("wall_state",)
     block_size: int = 64  # queries per block of wall_decay_term
@@ -126,18 +130,21 @@ class WallTerm(LayerPositionTerm):
         if self.forget_gate is not None:
             # FoX's own tables, its log f kept in the same per-token state (one store call, one cache slot)
             def store_with_wall(name: str, log_forget: torch.Tensor) -> torch.Tensor:
-                nonlocal states
+                nonlocal states, key_log_forget
                 joined = torch.cat((states, log_forget.to(compute_dtype)), dim=-1)
                 joined = joined if store is None else store("wall_state", joined)
-                states = joined[..., :width]
-                return joined[..., width:]
+                states, key_log_forget = joined[..., :width], joined[..., width:]
+                return key_log_forget
 
+            key_log_forget = None
             tables = self.forget_gate.layer_tables(hidden_states, attention_inputs, store_with_wall)
+            tables["wall_log_forget"] = key_log_forget  # every key's log f, (batch, kv_len, heads)
         elif store is not None:
             states = store("wall_state", states)
         kv_len = states.shape[1]
-        cumulative = states.reshape(batch, kv_len, -1, self.head_dim).transpose(1, 2).cumsum(-2)
-        return {**tables, "wall_cumulative": cumulative.contiguous()}
+        key_log_decay = states.reshape(batch, kv_len, -1, self.head_dim)
+        cumulative = key_log_decay.transpose(1, 2).cumsum(-2)
+        return {**tables, "wall_log_decay": key_log_decay, "wall_cumulative": cumulative.contiguous()}
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         cumulative = attention_inputs["layer"]["wall_cumulative"]
@@ -175,7 +182,10 @@ class Wall(PositionEncoding):
     keys stay in the KV cache and each token's ``log g`` is kept beside them (``wall_state``), so cache = no cache
     (the reference's decode cache keeps rescaled keys instead). Backends: eager and SDPA (the term as a per-layer float
     mask, on CPU ``attention_with_learned_bias``); FlexAttention is not offered (the term is a ``(q, k)`` tensor, which
-    a ``score_mod`` could only read back), so a flex request runs SDPA (logged); fla's fused Wall kernel is not used.
+    a ``score_mod`` could only read back), so a flex request runs SDPA (logged). With softmax on CUDA, where fla-core
+    is installed, SDPA's forwards that fla's fused Wall kernel computes run it instead (``fla_kernels.py``: each
+    token's ``log g`` and ``log f`` as its gates; no padding or cached keys, and decays within 64 tokens short of
+    its clamp).
     The reference's ``qk_norm``, ``use_output_gate`` and ``window_size`` are the config's ``use_qk_norm``, the
     normalizer's ``output_gate`` and ``layer_types`` / ``sliding_window`` here.
     """
@@ -209,6 +219,9 @@ class Wall(PositionEncoding):
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
         return WallTerm(spec, dims)
+
+
+SELECTIVE_ANGLES = ("selective", "mamba3")
 
 
 def rotary_temperature(head_dim: int, temp_theta: float, temp_max: float) -> torch.Tensor:
@@ -333,6 +346,86 @@ class SelectiveRotation(LayerPositionTerm):
         return rotated_query, rotated_key
 
 
+def rotate_pairs(states: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """The first ``2 A`` features of ``states`` ``(..., head_dim)`` turned in adjacent pairs ``(x_2m, x_2m+1) ->
+    (x_2m cos - x_2m+1 sin, x_2m sin + x_2m+1 cos)`` by ``angles`` ``(..., A)``, the rest unchanged, in ``angles``'
+    dtype (Mamba-3's ``rotate_pairwise`` layout)."""
+    width = 2 * angles.shape[-1]
+    pairs = states[..., :width].to(angles.dtype).unflatten(-1, (-1, 2))
+    first, second = pairs[..., 0], pairs[..., 1]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2)
+    return torch.cat((turned, states[..., width:].to(angles.dtype)), dim=-1)
+
+
+def mamba3_rotary_angles(head_dim: int, rope_fraction: float) -> int:
+    """How many angles Mamba-3 turns per head: ``floor(head_dim * rope_fraction)``, made even, halved (its
+    ``num_rope_angles``)."""
+    split = int(head_dim * rope_fraction)
+    return (split - split % 2) // 2
+
+
+class Mamba3Rotation(LayerPositionTerm):
+    """One layer's Mamba-3 angles (Mamba-3, Dao AI Lab and Goombalab 2026; reference ``state-spaces/mamba``
+    ``mamba_ssm/modules/mamba3.py``, ``Mamba3``, its SISO path): ``angle_proj``
+    (``nn.Linear(hidden, A)``, no bias, the in-projection's angle slice, one set for every head), ``dt_proj``
+    (``nn.Linear(hidden, heads)``, no bias, its ``dd_dt`` slice) and ``dt_bias`` (per head, ``softplus^-1`` of a step
+    drawn log-uniformly in ``[dt_min, dt_max]``, floored at ``dt_init_floor``, as the reference initialises it).
+
+    Per token it keeps one state with the KV cache, ``mamba3_angle_increments``: ``pi tanh(angle_proj x_t)
+    softplus(dt_proj x_t + dt_bias)`` per head and angle, float32, 0 on padding."""
+
+    cache_states = ("mamba3_angle_increments",)
+
+    def __init__(self, spec: dict, dims: AttentionDims):
+        super().__init__()
+        self.dims = dims
+        self.num_angles = mamba3_rotary_angles(dims.head_dim, spec["rope_fraction"])
+        if self.num_angles == 0:
+            raise ValueError(
+                f"position_encoding 'selective_rope' with angles='mamba3' turns floor(head_dim * rope_fraction / 2) "
+                f"pairs: none for head size {dims.head_dim} and rope_fraction {spec['rope_fraction']}."
+            )
+        self.dt_range = (spec["dt_min"], spec["dt_max"], spec["dt_init_floor"])
+        self.angle_proj = nn.Linear(dims.hidden_size, self.num_angles, bias=False)
+        self.dt_proj = nn.Linear(dims.hidden_size, dims.num_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads))
+
+    def init_weights(self, initializer_range: float) -> None:
+        dt_min, dt_max, dt_init_floor = self.dt_range
+        log_span = math.log(dt_max) - math.log(dt_min)
+        dt = torch.exp(torch.rand(self.dt_bias.shape) * log_span + math.log(dt_min)).clamp(min=dt_init_floor)
+        init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+    def layer_tables(self, hidden_states, attention_inputs, store):
+        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        q_len = hidden_states.shape[1]
+        visible = attention_inputs["visible"]
+        step = self.heads_read(self.dt_proj(hidden_states).to(compute_dtype), dim=-1)
+        step = F.softplus(step + self.heads_read(self.dt_bias, dim=0).to(compute_dtype))  # (batch, q_len, heads)
+        angles = math.pi * torch.tanh(self.read_by_all_heads(self.angle_proj(hidden_states).to(compute_dtype)))
+        increments = (step[..., None] * angles[:, :, None, :]).flatten(-2)  # (batch, q_len, heads * angles)
+        first_query = 0 if visible is None else first_query_index(visible)
+        if visible is not None:  # padding adds no angle
+            own = torch.arange(q_len, device=visible.device)
+            increments = increments * visible[:, 0, own, first_query + own][..., None].to(compute_dtype)
+        if store is not None:
+            increments = store("mamba3_angle_increments", increments)
+        if visible is None:
+            first_query = increments.shape[1] - q_len
+        angles = increments.unflatten(-1, (-1, self.num_angles)).cumsum(1).transpose(1, 2)  # inclusive sums
+        return {
+            "mamba3_key_angles": angles.contiguous(),
+            "mamba3_query_angles": angles[:, :, first_query : first_query + q_len].contiguous(),
+        }
+
+    def transform_query_key(self, query, key, attention_inputs: AttentionInputs):
+        tables = attention_inputs["layer"]
+        rotated_query = rotate_pairs(query, tables["mamba3_query_angles"]).to(query.dtype)
+        rotated_key = rotate_pairs(key, tables["mamba3_key_angles"]).to(key.dtype)
+        return rotated_query, rotated_key
+
+
 class SelectiveRoPE(PositionEncoding):
     """Selective RoPE (Movahedi, Carstensen, Afzal, Hutter, Orvieto, Cevher, ICLR 2026, arXiv 2511.17388; reference
     code ``timurcarstensen/selective-rope``, ``modules/rotary.py`` ``SelectiveRoPE`` as its softmax ``Attention``
@@ -357,8 +450,16 @@ class SelectiveRoPE(PositionEncoding):
     are rotated before the kernel, nothing is added to the scores: SDPA's causal kernel, no float mask); FlexAttention
     would run the same rotated q and k, but is not offered (not checked on CUDA here), so a flex request runs SDPA.
     Not built: the reference's ``temp_type="rfa"``, ``phi_parametrization="full-rank"``, ``conv_act``,
-    the low-rank and GLA phase gates, its Triton kernels, and Mamba-3's angles (``dt``-scaled, inside its state-space
-    layer)."""
+    the low-rank and GLA phase gates, its Triton kernels.
+
+    ``angles="mamba3"``: Mamba-3's data-dependent rotary angles (reference ``state-spaces/mamba``
+    ``mamba_ssm/modules/mamba3.py`` and ``ops/triton/mamba3/angle_dt.py``, the SISO layout) on q and k: ``theta_thm =
+    pi sum_(s<=t) softplus(W_dt x_s + b_dt)_h tanh(W_theta x_s)_m`` (inclusive sums; the kernel's ``mod 2 pi`` only
+    bounds the float), ``W_theta`` shared by the heads, the step ``softplus(.)`` per head (its ``b_dt`` drawn as the
+    reference draws ``dt_bias``), turning adjacent pairs ``(x_2m, x_2m+1)`` of the first ``2 floor(head_dim
+    rope_fraction / 2)`` features (:class:`Mamba3Rotation`); there the rotation turns Mamba's B and C, here k and q,
+    and the step also sets Mamba's decay, which attention has no place for. Its options ``rope_fraction``, ``dt_min``,
+    ``dt_max``, ``dt_init_floor``; the other variant's options are refused with a value other than their default."""
 
     name = "selective_rope"
     parallel_refusals = {
@@ -366,13 +467,19 @@ class SelectiveRoPE(PositionEncoding):
         "sequence": f"its angles: {ALONG_THE_SEQUENCE}",
     }
     description = (
-        "Selective RoPE (decoder): q, k rotated by temp_m * cumsum(conv(W l2norm(x))), angles summed from the input"
+        "Selective RoPE (decoder): q, k rotated by temp_m * cumsum(conv(W l2norm(x))), angles summed from the input; "
+        "angles='mamba3': by pi * cumsum(softplus(W_dt x + b) * tanh(W x)), Mamba-3's"
     )
     relative = True
     families = ("decoder",)
     has_layer_term = True
     backends = ("eager", "sdpa")
     options = {
+        "angles": Option.one_of(
+            "selective",
+            "selective: Selective RoPE's (conv, temperature); mamba3: Mamba-3's (step times pi tanh)",
+            SELECTIVE_ANGLES,
+        ),
         "phi_proj_rank": Option.int_at_least(16, "rank of the angle projection hidden -> rank -> heads*head_dim/2", 1),
         "skip_conv": Option(False, (bool,), "no causal convolution of the projected angles (phi~_t = phi_t)"),
         "d_conv": Option.int_at_least(4, "width of the causal depthwise convolution of the projected angles", 1),
@@ -389,7 +496,33 @@ class SelectiveRoPE(PositionEncoding):
             False, (bool,), "add exp(b) to every token's angles (b learned per head and frequency, 0 at init)"
         ),
         "use_gate": Option(False, (bool,), "scale every token's angles by a per-head sigmoid phase gate of the input"),
+        "rope_fraction": Option(
+            0.5,
+            (int, float),
+            "mamba3: the fraction of each head's features turned (the reference's kernels take 0.5 or 1)",
+            lambda v: 0 < v <= 1,
+            "0 < x <= 1",
+        ),
+        "dt_min": Option(1e-3, (int, float), "mamba3: the smallest initial step", lambda v: v > 0, "> 0"),
+        "dt_max": Option(0.1, (int, float), "mamba3: the largest initial step", lambda v: v > 0, "> 0"),
+        "dt_init_floor": Option(1e-4, (int, float), "mamba3: the initial steps' floor", lambda v: v > 0, "> 0"),
     }
+    mamba3_options = ("rope_fraction", "dt_min", "dt_max", "dt_init_floor")
+
+    @classmethod
+    def check_spec(cls, spec):
+        mamba3 = spec["angles"] == "mamba3"
+        for key, option in cls.options.items():
+            if key != "angles" and (key in cls.mamba3_options) != mamba3 and spec[key] != option.default:
+                raise ValueError(
+                    f"position_encoding 'selective_rope': option {key!r}={spec[key]!r} has no effect with "
+                    f"angles={spec['angles']!r} (it is an option of angles="
+                    f"{'selective' if mamba3 else 'mamba3'!r})."
+                )
+        if spec["dt_min"] > spec["dt_max"]:
+            raise ValueError(
+                f"position_encoding 'selective_rope': dt_min {spec['dt_min']} must be at most dt_max {spec['dt_max']}."
+            )
 
     @classmethod
     def check_family(cls, spec, causal):
@@ -402,8 +535,10 @@ class SelectiveRoPE(PositionEncoding):
 
     @classmethod
     def past_tokens_read(cls, spec):
+        if spec["angles"] == "mamba3":
+            return 0
         return 1 if spec["skip_conv"] else spec["d_conv"] - 1
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
-        return SelectiveRotation(spec, dims)
+        return Mamba3Rotation(spec, dims) if spec["angles"] == "mamba3" else SelectiveRotation(spec, dims)

@@ -7,6 +7,7 @@ rotation; the shared properties (padding, caches, backends, save/load, checkpoin
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -273,3 +274,76 @@ def test_the_wall_term_runs_in_float32_under_bf16_autocast():
     torch.testing.assert_close(
         got, wall_decay_term(query.float(), key.float(), cumulative, 0, 64), atol=1e-6, rtol=1e-6
     )
+
+
+MAMBA3 = {"type": "selective_rope", "angles": "mamba3"}
+
+
+@pytest.mark.parametrize("rope_fraction", [0.5, 1.0])
+def test_mamba3_angles_equal_the_reference_rotation_loop(rope_fraction):
+    """Mamba-3's SISO rotation (``apply_rotary_qk_inference_reference`` with ``rotate_pairwise``, the angles as
+    ``angle_dt``): ``theta_thm = pi sum_(s<=t) softplus(W_dt x_s + b_h) tanh(W_theta x_s)_m``, adjacent pairs of the
+    first ``2 floor(8 rope_fraction / 2)`` features turned by ``[[cos, -sin], [sin, cos]]``; float64 loops."""
+    model = make_model("gpt2", {**MAMBA3, "rope_fraction": rope_fraction}, n_layer=1, attn="eager").double()
+    n, pairs = 7, int(8 * rope_fraction) // 2
+    ids = random_ids(1, n, seed=2)
+    captured = {}
+    model.transformer.h[0].attn.register_forward_hook(lambda module, args, output: captured.update(out=output[0]))
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions[0][0]
+        block, x, query, key, value = layer_input(model, ids)
+        term = block.attn.position_term
+        angle_logits, step_logits = term.angle_proj(x), term.dt_proj(x)  # (n, pairs), (n, heads)
+        scores = torch.zeros(4, n, n, dtype=torch.float64)
+        for h in range(4):
+            turned = {"q": query[h].clone(), "k": key[h].clone()}
+            for m in range(pairs):
+                angle = 0.0
+                for t in range(n):
+                    step = F.softplus(step_logits[t, h] + term.dt_bias[h]).item()
+                    angle += math.pi * math.tanh(angle_logits[t, m].item()) * step
+                    c, s = math.cos(angle), math.sin(angle)
+                    for name, states in (("q", query[h]), ("k", key[h])):
+                        x0, x1 = states[t, 2 * m].item(), states[t, 2 * m + 1].item()
+                        turned[name][t, 2 * m], turned[name][t, 2 * m + 1] = x0 * c - x1 * s, x0 * s + x1 * c
+            scores[h] = turned["q"] @ turned["k"].T / math.sqrt(8)
+        expected, output = softmax_output(block, scores, value)
+    torch.testing.assert_close(weights, expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(captured["out"][0], output, atol=1e-10, rtol=0)
+
+
+def test_mamba3_angles_start_as_the_reference_initialises_them():
+    """``dt_bias = dt + log(-expm1(-dt))`` (``softplus^-1(dt)``) with ``dt`` log-uniform in ``[dt_min, dt_max]``,
+    floored at ``dt_init_floor``: every initial step ``softplus(dt_bias)`` lies in the range."""
+    config = make_config("gpt2", {**MAMBA3, "dt_min": 0.01, "dt_max": 0.02}, n_embd=256, n_head=64)
+    term = transformers.AutoModelForCausalLM.from_config(config).transformer.h[0].attn.position_term
+    steps = F.softplus(term.dt_bias.detach())
+    assert steps.shape == (64,) and bool(((steps >= 0.01 - 1e-7) & (steps <= 0.02 + 1e-7)).all())
+    assert steps.std() > 0  # drawn, not constant
+    floored = make_config("gpt2", {**MAMBA3, "dt_min": 1e-6, "dt_max": 2e-6, "dt_init_floor": 1e-3})
+    term = transformers.AutoModelForCausalLM.from_config(floored).transformer.h[0].attn.position_term
+    torch.testing.assert_close(F.softplus(term.dt_bias.detach()), torch.full((4,), 1e-3))
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({**MAMBA3, "d_conv": 3}, "option 'd_conv'=3 has no effect with angles='mamba3'"),
+        ({"type": "selective_rope", "rope_fraction": 1.0}, "option 'rope_fraction'=1.0 has no effect with angles="),
+        ({**MAMBA3, "rope_fraction": 1.5}, "0 < x <= 1"),
+        ({**MAMBA3, "dt_min": 0.5}, "dt_min 0.5 must be at most dt_max 0.1"),
+    ],
+)
+def test_mamba3_options_are_checked_by_name(spec, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        make_config("gpt2", spec)
+
+
+def test_a_rope_fraction_that_turns_no_pair_is_refused_when_the_model_is_built():
+    with pytest.raises(ValueError, match=re.escape("none for head size 8 and rope_fraction 0.1")):
+        make_model("gpt2", {**MAMBA3, "rope_fraction": 0.1})
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_mamba3_angles_through_a_cache_equal_one_forward(cache):
+    test_chunked_forwards_with_a_cache_equal_one_forward(MAMBA3, cache)
