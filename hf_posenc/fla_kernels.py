@@ -1,25 +1,29 @@
 """Fused Triton kernels from flash-linear-attention (the optional ``fla-core`` package, ``pip install
 'hf_posenc[fla]'``) for the combinations that have one: ``stick_breaking`` (``fla.ops.stickbreaking_attn``,
-Tan et al.'s kernel) and ``path`` with softmax, with or without its forget gate (``fla.ops.path_attn``, the PaTH
-authors' kernel). Each keeps O(n) memory and computes the weights tile by tile, where the library's own path builds
+Tan et al.'s kernel), ``path`` with softmax, with or without its forget gate (``fla.ops.path_attn``, the PaTH
+authors' kernel), and ``wall`` with softmax, with or without its scalar gate (``fla.ops.wall_attn``, Tilde
+Research's kernel). Each keeps O(n) memory and computes the weights tile by tile, where the library's own path builds
 ``(batch, heads, q, k)`` tensors in query chunks.
 
 Used on CUDA, when ``fla`` and ``triton`` import, for the forwards whose semantics the kernel has: every query sees
 exactly the keys at and before it in index order (no padding, no cached keys, positions increasing along the
-sequence), no position bias other than the scheme's own, no attention dropout and no logit soft-cap. Any other
-forward (and every forward on another device, traced, or of fake tensors) runs the library's path, which stays
-the reference; on CUDA a warning says once per reason why. Checking the mask and the positions reads one boolean
-from the device per layer.
+sequence), no position bias other than the scheme's own, no attention dropout and no logit soft-cap; Wall's kernel
+also only where its decays stay within what it represents (:func:`wall_refusal`). Any other forward (and every
+forward on another device, traced, or of fake tensors) runs the library's path, which stays the reference; on CUDA
+a warning says once per reason why. Checking the mask and the positions reads one boolean from the device per layer
+(Wall: one more for its decays, two with gradients at a length not a multiple of 64).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from functools import cache
 from types import ModuleType
 
 import torch
 from torch._subclasses import FakeTensor
+from torch.nn import functional as F
 from transformers.utils import logging
 
 
@@ -28,6 +32,17 @@ logger = logging.get_logger(__name__)
 FLA_REQUIREMENT = "fla-core==0.6.0"
 FLA_HEAD_DIMS = (16, 32, 64, 128)
 """The head sizes ``fla.ops.path_attn.parallel_path_attn`` takes."""
+FLA_WALL_MAX_HEAD_DIM = 256
+"""``fla.ops.wall_attn.parallel_wall_attn`` takes any head size up to one tile of 256 (masked to the head)."""
+WALL_BLOCK = 64
+"""The largest key sub-block of fla's Wall kernel (``BS``, autotuned to 32 or 64; a sub-block starts at a multiple of
+its size, so each lies in one block of 64)."""
+WALL_CLAMP_NATS = 110 * math.log(2)
+"""fla's Wall kernel clamps an in-block key factor ``exp2(R - P_k)`` at ``2^110`` (``R`` the sub-block's first token;
+``fla/ops/wall_attn/parallel.py``): a decay of ``110 ln 2`` nats."""
+WALL_OVERFLOW_NATS = 127 * math.log(2)
+"""The kernel's backward scales the rows past the end of a last, partial sub-block (``P = 0`` there) by
+``exp2(0 - R)``: float32 overflows at ``2^128`` and ``0 * inf`` makes every key gradient of the block NaN."""
 
 
 @cache
@@ -52,7 +67,7 @@ def warn_fla_fallback(combination: str, reason: str) -> None:
 def _index_order_refusal(attention_inputs, q_len: int, kv_len: int, own_key: bool, by_position: bool) -> str | None:
     """Why the keys the library gives each query differ from the kernel's (the keys before it in index order, and
     itself with ``own_key``), or None. ``by_position``: the library's keys are also those at an earlier position
-    (stick-breaking; PaTH's factors follow the tokens, not the positions)."""
+    (stick-breaking; PaTH's factors and Wall's decays follow the tokens, not the positions)."""
     if kv_len != q_len:
         return "cached keys (decoding keeps the library's path)"
     mask = attention_inputs["mask"]
@@ -70,6 +85,36 @@ def _index_order_refusal(attention_inputs, q_len: int, kv_len: int, own_key: boo
     expected = index[None, :] <= index[:, None] if own_key else index[None, :] < index[:, None]
     if not bool((keys == expected).all()):
         return "padding, a custom mask or positions that do not increase along the sequence"
+    return None
+
+
+def wall_block_decays(log_decay: torch.Tensor) -> torch.Tensor:
+    """``-sum_(t=s+1..s+63) log g_t`` for each block of :data:`WALL_BLOCK` tokens starting at ``s``: the largest decay
+    from a block's first token to a later one in it (``log g <= 0``), ``(batch, blocks, heads, head_dim)``, of every
+    token's ``log g`` ``(batch, length, heads, head_dim)``."""
+    padded = F.pad(log_decay, (0, 0, 0, 0, 0, -log_decay.shape[1] % WALL_BLOCK))
+    return -padded.unflatten(1, (-1, WALL_BLOCK))[:, :, 1:].sum(2)
+
+
+def wall_refusal(query: torch.Tensor, log_decay: torch.Tensor) -> str | None:
+    """Why fla's Wall kernel would give other numbers than the library's path, or None: a key factor past its clamp
+    (decays from a sub-block's first token beyond :data:`WALL_CLAMP_NATS`: the pairs in the block lose
+    ``exp(decay - 110 ln 2)``); with gradients, float16 (its backward rounds the in-block key factors, up to
+    ``2^110``, to the inputs' dtype: float16 overflows past ``2^16``), or a length not a multiple of 64 whose last
+    partial sub-block (of 32 or 64) starts after a decay ``-P`` past :data:`WALL_OVERFLOW_NATS` from the first token
+    (NaN key gradients)."""
+    backward = torch.is_grad_enabled()
+    if query.dtype == torch.float16 and backward:
+        return "float16 with gradients (the kernel's backward rounds key factors up to 2^110 to float16)"
+    if bool((wall_block_decays(log_decay) > WALL_CLAMP_NATS).any()):
+        return "decays within 64 tokens past the kernel's clamp of its in-block key factors (2^110)"
+    length = log_decay.shape[1]
+    if backward and length % WALL_BLOCK:
+        last_start = (length - 1) // 32 * 32  # BS = 32's last sub-block, or 64's at a length of 64 n + 32
+        if bool((-log_decay[:, : last_start + 1].sum(1) > WALL_OVERFLOW_NATS).any()):
+            return (
+                "a length not a multiple of 64 after decays past 2^127 (the kernel's backward gives NaN key gradients)"
+            )
     return None
 
 
@@ -94,12 +139,16 @@ def fla_attention(
         return None  # a fake tensor (a traced or fake-CUDA forward) has no data for a Triton launch
     if normalizer.name == "stick_breaking" and position_term is None:
         kernel, module_name = "stick_breaking", "stickbreaking_attn"
-    elif encoding.name == "path" and normalizer.name == "softmax" and normalizer.weights_are_softmax(normalizer.spec):
-        kernel, module_name = "path", "path_attn"
+    elif (
+        encoding.name in ("path", "wall")
+        and normalizer.name == "softmax"
+        and normalizer.weights_are_softmax(normalizer.spec)
+    ):
+        kernel, module_name = encoding.name, f"{encoding.name}_attn"
     else:
         return None
     module = fla_module(module_name)
-    own_key = kernel == "path" or normalizer.spec["attend_current"]
+    own_key = kernel != "stick_breaking" or normalizer.spec["attend_current"]
     if module is None:
         reason = f"fla-core is not installed (pip install {FLA_REQUIREMENT}, or 'hf_posenc[fla]')"
     elif query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -110,9 +159,14 @@ def fla_attention(
         reason = "a logit soft-cap"
     elif kernel == "path" and query.shape[-1] not in FLA_HEAD_DIMS:
         reason = f"head_dim {query.shape[-1]} (the kernel takes {', '.join(map(str, FLA_HEAD_DIMS))})"
+    elif kernel == "wall" and query.shape[-1] > FLA_WALL_MAX_HEAD_DIM:
+        reason = f"head_dim {query.shape[-1]} (the kernel takes at most {FLA_WALL_MAX_HEAD_DIM})"
     else:
         q_len, kv_len = query.shape[-2], key.shape[-2]
-        reason = _index_order_refusal(attention_inputs, q_len, kv_len, own_key, by_position=kernel != "path")
+        by_position = kernel == "stick_breaking"
+        reason = _index_order_refusal(attention_inputs, q_len, kv_len, own_key, by_position=by_position)
+        if reason is None and kernel == "wall":
+            reason = wall_refusal(query, attention_inputs["layer"]["wall_log_decay"])
     if reason is not None:
         warn_fla_fallback(f"{encoding.name} + {normalizer.name}", reason)
         return None
@@ -122,6 +176,15 @@ def fla_attention(
             module.parallel_stickbreaking_attn(
                 query, key, value.transpose(1, 2), scale=scaling, attend_current=own_key
             )[0]
+            for value in values
+        ]
+    elif kernel == "wall":
+        # s_ij = scale sum_n q_in k_jn exp(P_in - P_jn) + c_i - c_j: fla sums log g and log f itself, and adds the
+        # scalar gate's bias unscaled (fla/ops/wall_attn/naive.py)
+        tables = attention_inputs["layer"]
+        log_decay, log_forget = tables["wall_log_decay"], tables.get("wall_log_forget")
+        outputs = [
+            module.parallel_wall_attn(query, key, value.transpose(1, 2), log_decay, g_scalar=log_forget, scale=scaling)
             for value in values
         ]
     else:
