@@ -741,7 +741,7 @@ class InterfaceFamily(LlamaFamily):
 
     def refusal(self, model: PreTrainedModel) -> str | None:
         """Why ``model`` does not fit the seams, or None: the reason names what the library cannot reproduce."""
-        config, base = model.config, model.base_model
+        config, base = model.config, decoder_base(model)
         if getattr(config, "is_encoder_decoder", False) or not isinstance(
             getattr(base, "layers", None), nn.ModuleList
         ):
@@ -803,7 +803,7 @@ class InterfaceFamily(LlamaFamily):
         the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
         rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
         they were."""
-        config, base = model.config, model.base_model
+        config, base = model.config, decoder_base(model)
         parameters = list(base.parameters())
         if parameters[0].is_meta:
             return None, []
@@ -820,7 +820,15 @@ class InterfaceFamily(LlamaFamily):
                 nope_layers.append(idx)
                 continue
             with torch.no_grad():
-                cos, sin = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
+                embeddings = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
+            if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
+                raise ValueError(
+                    f"retrofit(): {type(model).__name__} ({config.model_type}): its rotary module "
+                    f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair "
+                    "the retrofit reads (Llama 4 hands its attention complex frequencies)"
+                )
+            cos, sin = embeddings
+            with torch.no_grad():
                 rotated = captured_query_key(attention, hidden.to(parameters[0].dtype), (cos, sin), positions)
                 plain = captured_query_key(
                     attention, hidden.to(parameters[0].dtype), (torch.ones_like(cos), torch.zeros_like(sin)), positions
@@ -896,7 +904,7 @@ class InterfaceFamily(LlamaFamily):
 
     def applies_softcapping(self, model):
         """Gemma 2's attention passes ``softcap=config.attn_logit_softcapping`` to the attention function."""
-        attention = self.attention(model.base_model.layers[0])
+        attention = self.attention(decoder_base(model).layers[0])
         return "softcap" in inspect.getsource(type(attention).forward)
 
     def patch_rotary(self, base):
@@ -964,12 +972,23 @@ FAMILIES = (
 )
 
 
+def decoder_base(model: PreTrainedModel) -> nn.Module:
+    """The module that holds a model's layers: ``model.base_model``, or, where the class's ``base_model_prefix``
+    names none of its children (Llama 4's text LM: prefix ``language_model``, its decoder at ``model``), that child
+    ``model`` when it holds ``layers``."""
+    base = model.base_model
+    inner = getattr(model, "model", None)
+    if base is model and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return inner
+    return base
+
+
 def stock_family(model: nn.Module) -> StockFamily:
     """The family of a stock model, found from its attention modules; a clear error for any other model."""
     supported = "; ".join(family.name for family in FAMILIES)
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"retrofit() takes a Transformers model of: {supported}; got {type(model).__name__}.")
-    base = model.base_model
+    base = decoder_base(model)
     if hasattr(base, "position_encoding"):
         raise ValueError(
             f"{type(model).__name__} already has a switchable position encoding ({base.position_encoding.spec}); "
@@ -1123,7 +1142,7 @@ def plan_retrofit(
     family = stock_family(model)
     config = model.config
     family.check(config)
-    base = model.base_model
+    base = decoder_base(model)
     family.layers(base)  # a decoder held inside another model (Gemma 3's multimodal one) is refused here
     offset = family.position_offset(base)
     table = family.stock_table(base)
@@ -1249,7 +1268,7 @@ def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[Attentio
 def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
     """Write ``plan`` into the config, patch the model and initialise the new modules (the stock position table
     becomes the ``learned`` table, gpt-oss's sinks the learned sink)."""
-    family, config, base = plan.family, model.config, model.base_model
+    family, config, base = plan.family, model.config, decoder_base(model)
     if plan.drops_softcapping:
         logger.warning(
             f"retrofit(): this {config.model_type} model's attention does not apply its config's "
@@ -1328,7 +1347,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     """Patch ``model`` per ``config.position_encoding``, ``config.attention_normalizer`` (full specs) and
     ``config.use_qk_norm``; return the modules it added. Also what the saved ``modeling_retrofit.py`` calls after
     building the stock model."""
-    config, base = model.config, model.base_model
+    config, base = model.config, decoder_base(model)
     if (getattr(model, "_tp_size", None) or 1) > 1:  # loaded tensor-parallel: refused before any module changes
         check_retrofit_parallelism(model, "tensor")
     causal = family.causal(config)
@@ -1502,7 +1521,7 @@ def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) ->
         return
     folder = Path(save_directory)
     stock_class = stock_class_of(type(model))
-    base_class = stock_class_of(type(model.base_model))
+    base_class = stock_class_of(type(decoder_base(model)))
     config_class = stock_class_of(type(model.config))
     stock_type = config_class.model_type
     model_classes = [base_class] + ([stock_class] if stock_class is not base_class else [])
