@@ -285,8 +285,9 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
     "canon_layers": {
         "type": str,
         "default": None,
-        "help": "canon layers (Allen-Zhu, arXiv 2512.17351): causal depthwise convolutions at the paper's insertion "
-        "points, a string of A (attention input), B (q, k, v), C (MLP input), D (inside the MLP), e.g. ABCD; None: off",
+        "help": "canon layers (Allen-Zhu, arXiv 2512.17351): causal depthwise convolutions at the paper's "
+        "insertion points, a string of A (attention input), B (q, k, v), C (MLP input), D (inside the MLP), e.g. "
+        "ABCD; None: off",
     },
     "canon_kernel_size": {
         "type": int,
