@@ -261,6 +261,12 @@ def resolve_linear_attention(
             "layer_types has 'linear_attention' layers, which are causal (the delta rule's state reads the tokens "
             "before each token only, left to right); an encoder has none. Use attention layers in an encoder."
         )
+    if all(layer_type == LINEAR_ATTENTION for layer_type in layer_types):
+        raise ValueError(
+            "layer_types has only 'linear_attention' layers; a hybrid needs at least one attention layer "
+            "(Transformers' caches count the cached tokens, which generation and the position encoding read, on "
+            "attention layers)."
+        )
     spec = resolve_spec("linear_attention", "gated_deltanet" if value is None else value, LINEAR_ATTENTIONS)
     kind = LINEAR_ATTENTIONS[spec["type"]]
     spec = kind.fill_defaults(spec, hidden_size, num_heads)
