@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from transformers import initialization as init
 
 from .absolute_encodings import padding_keep
-from .options import CatalogueEntry, Option, resolve_spec
+from .options import ALONG_THE_SEQUENCE, CatalogueEntry, Option, resolve_spec
 
 
 LINEAR_ATTENTION = "linear_attention"
@@ -191,6 +191,11 @@ class LinearAttentionKind(CatalogueEntry):
 
 class GatedDeltaNetKind(LinearAttentionKind):
     name = "gated_deltanet"
+    parallel_refusals = {
+        "tensor": "no tensor-parallel plan shards its heads (in_proj_qkvz, in_proj_ba, conv1d, out_proj)",
+        "context": f"the delta rule's state: {ALONG_THE_SEQUENCE}",
+        "sequence": f"the delta rule's state and its convolution: {ALONG_THE_SEQUENCE}",
+    }
     description = (
         "Gated DeltaNet as Qwen3-Next defines it (Qwen3NextGatedDeltaNet): short causal convolution with SiLU, "
         "l2-normalised q and k, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule, "

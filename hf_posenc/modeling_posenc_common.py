@@ -25,7 +25,7 @@ from .configuration_posenc import (
     resolve_position_layout,
     training_length,
 )
-from .linear_attention import LINEAR_ATTENTION, GatedDeltaNet, linear_keep
+from .linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTIONS, GatedDeltaNet, linear_keep
 from .normalizer_interface import AttentionNormalizer
 from .options import ALONG_THE_SEQUENCE, PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
@@ -363,10 +363,10 @@ CANON_PARALLEL_REFUSALS = {
 
 def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, str]) -> list[str]:
     """Every reason a model with this config cannot train under ``parallelism`` (a key of ``options.PARALLELISMS``),
-    each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding
-    and normalizer (:meth:`CatalogueEntry.parallelism_refusal`), canon layers (:data:`CANON_PARALLEL_REFUSALS`),
-    and for context parallelism any layer whose mask is
-    not full or causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
+    each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding,
+    the normalizer and the linear-attention kind (:meth:`CatalogueEntry.parallelism_refusal`), canon layers
+    (:data:`CANON_PARALLEL_REFUSALS`), and for context parallelism any attention layer whose mask is not full or
+    causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
     if parallelism not in PARALLELISMS:
         raise ValueError(f"Unknown parallelism {parallelism!r}; valid choices: {list(PARALLELISMS)}.")
     described = PARALLELISMS[parallelism]
@@ -375,6 +375,8 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     )
     specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
     entries = [(POSITION_ENCODINGS, spec) for spec in specs] + [(ATTENTION_NORMALIZERS, config.attention_normalizer)]
+    if getattr(config, "linear_attention", None) is not None:
+        entries.append((LINEAR_ATTENTIONS, config.linear_attention))
     seen = []
     for registry, spec in entries:
         if spec in seen:
@@ -387,7 +389,9 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     if getattr(config, "canon_layers", None) and parallelism in CANON_PARALLEL_REFUSALS:
         refusal = CANON_PARALLEL_REFUSALS[parallelism]
         reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {refusal}")
-    windowed = sorted({kind for kind in config_layer_types(config) if kind != "full_attention"})
+    windowed = sorted(
+        {kind for kind in config_layer_types(config) if kind not in ("full_attention", LINEAR_ATTENTION)}
+    )
     if parallelism == "context" and windowed:
         reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")
     return reasons

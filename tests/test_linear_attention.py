@@ -361,3 +361,12 @@ def test_cache_keeps_the_states_per_linear_layer():
         assert layer.conv_states[0].shape == (2, 3 * 32, 4)
         assert layer.recurrent_states[0].shape == (2, 4, 8, 8)
     assert cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("parallelism", ["tensor", "context", "sequence"])
+def test_hybrid_refuses_parallelisms_by_name(parallelism):
+    """No plan shards the mixer's heads, and its state runs along the whole sequence: each parallelism refused."""
+    model = hybrid()
+    with pytest.raises(ValueError, match=f"linear_attention 'gated_deltanet' refuses {parallelism}"):
+        model.check_parallelism(parallelism)
+    assert not model.supports_context_parallel
