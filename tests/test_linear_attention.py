@@ -424,3 +424,27 @@ def test_hybrid_bfloat16_matches_float32():
     # three of them in these tiny models with large weights (initializer_range 0.2) it reached 0.31 on 0.5% of the
     # logits, so the bound here is wider than the attention models' 0.2
     torch.testing.assert_close(low.float(), reference, atol=0.5, rtol=0.1)
+
+
+def test_hybrid_compiles_as_one_graph():
+    """``torch.compile(fullgraph=True)`` traces the mixers with the attention (no graph break; aot_eager, so the
+    test compiles no kernel) and gives the eager numbers on a padded batch."""
+    model = hybrid(attn="sdpa")
+    ids = random_ids(2, 9)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :3] = 0
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(compiled(ids, attention_mask=attention_mask).logits, expected)
+
+
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
+def test_hybrid_with_a_sliding_attention_layer_generates_with_the_cache_as_without(cache):
+    """Linear layers beside a sliding-window layer (window 3, generation runs past it): the cache keeps the window's
+    keys and the linear layers' states apart."""
+    model = make_model(
+        "gpt2", "rope", n_layer=4, layer_types=["linear_attention"] * 3 + ["sliding_attention"], sliding_window=3
+    )
+    prompt, attention_mask = left_padded_prompt()
+    assert_generates_with_cache_as_without(model, prompt, attention_mask, **cache)
