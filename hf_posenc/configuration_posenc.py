@@ -17,6 +17,7 @@ from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES
 
 from .attention_normalizers import ATTENTION_NORMALIZERS
 from .canon_layers import DEFAULT_CANON_KERNEL_SIZE, resolve_canon_options
+from .linear_attention import LINEAR_ATTENTION, resolve_linear_attention
 from .options import resolve_spec
 from .position_encodings import POSITION_ENCODINGS
 
@@ -238,9 +239,9 @@ def layout_preset(
     return values
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-"""Attention layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV
-caches)."""
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", LINEAR_ATTENTION)
+"""Layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV caches): the
+attention layers' and ``"linear_attention"`` (a recurrent mixer in place of attention, ``linear_attention.py``)."""
 
 
 def _check_size(name: str, value: Any, meaning: str) -> None:
@@ -280,6 +281,8 @@ def resolve_layer_types(
     unknown = sorted({str(kind) for kind in layer_types} - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"Unknown layer_types {unknown}; valid choices: {list(LAYER_TYPES)}.")
+    if LINEAR_ATTENTION in layer_types:
+        check_linear_attention_support()
     if "sliding_attention" in layer_types and sliding_window is None:
         raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window.")
     if "chunked_attention" in layer_types:
@@ -305,6 +308,40 @@ def resolve_layer_types(
             "upgrade Transformers."
         )
     return list(layer_types)
+
+
+def check_linear_attention_support() -> None:
+    """``ValueError`` where the installed Transformers' caches have no linear-attention layer (``cache_utils``'s
+    ``LinearAttentionLayer`` for the ``"linear_attention"`` layer type, which keeps a layer's convolution and recurrent
+    states): the layers keep their states there."""
+    from transformers import cache_utils
+
+    mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {})
+    if LINEAR_ATTENTION not in mapping or not hasattr(cache_utils.Cache, "update_recurrent_state"):
+        raise ValueError(
+            f"layer_types 'linear_attention' keep their convolution and recurrent states in Transformers' "
+            f"LinearAttentionLayer cache layers, which Transformers {transformers.__version__} does not have; "
+            "upgrade Transformers (5.24 has them)."
+        )
+
+
+def check_linear_layer_positions(
+    position_encoding: dict[str, Any] | list[dict[str, Any]], layer_types: list[str] | None
+) -> None:
+    """A ``"linear_attention"`` layer has no position encoding. A single spec acts on the attention layers only; in a
+    per-layer list a linear layer's entry must be ``"none"`` or the spec that every attention layer carries (a single
+    spec written out per layer), else ``ValueError``: a scheme written on a layer that cannot run it."""
+    if not isinstance(position_encoding, list) or layer_types is None or LINEAR_ATTENTION not in layer_types:
+        return
+    attention = [spec for spec, kind in zip(position_encoding, layer_types, strict=True) if kind != LINEAR_ATTENTION]
+    shared = attention[0] if attention and all(spec == attention[0] for spec in attention) else None
+    for layer_idx, (spec, kind) in enumerate(zip(position_encoding, layer_types, strict=True)):
+        if kind == LINEAR_ATTENTION and spec["type"] != "none" and spec != shared:
+            raise ValueError(
+                f"position_encoding[{layer_idx}] is {spec['type']!r}, but layer {layer_idx} is a 'linear_attention' "
+                "layer, which has no position encoding: give it 'none', or the spec every attention layer carries "
+                f"(here {'none shared' if shared is None else repr(shared['type'])})."
+            )
 
 
 PER_LAYER_CACHE_WINDOWS = version.parse("5.19.0")
@@ -347,6 +384,7 @@ def resolve_config_layout(config, kwargs: dict[str, Any], max_position_embedding
     check_layer_windows(
         config.position_encoding, config.layer_types, config.sliding_window, config.attention_chunk_size
     )
+    check_linear_layer_positions(config.position_encoding, config.layer_types)
 
 
 def check_layer_windows(
@@ -361,7 +399,9 @@ def check_layer_windows(
     if layer_types is None or "full_attention" in layer_types:
         return
     windows = {"sliding_attention": sliding_window, "chunked_attention": attention_chunk_size}
-    widest = max(windows[layer_type] for layer_type in layer_types)
+    widest = max((windows[layer_type] for layer_type in layer_types if layer_type in windows), default=None)
+    if widest is None:  # no attention layer: every layer is linear attention
+        return
     for spec in layer_position_specs(position_encoding, len(layer_types)):
         reach = POSITION_ENCODINGS[spec["type"]].past_tokens_read(spec)
         if reach > widest - 1:
@@ -413,12 +453,14 @@ class PosEncBertConfig(BertConfig):
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
     layer_types (`list[str]`, *optional*):
-        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer, as Transformers
-        spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the query, an
-        encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's; decoders only)
-        sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted from the first
-        real token (Transformers' masks). None: inferred as Transformers' caches do: every layer sliding when
-        `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every layer full.
+        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer (in PosEnc GPT-2 also
+        `"linear_attention"`: a gated-DeltaNet mixer in place of the layer's attention, see `linear_attention`), as
+        Transformers spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the
+        query, an encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's;
+        decoders only) sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted
+        from the first real token (Transformers' masks). None: inferred as Transformers' caches do: every layer
+        sliding when `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every
+        layer full.
     sliding_window (`int`, *optional*):
         The window of the sliding layers, in tokens (the query's own included).
     attention_chunk_size (`int`, *optional*):
@@ -439,6 +481,9 @@ class PosEncBertConfig(BertConfig):
         Stored as `"ABCD"`-ordered upper case. None or `""`: off.
     canon_kernel_size (`int`, *optional*, defaults to 4):
         The convolution's width K (the paper's 4): each token mixes in the K - 1 before it.
+    linear_attention (`str` or `dict`, *optional*):
+        Refused here (None only): a `"linear_attention"` layer is causal and PosEnc BERT has none (see
+        `PosEncGPT2Config`).
 
     ```python
     >>> import hf_posenc, transformers
@@ -468,9 +513,19 @@ class PosEncBertConfig(BertConfig):
     attn_logit_softcapping: float | int | None = None
     canon_layers: str | None = None
     canon_kernel_size: int = DEFAULT_CANON_KERNEL_SIZE
+    linear_attention: str | dict | None = None
 
     def __post_init__(self, **kwargs):
+        if self.layer_types is not None and LINEAR_ATTENTION in self.layer_types:
+            raise ValueError(
+                "PosEnc BERT has no 'linear_attention' layer: the gated delta rule is causal (each token's state "
+                "holds the tokens before it only), so an encoder cannot run it, and the BERT decoder "
+                "(is_decoder=True) is not built with it; use PosEncGPT2Config for a hybrid decoder."
+            )
         resolve_config_layout(self, kwargs, self.max_position_embeddings, causal=self.is_decoder)
+        self.linear_attention = resolve_linear_attention(
+            self.linear_attention, self.layer_types, self.hidden_size, self.num_attention_heads, self.is_decoder
+        )
         self.attention_normalizer = resolve_attention_normalizer(
             self.attention_normalizer, causal=self.is_decoder, num_heads=self.num_attention_heads
         )
@@ -490,12 +545,14 @@ class PosEncGPT2Config(GPT2Config):
         `no_rope_layer_interval` (NoPE every n-th layer), as in Llama 4 and SmolLM3, expand a single spec into such
         a list: the spec where the flag is 1, `"none"` where it is 0.
     layer_types (`list[str]`, *optional*):
-        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer, as Transformers
-        spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the query, an
-        encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's; decoders only)
-        sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted from the first
-        real token (Transformers' masks). None: inferred as Transformers' caches do: every layer sliding when
-        `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every layer full.
+        `"full_attention"`, `"sliding_attention"` or `"chunked_attention"` per attention layer (in PosEnc GPT-2 also
+        `"linear_attention"`: a gated-DeltaNet mixer in place of the layer's attention, see `linear_attention`), as
+        Transformers spells them: a causal sliding layer sees the `sliding_window` tokens up to and including the
+        query, an encoder's the keys at most `sliding_window` away on either side; a chunked layer (Llama 4's;
+        decoders only) sees the keys up to the query in its chunk of `attention_chunk_size` tokens, chunks counted
+        from the first real token (Transformers' masks). None: inferred as Transformers' caches do: every layer
+        sliding when `sliding_window` is set, else every layer chunked when `attention_chunk_size` is set, else every
+        layer full.
     sliding_window (`int`, *optional*):
         The window of the sliding layers, in tokens (the query's own included).
     attention_chunk_size (`int`, *optional*):
@@ -516,6 +573,12 @@ class PosEncGPT2Config(GPT2Config):
         Stored as `"ABCD"`-ordered upper case. None or `""`: off.
     canon_kernel_size (`int`, *optional*, defaults to 4):
         The convolution's width K (the paper's 4): each token mixes in the K - 1 before it.
+    linear_attention (`str` or `dict`, *optional*):
+        The mixer of the `"linear_attention"` entries of `layer_types` (no position encoding; their convolution and
+        recurrent states in the cache): `"gated_deltanet"` (Qwen3-Next's gated DeltaNet) or `{"type":
+        "gated_deltanet", **options}` with `num_key_heads`, `num_value_heads`, `key_head_dim`, `value_head_dim`,
+        `conv_kernel_size` (Qwen3-Next's `linear_*` fields; defaults: the attention's heads and head size, kernel
+        4). None: the default kind where there are such layers; stored as the full spec. Refused without such layers.
     """
 
     model_type = "posenc_gpt2"
@@ -541,6 +604,7 @@ class PosEncGPT2Config(GPT2Config):
     attn_logit_softcapping: float | int | None = None
     canon_layers: str | None = None
     canon_kernel_size: int = DEFAULT_CANON_KERNEL_SIZE
+    linear_attention: str | dict | None = None
 
     @property
     def max_position_embeddings(self) -> int | None:
@@ -557,9 +621,18 @@ class PosEncGPT2Config(GPT2Config):
 
     def __post_init__(self, **kwargs):
         resolve_config_layout(self, kwargs, self.n_positions, causal=True)
+        self.linear_attention = resolve_linear_attention(
+            self.linear_attention, self.layer_types, self.n_embd, self.n_head, causal=True
+        )
         self.attention_normalizer = resolve_attention_normalizer(
             self.attention_normalizer, causal=True, num_heads=self.n_head
         )
         resolve_attention_shape_options(self)
         resolve_canon_options(self, kwargs)
+        if self.canon_layers is not None and self.linear_attention is not None:
+            raise ValueError(
+                f"canon_layers={self.canon_layers!r} act inside attention layers; 'linear_attention' layers have "
+                "their own short convolution (conv_kernel_size) and take no canon layers. Leave canon_layers None in "
+                "a hybrid."
+            )
         super().__post_init__(**kwargs)

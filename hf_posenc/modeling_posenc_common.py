@@ -25,6 +25,7 @@ from .configuration_posenc import (
     resolve_position_layout,
     training_length,
 )
+from .linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTIONS, GatedDeltaNet, linear_keep
 from .normalizer_interface import AttentionNormalizer
 from .options import ALONG_THE_SEQUENCE, PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
@@ -157,7 +158,12 @@ def prepare_attention(
         canon = canon_forward_inputs(model, attention_mask, inputs_embeds.shape[1], past_length, position_cache)
     logit_softcapping = getattr(model.config, "attn_logit_softcapping", None)
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
-    layer_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
+    all_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
+    # linear-attention layers read no scheme, mask or key position: only which current tokens are padding
+    layer_kinds = [(scheme, layer_type) for scheme, layer_type in all_kinds if layer_type != LINEAR_ATTENTION]
+    linear_inputs = None
+    if len(layer_kinds) < len(all_kinds):
+        linear_inputs = {"linear_keep": linear_keep(attention_mask, inputs_embeds.shape[1], past_length)}
     if causal and isinstance(attention_mask, BlockMask):  # before the cache is touched
         for scheme, _ in layer_kinds:
             refuse_value_term_with_given_block_mask(scheme)
@@ -165,8 +171,8 @@ def prepare_attention(
     # cache layers keep the same keys (a cache built without the config, or equal windows) store them once.
     key_positions, first_layer, slot_keys = {}, {}, {}
     key_slots = position_cache.key_slots() if position_cache is not None else None
-    for layer_idx, (_, layer_type) in enumerate(layer_kinds):
-        if layer_type in key_positions:
+    for layer_idx, (_, layer_type) in enumerate(all_kinds):
+        if layer_type in key_positions or layer_type == LINEAR_ATTENTION:
             continue
         first_layer[layer_type] = layer_idx
         key_positions[layer_type] = position_ids
@@ -230,8 +236,10 @@ def prepare_attention(
         if not any(done is scheme and done_type == layer_type for done, done_type, _ in built):
             built.append((scheme, layer_type, kind_inputs(scheme, layer_type)))
     return tuple(
-        next(inputs for done, done_type, inputs in built if done is scheme and done_type == layer_type)
-        for scheme, layer_type in layer_kinds
+        linear_inputs
+        if layer_type == LINEAR_ATTENTION
+        else next(inputs for done, done_type, inputs in built if done is scheme and done_type == layer_type)
+        for scheme, layer_type in all_kinds
     )
 
 
@@ -355,10 +363,10 @@ CANON_PARALLEL_REFUSALS = {
 
 def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, str]) -> list[str]:
     """Every reason a model with this config cannot train under ``parallelism`` (a key of ``options.PARALLELISMS``),
-    each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding
-    and normalizer (:meth:`CatalogueEntry.parallelism_refusal`), canon layers (:data:`CANON_PARALLEL_REFUSALS`),
-    and for context parallelism any layer whose mask is
-    not full or causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
+    each a sentence naming what refuses it: the family's own (``family_refusals``), each distinct position encoding,
+    the normalizer and the linear-attention kind (:meth:`CatalogueEntry.parallelism_refusal`), canon layers
+    (:data:`CANON_PARALLEL_REFUSALS`), and for context parallelism any attention layer whose mask is not full or
+    causal (torch's ring attention drops it, as Transformers' ``supports_context_parallel`` says)."""
     if parallelism not in PARALLELISMS:
         raise ValueError(f"Unknown parallelism {parallelism!r}; valid choices: {list(PARALLELISMS)}.")
     described = PARALLELISMS[parallelism]
@@ -367,6 +375,8 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     )
     specs = layer_position_specs(config.position_encoding, config.num_hidden_layers)
     entries = [(POSITION_ENCODINGS, spec) for spec in specs] + [(ATTENTION_NORMALIZERS, config.attention_normalizer)]
+    if getattr(config, "linear_attention", None) is not None:
+        entries.append((LINEAR_ATTENTIONS, config.linear_attention))
     seen = []
     for registry, spec in entries:
         if spec in seen:
@@ -379,7 +389,9 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
     if getattr(config, "canon_layers", None) and parallelism in CANON_PARALLEL_REFUSALS:
         refusal = CANON_PARALLEL_REFUSALS[parallelism]
         reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {refusal}")
-    windowed = sorted({kind for kind in config_layer_types(config) if kind != "full_attention"})
+    windowed = sorted(
+        {kind for kind in config_layer_types(config) if kind not in ("full_attention", LINEAR_ATTENTION)}
+    )
     if parallelism == "context" and windowed:
         reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")
     return reasons
@@ -592,6 +604,8 @@ class PosEncPreTrainedMixin:
             module.init_weights(self.config.initializer_range)
         if isinstance(module, CanonLayer):  # nn.Conv1d's default init, as the reference
             module.init_weights()
+        if isinstance(module, GatedDeltaNet):  # Qwen3-Next's init: dt_bias ones, A_log = log(U(0.01, 16))
+            module.init_weights(self.config.initializer_range)
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Transformers' key adjustments, then a clear error for a ``t5`` table saved in the old layout."""

@@ -27,6 +27,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .canon_layers import build_canon_layer
 from .configuration_posenc import PosEncGPT2Config
+from .linear_attention import build_linear_attention
 from .modeling_posenc_common import (
     CONV1D_PACKED_QKV_HALVES_STYLE,
     PosEncPreTrainedMixin,
@@ -149,7 +150,10 @@ class PosEncGPT2Block(PositionalLayer):
         inner_dim = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.canon_a = build_canon_layer(config, "A", config.hidden_size, layer_idx)
-        self.attn = PosEncGPT2Attention(config, layer_idx)
+        # a "linear_attention" layer (config.layer_types) mixes tokens with its linear_attn in place of attention
+        self.linear_attn = build_linear_attention(config, layer_idx)
+        if self.linear_attn is None:
+            self.attn = PosEncGPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.canon_c = build_canon_layer(config, "C", config.hidden_size, layer_idx)
         self.mlp = PosEncGPT2MLP(inner_dim, config, layer_idx)
@@ -166,7 +170,10 @@ class PosEncGPT2Block(PositionalLayer):
         attention_input = self.ln_1(hidden_states)
         if self.canon_a is not None:
             attention_input = self.canon_a(attention_input, attention_inputs, cache)
-        attn_output, _ = self.attn(attention_input, attention_inputs, position_encoding, cache)
+        if self.linear_attn is not None:
+            attn_output = self.linear_attn(attention_input, attention_inputs["linear_keep"], cache)
+        else:
+            attn_output, _ = self.attn(attention_input, attention_inputs, position_encoding, cache)
         hidden_states = hidden_states + attn_output
         mlp_input = self.ln_2(hidden_states)
         if self.canon_c is not None:
@@ -314,6 +321,9 @@ class PosEncGPT2LMHeadModel(PosEncGPT2PreTrainedModel, GenerationMixin):
         self.transformer = PosEncGPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.loss_type = "ForCausalLM"  # the class name does not say it: Transformers would warn, and dynamo break
+        # linear-attention layers keep a recurrent state that cannot be rolled back: generate refuses assisted
+        # decoding, as for Transformers' own hybrids (Qwen3-Next)
+        self._is_stateful = config.linear_attention is not None
         self.post_init()
 
     @can_return_tuple

@@ -262,12 +262,16 @@ class PositionCache:
         return max(2, 1 + max(self.key_slots(), default=0))
 
     def widest_layer(self) -> int:
-        """The attention layer whose cache layer keeps the most keys: the first full one, else the widest window."""
+        """The attention layer whose cache layer keeps the most keys: the first full one, else the widest window.
+        Linear-attention layers (their cache layers keep states, not keys) are passed over, unless every layer is
+        one."""
         layers = self.cache.layers
-        kinds = [cache_layer_kind(layers[i]) if i < len(layers) else None for i in range(self.num_layers)]
-        if None in kinds:
-            return kinds.index(None)
-        return max(range(self.num_layers), key=lambda layer_idx: kinds[layer_idx][1])
+        attention = [i for i in range(self.num_layers) if i >= len(layers) or not is_linear_cache_layer(layers[i])]
+        kinds = {i: cache_layer_kind(layers[i]) if i < len(layers) else None for i in attention or [0]}
+        full = [i for i, kind in kinds.items() if kind is None]
+        if full:
+            return full[0]
+        return max(kinds, key=lambda layer_idx: kinds[layer_idx][1])
 
     def append(self, slot: int, states: torch.Tensor, like: int | None = None) -> torch.Tensor:
         """Store ``states`` ``(batch, seq, features)`` for the current tokens, in a cache layer of the kind of
@@ -320,6 +324,12 @@ class PositionCache:
         index = term.cache_states.index(name)
         slot = self.num_key_slots + len(scheme.cache_states) + index * self.num_layers + layer_idx
         return self.append(slot, states, like=layer_idx)
+
+
+def is_linear_cache_layer(layer: Any) -> bool:
+    """Whether a cache layer is Transformers' linear-attention one (``LinearAttentionLayer``: convolution and
+    recurrent states, no keys; absent from Transformers before its hybrids)."""
+    return type(layer).__name__ == "LinearAttentionLayer" or hasattr(layer, "recurrent_states")
 
 
 def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:
