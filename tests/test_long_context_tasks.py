@@ -517,7 +517,8 @@ def test_the_lr_sweep_keeps_the_best_accuracy_then_the_earliest_to_reach_it_then
         return {"eval_accuracy": accuracy, "reached_step": reached, "train_loss": loss, "steps": 100}
 
     monkeypatch.setattr(long_context, "train_task_model", train)
-    args = compare.parse_args(["--task", "mqar", "--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100"])
+    flags = ["--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100", "--num_warmup_steps", "60"]
+    args = compare.parse_args(["--task", "mqar", *flags, "--max_train_steps", "600"])
     argv = reporting.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
     accelerator = argparse.Namespace(print=lambda *words: None)
     sweep = long_context.sweep_learning_rate(args, argv, tmp_path, TaskSpec("mqar"), accelerator)
