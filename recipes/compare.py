@@ -43,9 +43,8 @@ from hf_posenc_recipes.common import (
 )
 from hf_posenc_recipes.extrapolate import evaluation_ids, extrapolation_row
 from hf_posenc_recipes.parsers.common import check_layout_sizes, layout_sizes, parse_scheme
-from hf_posenc_recipes.parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser
+from hf_posenc_recipes.parsers.compare import DEFAULT_COMPARE_SCHEMES, compare_parser, fill_task_defaults
 from hf_posenc_recipes.parsers.pretrain import pretrain_parser
-from hf_posenc_recipes.parsers.tasks import TASK_BLOCK_SIZES
 from hf_posenc_recipes.reporting import (
     Run,
     format_cell,
@@ -64,8 +63,7 @@ TASK_NAMES = {"clm": "decoder (causal LM)", "mlm": "encoder (masked LM)"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = compare_parser()
     args = parser.parse_args(argv)
-    if args.block_size is None:
-        args.block_size = TASK_BLOCK_SIZES[args.task]
+    fill_task_defaults(args)
     if args.schemes is None:
         args.schemes = [] if args.layouts else list(DEFAULT_COMPARE_SCHEMES)
     for flag, registry in (

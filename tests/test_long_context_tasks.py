@@ -21,7 +21,8 @@ import transformers
 
 import hf_posenc
 from hf_posenc_recipes import compare, extrapolate, long_context, reporting
-from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES
+from hf_posenc_recipes.parsers.compare import TASK_DEFAULT_FLAGS, compare_parser
+from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES, TASK_TRAINING_DEFAULTS
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
 from hf_posenc_recipes.tasks import (
     BYTE_OFFSET,
@@ -224,13 +225,39 @@ def test_passkey_sizes_agree_with_the_parser_and_the_byte_tokenizer():
 
 
 def test_passkey_trains_at_a_length_where_filler_is_most_of_the_row():
-    """compare's training length when --block_size is not given: 128 for passkey, 64 for the others; at 128 the
-    needle (`` The pass key is 99999. ``, 24 bytes), the question (17) and the key (5) leave 82 bytes of filler."""
+    """compare's training length when --block_size is not given: 128 for passkey; at 128 the needle (`` The pass key
+    is 99999. ``, 24 bytes), the question (17) and the key (5) leave 82 bytes of filler."""
     assert compare.parse_args(["--task", "passkey"]).block_size == 128
-    assert compare.parse_args(["--task", "mqar"]).block_size == compare.parse_args([]).block_size == 64
+    assert compare.parse_args([]).block_size == compare.parse_args(["--task", "copy"]).block_size == 64
     assert compare.parse_args(["--task", "passkey", "--block_size", "96"]).block_size == 96
     task = TaskSpec("passkey", passkey=passkey_texts(byte_tokenizer()))
     assert task.passkey_filler(128) == (24 + 17 + 5, 82)
+
+
+def test_compare_task_defaults_fill_only_the_flags_not_given_and_the_help_names_them():
+    """Each task's model and training defaults (TASK_TRAINING_DEFAULTS) apply where the command line leaves the flag
+    out; --task lm keeps the pretrain recipe's; a flag given wins; --help gives every task's default."""
+    lm = compare.parse_args([])
+    assert (lm.block_size, lm.hidden_size, lm.num_hidden_layers, lm.num_attention_heads) == (64, 128, 3, 4)
+    assert (lm.per_device_train_batch_size, lm.learning_rate, lm.num_warmup_steps) == (32, 2e-3, 60)
+    assert (lm.max_train_steps, lm.eval_steps) == (600, 200)
+    for task, defaults in TASK_TRAINING_DEFAULTS.items():
+        args = compare.parse_args(["--task", task])
+        assert {flag: getattr(args, flag) for flag in defaults} == defaults
+        for flag in set(TASK_DEFAULT_FLAGS) - set(defaults):
+            assert getattr(args, flag) == getattr(lm, flag), flag
+    given = compare.parse_args(["--task", "mqar", "--hidden_size", "96", "--learning_rate", "1e-3"])
+    assert (given.hidden_size, given.learning_rate) == (96, 1e-3)
+    assert given.num_hidden_layers == TASK_TRAINING_DEFAULTS["mqar"].get("num_hidden_layers", 3)
+    helps = {action.dest: action.help for action in compare_parser()._actions}
+    for flag in TASK_DEFAULT_FLAGS:
+        values = [
+            TASK_TRAINING_DEFAULTS[task][flag]
+            for task in TASK_TRAINING_DEFAULTS
+            if flag in TASK_TRAINING_DEFAULTS[task]
+        ]
+        assert f"when None: {getattr(lm, flag):g}; --task " in helps[flag]
+        assert all(f"{value:g}" in helps[flag] for value in values), flag
 
 
 # --- the accuracy metric ---
@@ -490,7 +517,8 @@ def test_the_lr_sweep_keeps_the_best_accuracy_then_the_earliest_to_reach_it_then
         return {"eval_accuracy": accuracy, "reached_step": reached, "train_loss": loss, "steps": 100}
 
     monkeypatch.setattr(long_context, "train_task_model", train)
-    args = compare.parse_args(["--task", "mqar", "--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100"])
+    flags = ["--lr_sweep", "1e-3", "3e-3", "1e-2", "--lr_sweep_steps", "100", "--num_warmup_steps", "60"]
+    args = compare.parse_args(["--task", "mqar", *flags, "--max_train_steps", "600"])
     argv = reporting.recipe_argv(args, ("clm", "rope", "softmax", 0), tmp_path)
     accelerator = argparse.Namespace(print=lambda *words: None)
     sweep = long_context.sweep_learning_rate(args, argv, tmp_path, TaskSpec("mqar"), accelerator)

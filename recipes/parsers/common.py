@@ -338,12 +338,17 @@ TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed", "randomized_position
 ``compare`` takes and hands to every pretraining run it starts."""
 
 
-def add_flags(group, names: tuple[str, ...], notes: dict[str, str] | None = None, **defaults: Any) -> None:
-    """The flags ``names`` of :data:`SHARED_FLAGS`, with the recipe's own ``defaults`` where it differs and its
-    ``notes`` appended to a flag's help (what a default of None means there)."""
+def add_flags(
+    group, names: tuple[str, ...], notes: dict[str, str] | None = None, helps: dict[str, str] | None = None,
+    **defaults: Any,
+) -> None:  # fmt: skip
+    """The flags ``names`` of :data:`SHARED_FLAGS`, with the recipe's own ``defaults`` where it differs, its
+    ``notes`` appended to a flag's help (what a default of None means there) and its ``helps`` in place of one."""
     for name in names:
         kwargs = dict(SHARED_FLAGS[name])
         kwargs["default"] = defaults.get(name, kwargs["default"])
+        if helps and name in helps:
+            kwargs["help"] = helps[name]
         if notes and name in notes:
             kwargs["help"] = f"{kwargs['help']} ({notes[name]})"
         group.add_argument(f"--{name}", **kwargs)

@@ -9,6 +9,7 @@ from pathlib import Path
 from .common import (
     MODEL_FLAGS,
     MODEL_SIZE_DEFAULTS,
+    SHARED_FLAGS,
     TRAINING_FLAGS,
     add_flags,
     add_hub_flags,
@@ -20,10 +21,44 @@ from .common import (
     new_parser,
     output_folder,
 )
-from .tasks import TASK_BLOCK_SIZES, add_task_flags
+from .tasks import TASK_TRAINING_DEFAULTS, TASKS, add_task_flags
 
 
 DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
+LM_DEFAULTS = {
+    **{name: SHARED_FLAGS[name]["default"] for name in ("block_size", *TRAINING_FLAGS)},
+    **MODEL_SIZE_DEFAULTS,
+    "per_device_eval_batch_size": 16,
+}
+"""compare's defaults of the pretrain recipe's flags it hands to each run, with ``--task lm``."""
+TASK_DEFAULT_FLAGS = tuple(dict.fromkeys(flag for defaults in TASK_TRAINING_DEFAULTS.values() for flag in defaults))
+"""The flags whose default depends on ``--task`` (:data:`~.tasks.TASK_TRAINING_DEFAULTS`): None in the parser,
+filled by :func:`fill_task_defaults`."""
+TASK_DEFAULT_HELPS = {
+    "hidden_size": "the width of each model",
+    "num_hidden_layers": "the layers of each model",
+    "num_attention_heads": "the attention heads of each layer",
+}
+
+
+def task_default(task: str, flag: str) -> int | float:
+    """compare's default of ``flag`` under ``--task task``: the task's own (:data:`~.tasks.TASK_TRAINING_DEFAULTS`),
+    else ``--task lm``'s."""
+    return TASK_TRAINING_DEFAULTS.get(task, {}).get(flag, LM_DEFAULTS[flag])
+
+
+def task_default_note(flag: str) -> str:
+    """What None means for a flag of :data:`TASK_DEFAULT_FLAGS`, in its help: every task's default."""
+    values = {task: task_default(task, flag) for task in TASKS}
+    others = ", ".join(f"{task} {value:g}" for task, value in values.items() if task != "lm" and value != values["lm"])
+    return f"when None: {values['lm']:g}; --task {others}"
+
+
+def fill_task_defaults(args: argparse.Namespace) -> None:
+    """Each flag of :data:`TASK_DEFAULT_FLAGS` not given (None) set to its default under ``args.task``."""
+    for flag in TASK_DEFAULT_FLAGS:
+        if getattr(args, flag) is None:
+            setattr(args, flag, task_default(args.task, flag))
 
 
 def compare_parser() -> argparse.ArgumentParser:
@@ -76,9 +111,9 @@ the answers) and the report gives its accuracy at each length (passkey's also by
     parser.add_argument("--tokenizer_name", default=None, help="when None: bytes")
     training = parser.add_argument_group("each model and its training (the pretrain recipe's flags)")
     shared = ("block_size", *MODEL_FLAGS, *TRAINING_FLAGS)
-    block = f"when None: 64, {TASK_BLOCK_SIZES['passkey']} for --task passkey (its filler then most of the row)"
+    notes = {flag: task_default_note(flag) for flag in TASK_DEFAULT_FLAGS}
     add_flags(
-        training, shared, {"block_size": block}, **MODEL_SIZE_DEFAULTS, block_size=None, per_device_eval_batch_size=16
+        training, shared, notes, TASK_DEFAULT_HELPS, **{**LM_DEFAULTS, **dict.fromkeys(TASK_DEFAULT_FLAGS, None)}
     )
     add_reference_init_flags(parser, training)
     parser.add_argument(
