@@ -310,18 +310,25 @@ def resolve_layer_types(
     return list(layer_types)
 
 
+LINEAR_CACHE_CALLS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+"""The ``Cache`` methods a linear-attention layer reads and writes its states with."""
+
+
 def check_linear_attention_support() -> None:
-    """``ValueError`` where the installed Transformers' caches have no linear-attention layer (``cache_utils``'s
-    ``LinearAttentionLayer`` for the ``"linear_attention"`` layer type, which keeps a layer's convolution and recurrent
-    states): the layers keep their states there."""
+    """``ValueError`` where the installed Transformers' caches have no linear-attention layer with the calls the
+    layers make (``cache_utils``'s ``LinearAttentionLayer`` for the ``"linear_attention"`` layer type, which keeps a
+    layer's convolution and recurrent states, read and written through :data:`LINEAR_CACHE_CALLS`; 5.15 has the
+    layer but no ``get_conv_state``)."""
     from transformers import cache_utils
 
     mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {})
-    if LINEAR_ATTENTION not in mapping or not hasattr(cache_utils.Cache, "update_recurrent_state"):
+    missing = [call for call in LINEAR_CACHE_CALLS if not hasattr(cache_utils.Cache, call)]
+    if LINEAR_ATTENTION not in mapping or missing:
         raise ValueError(
             f"layer_types 'linear_attention' keep their convolution and recurrent states in Transformers' "
-            f"LinearAttentionLayer cache layers, which Transformers {transformers.__version__} does not have; "
-            "upgrade Transformers (5.24 has them)."
+            f"LinearAttentionLayer cache layers, which Transformers {transformers.__version__} does not have with "
+            f"the calls they make (missing: {', '.join(missing) or 'the layer type'}); upgrade Transformers (5.24 "
+            "has them)."
         )
 
 

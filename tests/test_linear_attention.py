@@ -467,3 +467,11 @@ def test_transformers_without_linear_attention_cache_layers_is_refused(monkeypat
     monkeypatch.setattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", mapping)
     with pytest.raises(ValueError, match="LinearAttentionLayer cache layers, which Transformers .* does not have"):
         make_config("gpt2", "rope", n_layer=4, layer_types=HYBRID)
+
+
+def test_transformers_whose_cache_lacks_a_call_the_layers_make_is_refused(monkeypatch):
+    """Transformers 5.15 has the cache layer but no ``Cache.get_conv_state``: refused by name when the config is built,
+    not an AttributeError in the first cached forward."""
+    monkeypatch.delattr(cache_utils.Cache, "get_conv_state")
+    with pytest.raises(ValueError, match="missing: get_conv_state"):
+        make_config("gpt2", "rope", n_layer=4, layer_types=HYBRID)
