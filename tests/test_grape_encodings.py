@@ -10,9 +10,10 @@ import math
 import re
 
 import pytest
+import test_input_dependent_encodings as input_dependent
 import torch
 import transformers
-from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from conftest import make_config, make_model, random_ids
 from test_input_dependent_encodings import layer_input, softmax_output
 from torch.nn import functional as F
 
@@ -180,32 +181,18 @@ def test_an_encoder_config_says_why_grape_is_refused():
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_variants_through_a_cache_equal_one_forward(spec, cache):
     """The variants the shared properties (run on the default, ``m``) do not reach: three forwards through a cache,
-    the second prompt left-padded, equal one forward."""
+    the second prompt left-padded, equal one forward (the input-dependent schemes' test), and the padded row equals
+    the row alone."""
+    input_dependent.test_chunked_forwards_with_a_cache_equal_one_forward(spec, cache)
     model = make_model("gpt2", spec, attn="sdpa")
     ids = random_ids(2, 9, seed=4)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, :2] = 0
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    kwargs = {}
-    if cache == "static":
-        kwargs = with_cache(transformers.StaticCache(config=model.config, max_cache_len=9))
-    pieces = []
     with torch.no_grad():
-        for start, stop in ((0, 4), (4, 5), (5, 9)):
-            out = model(
-                ids[:, start:stop],
-                attention_mask=attention_mask[:, :stop],
-                position_ids=positions[:, start:stop],
-                use_cache=True,
-                **kwargs,
-            )
-            kwargs = with_cache(cache_of(out))
-            pieces.append(out.logits)
-        full = model(ids, attention_mask=attention_mask, position_ids=positions).logits
+        padded = model(ids, attention_mask=attention_mask, position_ids=positions).logits
         alone = model(ids[1:, 2:]).logits
-    torch.testing.assert_close(torch.cat(pieces, dim=1)[1, 2:], full[1, 2:], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(torch.cat(pieces, dim=1)[0], full[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(full[1, 2:], alone[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[1, 2:], alone[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("spec", "moves"), [(CONTEXTUAL, False), (ADDITIVE, False), (PATH, True)])
