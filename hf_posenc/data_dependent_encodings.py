@@ -311,6 +311,13 @@ def first_query_index(visible: torch.Tensor) -> int:
     return min(max(first, 0), kv_len - q_len)
 
 
+def tokens_among_queries(visible: torch.Tensor, first_query: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(batch|1, q_len, 1)`` in ``dtype``: 1 where the query token sees itself (a token), 0 on padding, from a causal
+    ``visible`` ``(batch|1, 1, q_len, kv_len)`` whose first query is key ``first_query``."""
+    own = torch.arange(visible.shape[-2], device=visible.device)
+    return visible[:, 0, own, first_query + own][..., None].to(dtype)
+
+
 class PaTH(PositionEncoding):
     """PaTH, position encoding by accumulated Householder transformations (Yang, Shen, Wen, Tan, Mishra, Ren, Panda,
     Kim, NeurIPS 2025, arXiv 2505.16381; reference code flash-linear-attention ``fla/layers/path_attn.py``,

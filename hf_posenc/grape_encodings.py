@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .data_dependent_encodings import first_query_index
+from .data_dependent_encodings import first_query_index, tokens_among_queries
 from .input_dependent_encodings import rotate_half_split
 from .options import ALONG_THE_SEQUENCE, Option
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
@@ -53,12 +53,6 @@ def rotate_as_reference(states: torch.Tensor, angles: torch.Tensor) -> torch.Ten
     ``states`` by ``angles`` ``(..., dim / 2)`` (a turn by ``-angles`` in RoPE's rotate-half convention), in
     ``angles``' dtype."""
     return rotate_half_split(states, -angles)
-
-
-def tokens_among_queries(visible: torch.Tensor, first_query: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(batch|1, q_len, 1)``: 1 where the query token sees itself (a token), 0 on padding."""
-    own = torch.arange(visible.shape[-2], device=visible.device)
-    return visible[:, 0, own, first_query + own][..., None].to(dtype)
 
 
 def check_even_head_dim(dims: AttentionDims) -> None:

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .data_dependent_encodings import ForgetGate, first_query_index
+from .data_dependent_encodings import ForgetGate, first_query_index, tokens_among_queries
 from .options import ALONG_THE_SEQUENCE, Option
 from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, PositionEncoding
 
@@ -301,8 +301,7 @@ class SelectiveRotation(LayerPositionTerm):
         # a token that does not see itself (padding) has phi = 0 and adds no angle
         first_query = 0 if visible is None else first_query_index(visible)
         if visible is not None:
-            own = torch.arange(q_len, device=visible.device)
-            is_token = visible[:, 0, own, first_query + own][..., None].to(compute_dtype)  # (batch|1, q_len, 1)
+            is_token = tokens_among_queries(visible, first_query, compute_dtype)  # (batch|1, q_len, 1)
             phi = phi * is_token
         inputs = phi if store is None else store("selective_rope_inputs", phi)
         if visible is None:
@@ -407,8 +406,7 @@ class Mamba3Rotation(LayerPositionTerm):
         increments = (step[..., None] * angles[:, :, None, :]).flatten(-2)  # (batch, q_len, heads * angles)
         first_query = 0 if visible is None else first_query_index(visible)
         if visible is not None:  # padding adds no angle
-            own = torch.arange(q_len, device=visible.device)
-            increments = increments * visible[:, 0, own, first_query + own][..., None].to(compute_dtype)
+            increments = increments * tokens_among_queries(visible, first_query, compute_dtype)
         if store is not None:
             increments = store("mamba3_angle_increments", increments)
         if visible is None:
