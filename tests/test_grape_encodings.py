@@ -13,7 +13,7 @@ import pytest
 import test_input_dependent_encodings as input_dependent
 import torch
 import transformers
-from conftest import make_config, make_model, random_ids
+from conftest import left_padded_prompt, make_config, make_model, random_ids
 from test_input_dependent_encodings import layer_input, softmax_output
 from torch.nn import functional as F
 
@@ -185,9 +185,7 @@ def test_variants_through_a_cache_equal_one_forward(spec, cache):
     the row alone."""
     input_dependent.test_chunked_forwards_with_a_cache_equal_one_forward(spec, cache)
     model = make_model("gpt2", spec, attn="sdpa")
-    ids = random_ids(2, 9, seed=4)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[1, :2] = 0
+    ids, attention_mask = left_padded_prompt(9)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         padded = model(ids, attention_mask=attention_mask, position_ids=positions).logits
