@@ -170,6 +170,28 @@ class LayoutPreset:
         return [self.local_attention if rope else "full_attention" for rope in self.keeps_rope(num_layers)]
 
 
+@dataclass(frozen=True)
+class HybridPreset:
+    """A hybrid's layout: ``"linear_attention"`` layers (the ``linear_attention`` kind, no positions) with an attention
+    layer at ``first_attention_layer`` and every ``interval``-th layer after it, each attention layer carrying the
+    ``attention`` scheme; ``layer_types`` as the reference config's default builds them."""
+
+    description: str
+    attention: dict[str, Any]
+    first_attention_layer: int = 3
+    interval: int = 4
+    local_attention: str = LINEAR_ATTENTION
+    slides: bool = False
+    chunks: bool = False
+
+    def layer_types(self, num_layers: int) -> list[str]:
+        first, interval = self.first_attention_layer, self.interval
+        return [
+            "full_attention" if layer >= first and (layer - first) % interval == 0 else LINEAR_ATTENTION
+            for layer in range(num_layers)
+        ]
+
+
 LAYOUT_PRESETS = {
     "irope": LayoutPreset(
         "Llama 4's iRoPE (Llama4TextConfig): rope with theta 500000 and chunked attention on three layers of four, "
@@ -189,6 +211,29 @@ LAYOUT_PRESETS = {
         rope={"type": "rope"},
         local_attention="sliding_attention",
     ),
+    "qwen3_next": HybridPreset(
+        "Qwen3-Next (Qwen3NextConfig): full attention with partial rope (partial_rotary_factor 0.25, theta 10000) on "
+        "every fourth layer (full_attention_interval 4), gated DeltaNet on the other layers, as the reference",
+        attention={"type": "rope", "theta": 10000.0, "rotary_fraction": 0.25},
+    ),
+    "qwen3_5": HybridPreset(
+        "Qwen3.5 (Qwen3_5TextConfig): Qwen3-Next's layout, partial rope (0.25, theta 10000) on every fourth layer, "
+        "gated DeltaNet on the other layers, as the reference (its checkpoints' multimodal sections are text "
+        "positions here)",
+        attention={"type": "rope", "theta": 10000.0, "rotary_fraction": 0.25},
+    ),
+    "olmo_hybrid": HybridPreset(
+        "OLMo-Hybrid (OlmoHybridConfig): full attention with rope (theta 10000) on every fourth layer, "
+        "gated DeltaNet on the other layers, as the reference",
+        attention={"type": "rope", "theta": 10000.0},
+    ),
+    "kimi_linear": HybridPreset(
+        "Kimi Linear (KimiLinearConfig's default layer_types): attention with no positions on layer 4 and every "
+        "fourth after it, gated DeltaNet on the other layers (the reference's are KDA and its attention MLA: "
+        "neither is in the catalogue)",
+        attention={"type": "none"},
+        first_attention_layer=4,
+    ),
 }
 """Layouts of 2025-26 models as one name, each a :class:`LayoutPreset`: :func:`layout_preset` gives their config
 values."""
@@ -201,18 +246,28 @@ def layout_preset(
     ``position_encoding`` (a per-layer list: the preset's ``rope`` spec, its ``nope`` spec where
     ``(layer + 1) % interval == 0``), and for a preset with a local attention ``layer_types`` (that attention on
     the rope layers, as ``Llama4TextConfig`` lays out its chunks) with its size, ``sliding_window`` or
-    ``attention_chunk_size``. ``layer_types`` is checked against Transformers' own ``ALLOWED_ATTN_LAYER_TYPES``
-    before the sizes are checked. Pass them to ``PosEncGPT2Config(**layout_preset(...))`` or a decoder
-    ``PosEncBertConfig`` (an encoder has no chunked attention)."""
+    ``attention_chunk_size``; a :class:`HybridPreset` gives its ``attention`` spec (which acts on the attention layers
+    only) and ``layer_types`` with its ``"linear_attention"`` layers. ``layer_types`` is checked against Transformers'
+    own ``ALLOWED_ATTN_LAYER_TYPES`` before the sizes are checked. Pass them to
+    ``PosEncGPT2Config(**layout_preset(...))`` or a decoder ``PosEncBertConfig`` (an encoder has no chunked attention
+    and no linear-attention layer)."""
     if name not in LAYOUT_PRESETS:
         raise ValueError(f"Unknown layout {name!r}; valid choices: {sorted(LAYOUT_PRESETS)}.")
     preset = LAYOUT_PRESETS[name]
-    values: dict[str, Any] = {
-        "position_encoding": [dict(preset.rope if rope else preset.nope) for rope in preset.keeps_rope(num_layers)]
-    }
+    if isinstance(preset, HybridPreset) and num_layers <= preset.first_attention_layer:
+        raise ValueError(
+            f"layout {name!r} puts its first attention layer at layer {preset.first_attention_layer} (from 0), so "
+            f"{num_layers} layers would have none; give at least {preset.first_attention_layer + 1} layers."
+        )
+    if isinstance(preset, HybridPreset):
+        values: dict[str, Any] = {"position_encoding": dict(preset.attention)}
+    else:
+        values = {
+            "position_encoding": [dict(preset.rope if rope else preset.nope) for rope in preset.keeps_rope(num_layers)]
+        }
     layer_types = preset.layer_types(num_layers)
     if layer_types is not None:
-        unknown = sorted(set(layer_types) - set(ALLOWED_ATTN_LAYER_TYPES))
+        unknown = sorted(set(layer_types) - set(ALLOWED_ATTN_LAYER_TYPES) - {LINEAR_ATTENTION})
         if unknown:
             raise ValueError(
                 f"layout {name!r} gives layer types {unknown}; Transformers takes {ALLOWED_ATTN_LAYER_TYPES}."

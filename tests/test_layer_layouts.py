@@ -5,6 +5,7 @@ combination keeps (cache, padding, backends, checkpointing, save/load, bf16) run
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 
@@ -27,7 +28,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
 from hf_posenc.absolute_encodings import attention_temperature
-from hf_posenc.configuration_posenc import PER_LAYER_CACHE_WINDOWS
+from hf_posenc.configuration_posenc import (
+    PER_LAYER_CACHE_WINDOWS,
+    check_linear_attention_support,
+)
 from hf_posenc.position_encodings import POSITION_ENCODINGS
 from hf_posenc.position_interface import PositionCache
 
@@ -123,15 +127,76 @@ def test_layout_presets_are_the_reference_configs_layouts(family):
     assert config.sliding_window == 16
 
 
+HYBRID_REFERENCES = {
+    "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "olmo_hybrid": "OlmoHybridConfig",
+    "kimi_linear": "KimiLinearConfig",
+}
+
+
+def linear_attention_support() -> str | None:
+    """Why this Transformers cannot build a ``"linear_attention"`` layer, or None where it can."""
+    try:
+        check_linear_attention_support()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("name", HYBRID_REFERENCES)
+def test_hybrid_presets_are_the_reference_configs_layouts(name):
+    """Each hybrid preset against the Transformers config it names, built with its defaults at 8 and 13 layers: the
+    same ``layer_types`` (Transformers' own rule: every fourth layer from the fourth, Kimi Linear's from the fifth),
+    and the attention layers' positions as the reference's attention applies them (the rotary fraction and theta of
+    its ``rope_parameters``; none for Kimi Linear, whose MLA has no rotary module)."""
+    reference_class = getattr(transformers, HYBRID_REFERENCES[name], None)
+    if reference_class is None:
+        pytest.skip(f"Transformers {transformers.__version__} has no {HYBRID_REFERENCES[name]}")
+    for layers in (8, 13):
+        reference = reference_class(num_hidden_layers=layers)
+        preset = hf_posenc.layout_preset(name, layers)
+        assert preset["layer_types"] == list(reference.layer_types)
+        attention = preset["position_encoding"]
+        rope_parameters = getattr(reference, "rope_parameters", None)
+        if name == "kimi_linear":
+            assert attention == {"type": "none"}
+            kimi = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+            assert not hasattr(kimi, "apply_rotary_pos_emb")  # its MLA's rotary slice is never rotated
+        else:
+            assert attention["theta"] == rope_parameters["rope_theta"]
+            assert attention.get("rotary_fraction", 1.0) == rope_parameters.get("partial_rotary_factor", 1.0)
+    reason = linear_attention_support()
+    if reason is not None:
+        with pytest.raises(ValueError, match="LinearAttentionLayer"):
+            make_config("gpt2", **hf_posenc.layout_preset(name, 4), n_layer=4)
+        return
+    model = make_model("gpt2", **hf_posenc.layout_preset(name, 8), n_layer=8)
+    assert model.config.linear_attention["type"] == "gated_deltanet"
+    mixers = ["attention" if block.linear_attn is None else "linear_attention" for block in model.transformer.h]
+    assert mixers == ["attention" if kind == "full_attention" else kind for kind in model.config.layer_types]
+    assert torch.isfinite(model(random_ids(2, 9)).logits).all()
+    with pytest.raises(ValueError, match="PosEnc BERT has no 'linear_attention' layer"):
+        make_config("bert", **hf_posenc.layout_preset(name, 8), num_hidden_layers=8, is_decoder=True)
+
+
 @pytest.mark.parametrize(
     ("name", "window", "chunk", "message"),
     [
         ("rnope_swa", None, None, "layout 'rnope_swa' slides on its rope layers: give sliding_window"),
         ("smollm3", 16, None, "layout 'smollm3' has no sliding-window layers; sliding_window=16 is unused"),
-        ("chunked", None, None, "Unknown layout 'chunked'; valid choices: ['irope', 'rnope_swa', 'smollm3']"),
+        (
+            "chunked",
+            None,
+            None,
+            "Unknown layout 'chunked'; valid choices: ['irope', 'kimi_linear', 'olmo_hybrid', 'qwen3_5', "
+            "'qwen3_next', 'rnope_swa', 'smollm3']",
+        ),
         ("irope", None, None, "layout 'irope' has chunked attention on its rope layers: give attention_chunk_size"),
         ("irope", 16, 8, "layout 'irope' has no sliding-window layers; sliding_window=16 is unused"),
         ("rnope_swa", 16, 8, "layout 'rnope_swa' has no chunked-attention layers; attention_chunk_size=8 is unused"),
+        ("kimi_linear", None, None, "layout 'kimi_linear' puts its first attention layer at layer 4 (from 0), so 4"),
+        ("qwen3_next", 16, None, "layout 'qwen3_next' has no sliding-window layers; sliding_window=16 is unused"),
     ],
 )
 def test_a_layout_preset_refuses_what_it_cannot_use(name, window, chunk, message):
@@ -151,7 +216,8 @@ def test_a_presets_layer_types_follow_gemma3s_pattern():
         irope = hf_posenc.layout_preset("irope", layers, attention_chunk_size=8)["layer_types"]
         assert irope == [kind.replace("sliding", "chunked") for kind in gemma3]
     assert [(name, preset.slides, preset.chunks) for name, preset in hf_posenc.LAYOUT_PRESETS.items()] == [
-        ("irope", False, True), ("smollm3", False, False), ("rnope_swa", True, False)
+        ("irope", False, True), ("smollm3", False, False), ("rnope_swa", True, False), ("qwen3_next", False, False),
+        ("qwen3_5", False, False), ("olmo_hybrid", False, False), ("kimi_linear", False, False),
     ]  # fmt: skip
     assert "layer_types" not in hf_posenc.layout_preset("smollm3", 8)
 

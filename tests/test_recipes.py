@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import hf_posenc
 import hf_posenc_recipes.cli
+from hf_posenc.configuration_posenc import check_linear_attention_support
 from hf_posenc_recipes import common as recipe_common
 from hf_posenc_recipes import compare, extrapolate, glue, reporting
 from hf_posenc_recipes import pretrain as pretrain_recipe
@@ -593,6 +594,34 @@ def test_pretrain_builds_a_layout_preset(tmp_path):
     assert config.position_encoding[0]["theta"] == 2000000.0 and config.sliding_window is None
     with pytest.raises(SystemExit):
         pretrain_recipe.parse_args(["--layout", "smollm3", "--position_encoding", "rope"])
+
+
+def test_pretrain_and_compare_take_a_hybrid_preset(tmp_path, capsys):
+    """``pretrain --layout qwen3_next``: the preset's layer_types with their linear-attention layers and its partial
+    rope on the attention layers; ``compare --layouts qwen3_next`` stops before any run with ``--encoders`` (an encoder
+    has no linear-attention layer) or at 3 layers (none of them attention), naming the layout."""
+    try:
+        check_linear_attention_support()
+    except ValueError as error:
+        pytest.skip(str(error))
+    args = pretrain_recipe.parse_args(
+        ["--layout", "qwen3_next", "--num_hidden_layers", "4", "--output_dir", str(tmp_path)]
+    )
+    config = pretrain_recipe.build_config(args, 384, 0, 1)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert config.position_encoding["rotary_fraction"] == 0.25 and config.linear_attention["type"] == "gated_deltanet"
+    with pytest.raises(SystemExit):
+        compare.parse_args(
+            ["--schemes", "rope", "--layouts", "qwen3_next", "--encoders", "--num_hidden_layers", "4"]
+            + ["--output_dir", str(tmp_path)]
+        )
+    assert (
+        "encoder (masked LM) qwen3_next + softmax: PosEnc BERT has no 'linear_attention' layer"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--schemes", "rope", "--layouts", "qwen3_next", "--output_dir", str(tmp_path)])
+    assert "layout 'qwen3_next' puts its first attention layer at layer 3" in capsys.readouterr().err
 
 
 def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp_path):
