@@ -48,6 +48,7 @@ from hf_posenc_recipes.parsers.pretrain import pretrain_parser
 from hf_posenc_recipes.reporting import (
     Run,
     format_cell,
+    layers_description,
     mean_and_spread,
     recipe_argv,
     run_folder,
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must not repeat a seed, got {args.seeds}")
     check_layout_sizes(parser, args)
+    if args.layouts and args.layer_types is not None:
+        parser.error(f"--layouts {' '.join(args.layouts)} set their layers' types; drop --layer_types")
     long_context.check_compare_task(parser, args)
     chunked = [name for name in args.layouts if hf_posenc.LAYOUT_PRESETS[name].chunks]
     if chunked and args.encoders:
@@ -130,6 +133,8 @@ def position_probe(args: argparse.Namespace, run: Run, accelerator) -> float:
         sizes = layout_sizes(scheme, args.sliding_window, args.attention_chunk_size)
         layout = hf_posenc.layout_preset(scheme, args.num_hidden_layers, *sizes)
         layout["num_hidden_layers"] = args.num_hidden_layers
+    elif args.layer_types is not None:
+        layout.update(layer_types=args.layer_types, num_hidden_layers=args.num_hidden_layers)
     result = [None]
     if accelerator.is_main_process:
         probe = hf_posenc.probe(
@@ -359,7 +364,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], wall_seco
     seeds = sorted({row["seed"] for row in rows})
     notes = [
         f"{args.max_train_steps} steps x {args.per_device_train_batch_size} blocks of {args.block_size} tokens, "
-        f"width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
+        f"width {args.hidden_size}, {layers_description(args)}, {args.num_attention_heads} heads; "
         f"training {sum(row['train_seconds'] for row in rows) / 60:.1f} min over the runs (a run kept with --resume "
         f"counts its first training), {wall_seconds / 60:.1f} min this invocation, {threads} torch thread(s) per "
         "process.",

@@ -31,6 +31,7 @@ from hf_posenc_recipes.reporting import (
     folder_name,
     format_cell,
     is_decoder,
+    layers_description,
     mean_and_spread,
     model_label,
     recipe_argv,
@@ -485,7 +486,7 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
     seeds = sorted({row["seed"] for row in rows})
     notes = [
         f"At most {args.max_train_steps} steps x {args.per_device_train_batch_size} examples of {args.block_size} "
-        f"tokens, width {args.hidden_size}, {args.num_hidden_layers} layers, {args.num_attention_heads} heads; "
+        f"tokens, width {args.hidden_size}, {layers_description(args)}, {args.num_attention_heads} heads; "
         f"{wall_seconds / 60:.1f} min this invocation.",
         f"{reached}: the step at which the accuracy at the training length on {min(args.task_eval_examples, 64)} "
         f"held-out examples (checked every {args.eval_steps} steps) reached --stop_accuracy {args.stop_accuracy:g} "

@@ -114,10 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint}: expected a step_<N> folder")
     if args.layout is not None and args.position_encoding is not None:
         parser.error(f"--layout {args.layout} sets the position encoding of every layer; drop --position_encoding")
+    if args.layout is not None and args.layer_types is not None:
+        parser.error(f"--layout {args.layout} sets the layers' types; drop --layer_types")
     flag_fields = ["position_encoding", "layout", "sliding_window", "attention_chunk_size", "attention_normalizer"]
     flag_fields += list(MODEL_SIZE_DEFAULTS)
     flag_fields += ["intermediate_size"]
-    flag_fields += ["dropout", "initializer_range"]
+    flag_fields += ["dropout", "initializer_range", "canon_layers", "canon_kernel_size", "layer_types"]
     if args.config_name is not None and args.model_name_or_path is not None:
         parser.error("give --model_name_or_path (continue a checkpoint) or --config_name (a new model), not both")
     if args.config_name is not None or args.model_name_or_path is not None:
@@ -214,6 +216,7 @@ def build_config(args: argparse.Namespace, vocab_size: int, pad_token_id: int, e
     else:
         layout = {"position_encoding": args.position_encoding, "sliding_window": args.sliding_window}
         layout["attention_chunk_size"] = args.attention_chunk_size
+        layout["layer_types"] = args.layer_types
     common = dict(
         **layout,
         attention_normalizer=args.attention_normalizer,

@@ -5,6 +5,7 @@ seeds), with the training curve a report draws."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -46,6 +47,15 @@ def spec_argument(text: str) -> str:
     return json.dumps(parse_scheme(text)) if ":" in text else text
 
 
+def layers_description(args: argparse.Namespace) -> str:
+    """The depth for a report's recipe line, with ``--layer_types`` where given (``4 layers (linear_attention x3,
+    full_attention)``)."""
+    if args.layer_types is None:
+        return f"{args.num_hidden_layers} layers"
+    runs = [(kind, len(list(group))) for kind, group in itertools.groupby(args.layer_types)]
+    return f"{args.num_hidden_layers} layers ({', '.join(kind if n == 1 else f'{kind} x{n}' for kind, n in runs)})"
+
+
 def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:
     """The pretraining command line of one run: every model and training flag of compare's (its
     :data:`~hf_posenc_recipes.parsers.common.MODEL_FLAGS` and ``TRAINING_FLAGS``, given or at compare's default),
@@ -62,7 +72,8 @@ def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[st
     argv += ["--attention_normalizer", spec_argument(normalizer)]
     for flag in ("block_size", *MODEL_FLAGS, *TRAINING_FLAGS):
         value = seed if flag == "seed" else getattr(args, flag)
-        argv += [f"--{flag}", str(value)] if value is not None else []
+        if value is not None:
+            argv += [f"--{flag}", *map(str, value)] if isinstance(value, list) else [f"--{flag}", str(value)]
     argv += ["--reference_init", str(args.reference_init).lower(), "--threads", str(args.threads)]
     if args.with_tracking:
         argv += ["--with_tracking", "--report_to", args.report_to]

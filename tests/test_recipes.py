@@ -624,6 +624,48 @@ def test_pretrain_and_compare_take_a_hybrid_preset(tmp_path, capsys):
     assert "layout 'qwen3_next' puts its first attention layer at layer 3" in capsys.readouterr().err
 
 
+def test_compare_hands_layer_types_to_every_run_and_its_report(tmp_path, capsys):
+    """``compare --layer_types``: each run's pretraining builds those layers with the run's scheme on the attention
+    layers, the report's recipe line names them; with ``--layouts`` (which set their own) or in pretrain beside
+    ``--layout`` or ``--config_name`` it stops, naming the flags."""
+    try:
+        check_linear_attention_support()
+    except ValueError as error:
+        pytest.skip(str(error))
+    hybrid = ["linear_attention"] * 3 + ["full_attention"]
+    args = compare.parse_args(
+        [
+            "--schemes",
+            "none",
+            "fox",
+            "--layer_types",
+            *hybrid,
+            "--num_hidden_layers",
+            "4",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
+    argv = reporting.recipe_argv(args, ("clm", "fox", "softmax", 0), tmp_path / "run")
+    run_args = pretrain_recipe.parse_args(argv)
+    config = pretrain_recipe.build_config(run_args, 384, 0, 1)
+    assert config.layer_types == hybrid and config.position_encoding["type"] == "fox"
+    assert reporting.layers_description(args) == "4 layers (linear_attention x3, full_attention)"
+    for argv, message in (
+        (["--schemes", "rope", "--layouts", "smollm3", "--layer_types", *hybrid], "--layouts smollm3 set their"),
+    ):
+        with pytest.raises(SystemExit):
+            compare.parse_args([*argv, "--num_hidden_layers", "4", "--output_dir", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    for argv, message in (
+        (["--layout", "smollm3"], "--layout smollm3 sets the layers' types; drop --layer_types"),
+        (["--config_name", "gpt2"], "--config_name fixes the model; drop --layer_types"),
+    ):
+        with pytest.raises(SystemExit):
+            pretrain_recipe.parse_args([*argv, "--layer_types", *hybrid, "--output_dir", str(tmp_path)])
+        assert message in capsys.readouterr().err
+
+
 def test_pretrain_builds_llama4s_chunked_layout_and_compare_passes_the_chunk(tmp_path):
     """``pretrain --layout irope --attention_chunk_size``: Llama 4's layer_types (chunked rope layers); without
     the size, or in an encoder, it stops; ``--attention_chunk_size`` alone makes every layer chunked; compare hands

@@ -294,6 +294,14 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
         "default": None,
         "help": "the canon layers' kernel size (when None: 4; needs --canon_layers)",
     },
+    "layer_types": {
+        "nargs": "+",
+        "choices": ["full_attention", "sliding_attention", "chunked_attention", "linear_attention"],
+        "default": None,
+        "help": "one per layer, as Transformers' config.layer_types: full_attention, sliding_attention (with "
+        "--sliding_window), chunked_attention (with --attention_chunk_size) or linear_attention (a gated-DeltaNet "
+        "layer of a hybrid decoder; the scheme acts on the attention layers); when None: full attention everywhere",
+    },
     "attn_implementation": {
         "choices": ["eager", "sdpa", "flex_attention"],
         "default": None,
@@ -330,7 +338,7 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
 parser."""
 
 MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "dropout")
-MODEL_FLAGS += ("initializer_range", "canon_layers", "canon_kernel_size", "attn_implementation")
+MODEL_FLAGS += ("initializer_range", "canon_layers", "canon_kernel_size", "layer_types", "attn_implementation")
 TRAINING_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "learning_rate", "weight_decay")
 TRAINING_FLAGS += ("adam_beta1", "adam_beta2", "max_grad_norm", "lr_scheduler_type", "num_warmup_steps")
 TRAINING_FLAGS += ("max_train_steps", "eval_steps", "seed", "randomized_positions")

@@ -98,6 +98,7 @@ card (README.md), results.json, train_log.jsonl and training_args.json.
         "--layout, every layer",
     )
     add_flags(model, ("intermediate_size", "dropout", "initializer_range", "canon_layers", "canon_kernel_size"))
+    add_flags(model, ("layer_types",))
     add_reference_init_flags(parser, model)
     add_flags(model, ("attn_implementation",))
     train = parser.add_argument_group("training")
