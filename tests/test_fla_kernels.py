@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model, random_ids, with_cache
+from conftest import cache_of, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
-from hf_posenc import fla_kernels
+from hf_posenc import fla_kernels, linear_attention
 
 
 COMBINATIONS = [
@@ -191,6 +191,149 @@ def test_walls_decays_past_the_kernels_clamp_and_heads_past_256_fall_back(stand_
 def test_nothing_is_tried_off_cuda():
     assert not fla_kernels.fla_runs_on(torch.device("cpu"))
     assert fla_kernels.fla_runs_on(torch.device("cuda"))
+
+
+HYBRID = ["linear_attention"] * 3 + ["full_attention"]
+DELTA_SPEC = {
+    "type": "gated_deltanet",
+    "num_key_heads": 2,
+    "num_value_heads": 4,
+    "key_head_dim": 8,
+    "value_head_dim": 6,
+}
+
+
+def hybrid(**overrides):
+    return make_model("gpt2", "rope", n_layer=4, layer_types=HYBRID, linear_attention=DELTA_SPEC, **overrides)
+
+
+def delta_rule_inputs(seq=7, k_dim=8, v_dim=6, dtype=torch.float32, grad=False):
+    """q, k ``(2, seq, 2, k_dim)``, v ``(2, seq, 4, v_dim)``, g, beta ``(2, seq, 4)`` and a state."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(2, seq, 2, k_dim, generator=generator),
+        torch.randn(2, seq, 2, k_dim, generator=generator),
+        torch.randn(2, seq, 4, v_dim, generator=generator),
+        -torch.rand(2, seq, 4, generator=generator),
+        torch.rand(2, seq, 4, generator=generator),
+        torch.randn(2, 4, k_dim, v_dim, generator=generator),
+    ]
+    tensors = [x.to(dtype) if i in (0, 1, 2, 4) else x for i, x in enumerate(tensors)]  # g and the state: float32
+    return [x.requires_grad_(grad) for x in tensors]
+
+
+@pytest.fixture
+def delta_stand_in(monkeypatch):
+    """fla's two gated-delta-rule kernels replaced by recorders computing the library's torch rule from the
+    arguments they get (fla's semantics: q and k l2-normalised in the kernel, ``scale`` on q), tried on the CPU."""
+    calls = []
+
+    def kernel(name, rule):
+        def run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            state = None if initial_state is None else initial_state.clone()
+            calls.append((name, q.shape, v.shape, scale, state, output_final_state, use_qk_l2norm_in_kernel))
+            assert scale == q.shape[-1] ** -0.5  # the torch rule's (and fla's default): Qwen3-Next passes none
+            return rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+
+        return run
+
+    module = SimpleNamespace(
+        chunk_gated_delta_rule=kernel("chunk", linear_attention.chunk_gated_delta_rule),
+        fused_recurrent_gated_delta_rule=kernel("recurrent", linear_attention.recurrent_gated_delta_rule),
+    )
+    monkeypatch.setattr(fla_kernels, "fla_runs_on", lambda device: True)
+    monkeypatch.setattr(fla_kernels, "fla_module", {"gated_delta_rule": module}.get)
+    fla_kernels.warn_fla_fallback.cache_clear()
+    return calls
+
+
+def test_a_hybrids_prefill_and_decoding_steps_reach_flas_delta_rule_kernels_as_qwen3_next_calls_them(
+    delta_stand_in, monkeypatch
+):
+    """Each linear layer's prefill calls fla's ``chunk_gated_delta_rule`` and each one-token step with the cache
+    its ``fused_recurrent_gated_delta_rule``, as Qwen3-Next: q, k ``(batch, len, key_heads, key_head_dim)``, v
+    ``(batch, len, value_heads, value_head_dim)``, the scale ``1 / sqrt(key_head_dim)``, l2 norm in the kernel, the
+    cache's state as the initial state (none at the prefill) and the final state asked for with a cache; a forward
+    without a cache asks for none. The stand-in computing the torch rule, the logits are the torch path's."""
+    model = hybrid()
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        prefill = model(ids[:, :7], use_cache=True)
+        cache = cache_of(prefill)
+        states = [layer.recurrent_states[0].clone() for layer in cache.layers[:3]]
+        step = model(ids[:, 7:8], **with_cache(cache), use_cache=True)
+        model(ids, use_cache=False)
+    prefill_shapes = (torch.Size([2, 7, 2, 8]), torch.Size([2, 7, 4, 6]))
+    assert [call[:3] for call in delta_stand_in[:3]] == [("chunk", *prefill_shapes)] * 3
+    assert [call[:3] for call in delta_stand_in[3:6]] == [
+        ("recurrent", torch.Size([2, 1, 2, 8]), torch.Size([2, 1, 4, 6]))
+    ] * 3
+    assert [call[:3] for call in delta_stand_in[6:]] == [
+        ("chunk", torch.Size([2, 9, 2, 8]), torch.Size([2, 9, 4, 6]))
+    ] * 3
+    assert all(call[3] == 8**-0.5 and call[6] is True for call in delta_stand_in)
+    assert [call[4] for call in delta_stand_in[:3] + delta_stand_in[6:]] == [None] * 6
+    for call, state in zip(delta_stand_in[3:6], states, strict=True):
+        assert torch.equal(call[4], state)  # the state the prefill left in the cache
+    assert [call[5] for call in delta_stand_in] == [True] * 6 + [False] * 3
+    monkeypatch.setattr(fla_kernels, "fla_runs_on", lambda device: False)
+    with torch.no_grad():
+        torch_prefill = model(ids[:, :7], use_cache=True)
+        torch_step = model(ids[:, 7:8], **with_cache(cache_of(torch_prefill)), use_cache=True)
+    torch.testing.assert_close(prefill.logits, torch_prefill.logits, atol=0, rtol=0)
+    torch.testing.assert_close(step.logits, torch_step.logits, atol=0, rtol=0)
+
+
+def test_off_cuda_the_delta_rule_never_tries_fla_and_warns_nothing(monkeypatch, caplog):
+    """On the CPU (fla installed or not) the torch rule runs, silently: fla's kernels are not even looked up."""
+    looked_up = []
+    monkeypatch.setattr(fla_kernels, "fla_module", lambda name: looked_up.append(name))
+    fla_kernels.warn_fla_fallback.cache_clear()
+    model = hybrid()
+    with caplog.at_level("WARNING", logger="hf_posenc"), torch.no_grad():
+        cache = cache_of(model(random_ids(2, 5), use_cache=True))
+        model(random_ids(2, 1), **with_cache(cache), use_cache=True)
+    q, k, v, g, beta, state = delta_rule_inputs()
+    assert fla_kernels.fla_gated_delta_rule(q, k, v, g, beta, state, True, step=False) is None
+    assert looked_up == [] and "fused kernel" not in caplog.text
+
+
+def test_delta_rule_inputs_the_kernels_do_not_take_fall_back_with_a_warning_naming_why(
+    delta_stand_in, monkeypatch, caplog
+):
+    """The torch rule runs, with one WARNING per reason: a decoding step with gradients (fla's fused recurrent
+    kernel has no backward), a key head over 256 (the chunked kernel's tile; a step takes it), float64, 16-bit
+    gradients with an odd head size (fla's backward asserts even ones; without gradients the kernel takes it),
+    fla-core missing (the warning says how to install it). What falls back gives the torch rule's numbers."""
+    rule = fla_kernels.fla_gated_delta_rule
+    with caplog.at_level("WARNING", logger="hf_posenc"):
+        q, k, v, g, beta, state = delta_rule_inputs(seq=1, grad=True)
+        assert rule(q, k, v, g, beta, state, True, step=True) is None
+        assert rule(q, k, v, g, beta, state, True, step=False) is not None  # the chunked kernel has a backward
+        with torch.no_grad():
+            assert rule(q, k, v, g, beta, state, True, step=True) is not None
+            q, k, v, g, beta, state = delta_rule_inputs(k_dim=264)
+            assert rule(q, k, v, g, beta, state, True, step=False) is None
+            assert rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state, True, step=True) is not None
+            q, k, v, g, beta, state = delta_rule_inputs(dtype=torch.float64)
+            assert rule(q, k, v, g, beta, state, True, step=False) is None
+            q, k, v, g, beta, state = delta_rule_inputs(v_dim=5, dtype=torch.bfloat16)
+            assert rule(q, k, v, g, beta, state, True, step=False) is not None
+        q, k, v, g, beta, state = delta_rule_inputs(v_dim=5, dtype=torch.bfloat16, grad=True)
+        assert rule(q, k, v, g, beta, state, True, step=False) is None
+        monkeypatch.setattr(fla_kernels, "fla_module", lambda name: None)
+        q, k, v, g, beta, state = delta_rule_inputs()
+        got = linear_attention.gated_delta_rule(q, k, v, g, beta, state, True)
+    want = linear_attention.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len(delta_stand_in) == 4
+    prefix = "runs the library's path instead of fla's fused kernel: "
+    assert f"gated_deltanet decoding step {prefix}gradients through a decoding step" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}key_head_dim 264 (the kernel takes at most 256)" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}torch.float64" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}torch.bfloat16 with gradients and an odd head size" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}fla-core is not installed (pip install fla-core" in caplog.text
 
 
 INTERPRETED = textwrap.dedent(
