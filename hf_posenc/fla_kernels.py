@@ -3,7 +3,9 @@
 Tan et al.'s kernel), ``path`` with softmax, with or without its forget gate (``fla.ops.path_attn``, the PaTH
 authors' kernel), and ``wall`` with softmax, with or without its scalar gate (``fla.ops.wall_attn``, Tilde
 Research's kernel). Each keeps O(n) memory and computes the weights tile by tile, where the library's own path builds
-``(batch, heads, q, k)`` tensors in query chunks.
+``(batch, heads, q, k)`` tensors in query chunks. And the gated delta rule of the ``gated_deltanet`` linear-attention
+layers (:func:`fla_gated_delta_rule`): ``fla.ops.gated_delta_rule``'s chunked kernel for a prefill and its fused
+recurrent one for a decoding step, called as Transformers' Qwen3-Next calls them.
 
 Used on CUDA, when ``fla`` and ``triton`` import, for the forwards whose semantics the kernel has: every query sees
 exactly the keys at and before it in index order (no padding, no cached keys, positions increasing along the
@@ -32,6 +34,9 @@ logger = logging.get_logger(__name__)
 FLA_REQUIREMENT = "fla-core==0.6.0"
 FLA_HEAD_DIMS = (16, 32, 64, 128)
 """The head sizes ``fla.ops.path_attn.parallel_path_attn`` takes."""
+FLA_DELTA_RULE_MAX_KEY_DIM = 256
+"""``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` holds a key head in one tile of at most 256 (its state kernels
+assert it, ``fla/ops/common/chunk_delta_h.py``)."""
 FLA_WALL_MAX_HEAD_DIM = 256
 """``fla.ops.wall_attn.parallel_wall_attn`` takes any head size up to one tile of 256 (masked to the head)."""
 WALL_BLOCK = 64
@@ -201,3 +206,61 @@ def fla_attention(
             for value in values
         ]
     return [output.transpose(1, 2) for output in outputs]
+
+
+def fla_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    step: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The gated delta rule by fla's kernels, with the inputs and returns of ``linear_attention``'s torch rules (q, k
+    ``(batch, seq, key_heads, key_head_dim)``, v ``(batch, seq, value_heads, value_head_dim)``, g and beta ``(batch,
+    seq, value_heads)``, the state ``(batch, value_heads, key_head_dim, value_head_dim)``): ``step`` (a one-token
+    decoding step from a state) by ``fused_recurrent_gated_delta_rule``, anything else by ``chunk_gated_delta_rule``,
+    each called as Transformers' Qwen3-Next calls it (q and k l2-normalised in the kernel, the scale
+    ``1 / sqrt(key_head_dim)``, the initial state from the cache, the final state returned where asked; no
+    ``cu_seqlens``). None where the library's torch rule runs: off CUDA, traced or of fake tensors (silently), or an
+    input the kernel does not take (a warning, once per reason). Padding needs no refusal: the layer zeroes padding
+    tokens before its projections, so both paths see the same inputs."""
+    if not fla_runs_on(query.device) or torch.compiler.is_compiling() or isinstance(query, FakeTensor):
+        return None  # a fake tensor (a traced or fake-CUDA forward) has no data for a Triton launch
+    module = fla_module("gated_delta_rule")
+    backward = torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in (query, key, value, g, beta, initial_state)
+    )
+    k_dim, v_dim = key.shape[-1], value.shape[-1]
+    if module is None:
+        reason = f"fla-core is not installed (pip install {FLA_REQUIREMENT}, or 'hf_posenc[fla]')"
+    elif query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reason = f"{query.dtype} (the kernel computes in float32, float16 or bfloat16)"
+    elif step and backward:
+        reason = "gradients through a decoding step (fla's fused recurrent kernel has no backward)"
+    elif not step and k_dim > FLA_DELTA_RULE_MAX_KEY_DIM:
+        reason = f"key_head_dim {k_dim} (the kernel takes at most {FLA_DELTA_RULE_MAX_KEY_DIM})"
+    elif not step and backward and query.dtype != torch.float32 and (k_dim % 2 or v_dim % 2):
+        reason = (
+            f"{query.dtype} with gradients and an odd head size (key {k_dim}, value {v_dim}; fla's backward "
+            "takes even ones in 16 bits)"
+        )
+    else:
+        reason = None
+    if reason is not None:
+        warn_fla_fallback("gated_deltanet " + ("decoding step" if step else "chunked rule"), reason)
+        return None
+    kernel = module.fused_recurrent_gated_delta_rule if step else module.chunk_gated_delta_rule
+    return kernel(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        scale=k_dim**-0.5,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+    )

@@ -16,9 +16,13 @@ Networks", arXiv 2412.06464): for a token ``t``
 per value head (a key head serves ``num_value_heads / num_key_heads`` value heads). A prefill runs the chunked form of
 the rule (:func:`chunk_gated_delta_rule`), a one-token decoding step the recurrent one
 (:func:`recurrent_gated_delta_rule`); both are this library's torch code, written after Transformers' functions of
-the same names, so a saved model loads as remote code with only transformers and torch. Padding tokens are zeroed
-before the projections (Qwen3-Next's ``apply_mask_to_padding_states``): with no bias they add nothing to the states,
-so a left-padded row equals the row alone.
+the same names, so a saved model loads as remote code with only transformers and torch. On CUDA with fla-core
+installed, :func:`gated_delta_rule` runs each form by fla's kernel as Qwen3-Next does (``chunk_gated_delta_rule``,
+``fused_recurrent_gated_delta_rule``; ``fla_kernels.fla_gated_delta_rule``); the torch rules stay the reference and
+run any input those kernels do not take (warned once per reason). The short convolution stays on torch (Qwen3-Next's
+``causal_conv1d`` kernels are not used). Padding tokens are zeroed before the projections (Qwen3-Next's
+``apply_mask_to_padding_states``): with no bias they add nothing to the states, so a left-padded row equals the row
+alone.
 
 A second kind (Mamba2, KDA) is one more :class:`LinearAttentionKind` subclass in :data:`LINEAR_ATTENTIONS`: its
 options, its module, and the same cache calls (``update_conv_state`` / ``update_recurrent_state``).
@@ -34,6 +38,7 @@ from torch.nn import functional as F
 from transformers import initialization as init
 
 from .absolute_encodings import padding_keep
+from .fla_kernels import fla_gated_delta_rule
 from .options import ALONG_THE_SEQUENCE, CatalogueEntry, Option, resolve_spec
 
 
@@ -148,6 +153,27 @@ def recurrent_gated_delta_rule(
         outputs.append((state * query[:, :, t, :, None]).sum(dim=-2))
     output = torch.stack(outputs, dim=2).transpose(1, 2).contiguous().to(dtype)
     return output, state if output_final_state else None
+
+
+def gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rule as a layer runs it (same shapes and returns as :func:`chunk_gated_delta_rule`, q and k l2-normalised):
+    a one-token step from a state in the recurrent form, anything else in the chunked form; by fla's kernel for that
+    form where :func:`fla_kernels.fla_gated_delta_rule` takes the inputs (CUDA, fla-core installed), else by this
+    library's torch code."""
+    step = initial_state is not None and query.shape[1] == 1
+    fused = fla_gated_delta_rule(query, key, value, g, beta, initial_state, output_final_state, step=step)
+    if fused is not None:
+        return fused
+    rule = recurrent_gated_delta_rule if step else chunk_gated_delta_rule
+    return rule(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state)
 
 
 class GatedRMSNorm(nn.Module):
@@ -388,8 +414,9 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
-        rule = recurrent_gated_delta_rule if state is not None and seq_len == 1 else chunk_gated_delta_rule
-        output, state = rule(query, key, value, g, beta, initial_state=state, output_final_state=cache is not None)
+        output, state = gated_delta_rule(
+            query, key, value, g, beta, initial_state=state, output_final_state=cache is not None
+        )
         if cache is not None:
             cache.update_recurrent_state(state, self.layer_idx)
         output = self.norm(output.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model, random_ids, with_cache
+from conftest import cache_of, make_model, random_ids, with_cache
 from torch.nn import functional as F
 
-from hf_posenc import fla_kernels
+from hf_posenc import fla_kernels, linear_attention
 
 
 COMBINATIONS = [
@@ -193,7 +193,150 @@ def test_nothing_is_tried_off_cuda():
     assert fla_kernels.fla_runs_on(torch.device("cuda"))
 
 
-INTERPRETED = textwrap.dedent(
+HYBRID = ["linear_attention"] * 3 + ["full_attention"]
+DELTA_SPEC = {
+    "type": "gated_deltanet",
+    "num_key_heads": 2,
+    "num_value_heads": 4,
+    "key_head_dim": 8,
+    "value_head_dim": 6,
+}
+
+
+def hybrid(**overrides):
+    return make_model("gpt2", "rope", n_layer=4, layer_types=HYBRID, linear_attention=DELTA_SPEC, **overrides)
+
+
+def delta_rule_inputs(seq=7, k_dim=8, v_dim=6, dtype=torch.float32, grad=False):
+    """q, k ``(2, seq, 2, k_dim)``, v ``(2, seq, 4, v_dim)``, g, beta ``(2, seq, 4)`` and a state."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(2, seq, 2, k_dim, generator=generator),
+        torch.randn(2, seq, 2, k_dim, generator=generator),
+        torch.randn(2, seq, 4, v_dim, generator=generator),
+        -torch.rand(2, seq, 4, generator=generator),
+        torch.rand(2, seq, 4, generator=generator),
+        torch.randn(2, 4, k_dim, v_dim, generator=generator),
+    ]
+    tensors = [x.to(dtype) if i in (0, 1, 2, 4) else x for i, x in enumerate(tensors)]  # g and the state: float32
+    return [x.requires_grad_(grad) for x in tensors]
+
+
+@pytest.fixture
+def delta_stand_in(monkeypatch):
+    """fla's two gated-delta-rule kernels replaced by recorders computing the library's torch rule from the
+    arguments they get (fla's semantics: q and k l2-normalised in the kernel, ``scale`` on q), tried on the CPU."""
+    calls = []
+
+    def kernel(name, rule):
+        def run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            state = None if initial_state is None else initial_state.clone()
+            calls.append((name, q.shape, v.shape, scale, state, output_final_state, use_qk_l2norm_in_kernel))
+            assert scale == q.shape[-1] ** -0.5  # the torch rule's (and fla's default): Qwen3-Next passes none
+            return rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+
+        return run
+
+    module = SimpleNamespace(
+        chunk_gated_delta_rule=kernel("chunk", linear_attention.chunk_gated_delta_rule),
+        fused_recurrent_gated_delta_rule=kernel("recurrent", linear_attention.recurrent_gated_delta_rule),
+    )
+    monkeypatch.setattr(fla_kernels, "fla_runs_on", lambda device: True)
+    monkeypatch.setattr(fla_kernels, "fla_module", {"gated_delta_rule": module}.get)
+    fla_kernels.warn_fla_fallback.cache_clear()
+    return calls
+
+
+def test_a_hybrids_prefill_and_decoding_steps_reach_flas_delta_rule_kernels_as_qwen3_next_calls_them(
+    delta_stand_in, monkeypatch
+):
+    """Each linear layer's prefill calls fla's ``chunk_gated_delta_rule`` and each one-token step with the cache
+    its ``fused_recurrent_gated_delta_rule``, as Qwen3-Next: q, k ``(batch, len, key_heads, key_head_dim)``, v
+    ``(batch, len, value_heads, value_head_dim)``, the scale ``1 / sqrt(key_head_dim)``, l2 norm in the kernel, the
+    cache's state as the initial state (none at the prefill) and the final state asked for with a cache; a forward
+    without a cache asks for none. The stand-in computing the torch rule, the logits are the torch path's."""
+    model = hybrid()
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        prefill = model(ids[:, :7], use_cache=True)
+        cache = cache_of(prefill)
+        states = [layer.recurrent_states[0].clone() for layer in cache.layers[:3]]
+        step = model(ids[:, 7:8], **with_cache(cache), use_cache=True)
+        model(ids, use_cache=False)
+    prefill_shapes = (torch.Size([2, 7, 2, 8]), torch.Size([2, 7, 4, 6]))
+    assert [call[:3] for call in delta_stand_in[:3]] == [("chunk", *prefill_shapes)] * 3
+    assert [call[:3] for call in delta_stand_in[3:6]] == [
+        ("recurrent", torch.Size([2, 1, 2, 8]), torch.Size([2, 1, 4, 6]))
+    ] * 3
+    assert [call[:3] for call in delta_stand_in[6:]] == [
+        ("chunk", torch.Size([2, 9, 2, 8]), torch.Size([2, 9, 4, 6]))
+    ] * 3
+    assert all(call[3] == 8**-0.5 and call[6] is True for call in delta_stand_in)
+    assert [call[4] for call in delta_stand_in[:3] + delta_stand_in[6:]] == [None] * 6
+    for call, state in zip(delta_stand_in[3:6], states, strict=True):
+        assert torch.equal(call[4], state)  # the state the prefill left in the cache
+    assert [call[5] for call in delta_stand_in] == [True] * 6 + [False] * 3
+    monkeypatch.setattr(fla_kernels, "fla_runs_on", lambda device: False)
+    with torch.no_grad():
+        torch_prefill = model(ids[:, :7], use_cache=True)
+        torch_step = model(ids[:, 7:8], **with_cache(cache_of(torch_prefill)), use_cache=True)
+    torch.testing.assert_close(prefill.logits, torch_prefill.logits, atol=0, rtol=0)
+    torch.testing.assert_close(step.logits, torch_step.logits, atol=0, rtol=0)
+
+
+def test_off_cuda_the_delta_rule_never_tries_fla_and_warns_nothing(monkeypatch, caplog):
+    """On the CPU (fla installed or not) the torch rule runs, silently: fla's kernels are not even looked up."""
+    looked_up = []
+    monkeypatch.setattr(fla_kernels, "fla_module", lambda name: looked_up.append(name))
+    fla_kernels.warn_fla_fallback.cache_clear()
+    model = hybrid()
+    with caplog.at_level("WARNING", logger="hf_posenc"), torch.no_grad():
+        cache = cache_of(model(random_ids(2, 5), use_cache=True))
+        model(random_ids(2, 1), **with_cache(cache), use_cache=True)
+    q, k, v, g, beta, state = delta_rule_inputs()
+    assert fla_kernels.fla_gated_delta_rule(q, k, v, g, beta, state, True, step=False) is None
+    assert looked_up == [] and "fused kernel" not in caplog.text
+
+
+def test_delta_rule_inputs_the_kernels_do_not_take_fall_back_with_a_warning_naming_why(
+    delta_stand_in, monkeypatch, caplog
+):
+    """The torch rule runs, with one WARNING per reason: a decoding step with gradients (fla's fused recurrent
+    kernel has no backward), a key head over 256 (the chunked kernel's tile; a step takes it), float64, 16-bit
+    gradients with an odd head size (fla's backward asserts even ones; without gradients the kernel takes it),
+    fla-core missing (the warning says how to install it). What falls back gives the torch rule's numbers."""
+    rule = fla_kernels.fla_gated_delta_rule
+    with caplog.at_level("WARNING", logger="hf_posenc"):
+        q, k, v, g, beta, state = delta_rule_inputs(seq=1, grad=True)
+        assert rule(q, k, v, g, beta, state, True, step=True) is None
+        assert rule(q, k, v, g, beta, state, True, step=False) is not None  # the chunked kernel has a backward
+        with torch.no_grad():
+            assert rule(q, k, v, g, beta, state, True, step=True) is not None
+            q, k, v, g, beta, state = delta_rule_inputs(k_dim=264)
+            assert rule(q, k, v, g, beta, state, True, step=False) is None
+            assert rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state, True, step=True) is not None
+            q, k, v, g, beta, state = delta_rule_inputs(dtype=torch.float64)
+            assert rule(q, k, v, g, beta, state, True, step=False) is None
+            q, k, v, g, beta, state = delta_rule_inputs(v_dim=5, dtype=torch.bfloat16)
+            assert rule(q, k, v, g, beta, state, True, step=False) is not None
+        q, k, v, g, beta, state = delta_rule_inputs(v_dim=5, dtype=torch.bfloat16, grad=True)
+        assert rule(q, k, v, g, beta, state, True, step=False) is None
+        monkeypatch.setattr(fla_kernels, "fla_module", lambda name: None)
+        q, k, v, g, beta, state = delta_rule_inputs()
+        got = linear_attention.gated_delta_rule(q, k, v, g, beta, state, True)
+    want = linear_attention.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len(delta_stand_in) == 4
+    prefix = "runs the library's path instead of fla's fused kernel: "
+    assert f"gated_deltanet decoding step {prefix}gradients through a decoding step" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}key_head_dim 264 (the kernel takes at most 256)" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}torch.float64" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}torch.bfloat16 with gradients and an odd head size" in caplog.text
+    assert f"gated_deltanet chunked rule {prefix}fla-core is not installed (pip install fla-core" in caplog.text
+
+
+INTERPRETER_SETUP = textwrap.dedent(
     """
     import json, os, sys, traceback
     os.environ["TRITON_INTERPRET"] = "1"
@@ -246,6 +389,13 @@ INTERPRETED = textwrap.dedent(
         return cast(self, src, dst_type)
 
     builder.create_dot, builder.binary_op, builder.cast_impl = create_dot, binary_op, cast_impl
+    """
+)
+"""The start of a script that runs fla's kernels in Triton's interpreter: the autotuner given its first config, the
+interpreter's bf16 arithmetic made the GPU's."""
+
+INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
     from conftest import make_model, random_ids
     from hf_posenc import fla_kernels
 
@@ -320,15 +470,14 @@ and 0.15 here (``wall`` and with the scalar gate), 0.01 to 0.03 with that variab
 error."""
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """One Python running fla's kernels in Triton's interpreter for every case this process tests: importing fla
-    there (its kernels built for the interpreter) takes most of a case's time. ``interpreted(scheme, normalizer,
-    dtype)`` sends it a case and returns its result."""
+def interpreter_process(script: str, tmp_path_factory):
+    """A Python running ``script`` (cases read as JSON lines, a ``result:`` line each) in Triton's interpreter, and a
+    function sending it a case and returning its result; importing fla there (its kernels built for the interpreter)
+    takes most of a case's time, so one process serves every case of a module."""
     log = tmp_path_factory.mktemp("interpreter") / "stderr.txt"
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-c", INTERPRETED],
+            [sys.executable, "-c", script],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -336,8 +485,8 @@ def interpreted(tmp_path_factory):
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
 
-    def interpreted_case(scheme: str, normalizer: str, dtype: str) -> dict:
-        process.stdin.write(json.dumps([scheme, normalizer, dtype]) + "\n")
+    def interpreted_case(*case: str | bool) -> dict:
+        process.stdin.write(json.dumps(case) + "\n")
         process.stdin.flush()
         watchdog = threading.Timer(1200, process.kill)  # a case that hangs ends the process, and fails
         watchdog.start()
@@ -351,6 +500,13 @@ def interpreted(tmp_path_factory):
             watchdog.cancel()
         pytest.fail(f"the interpreter process stopped: {log.read_text()[-3000:]}")
 
+    return process, interpreted_case
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """``interpreted(scheme, normalizer, dtype)``: a GPT-2 case of :data:`INTERPRETED` run in the interpreter."""
+    process, interpreted_case = interpreter_process(INTERPRETED, tmp_path_factory)
     yield interpreted_case
     process.stdin.close()
     process.wait(timeout=60)
@@ -388,4 +544,200 @@ def test_flas_kernels_in_tritons_interpreter_equal_the_eager_path(scheme, normal
         allowed = max(tolerance, 1.5 * result["own"].get(name, 0.0))
         if dtype == "bfloat16" and ".g_proj." in name:
             allowed = WALL_GATES_BF16
+        assert error <= allowed, (name, error, allowed)
+
+
+DELTA_RULE_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
+    import ast
+
+    # Compiled, the index of a `range` loop is a tensor (fla's state kernels call `i_t.to(tl.int64)` on it);
+    # interpreted it is a Python int. Each such loop now starts by making it one, as an assignment in a kernel does.
+    def visit_for(self, node):
+        self.generic_visit(node)
+        call = node.iter
+        func = getattr(call, "func", None)
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if isinstance(call, ast.Call) and name == "range" and isinstance(node.target, ast.Name):
+            to_tensor = ast.Attribute(ast.Name("interpreter_semantic", ast.Load()), "to_tensor", ast.Load())
+            value = ast.Call(to_tensor, [ast.Name(node.target.id, ast.Load()), ast.Constant(False)], [])
+            node.body.insert(0, ast.Assign([ast.Name(node.target.id, ast.Store())], value))
+            ast.fix_missing_locations(node)
+        return node
+
+    interp.ASTTransformer.visit_For = visit_for
+
+    # Reductions and scans of bf16 (fla's `tl.sum(b_h * b_dh)`): the interpreter sums the bit patterns as integers; as
+    # on the GPU they run on the values, here in float32, rounded to bf16
+    reduce_or_scan = interp.ReduceScanOpInterface.apply
+
+    def retyped(x, data, dtype):
+        kind = tl.block_type(dtype, list(x.shape)) if x.shape else dtype
+        return tl.core.tensor(interp.TensorHandle(data, dtype), kind)
+
+    def apply_to_values(self, input):
+        if not isinstance(input, tuple):
+            return apply_to_values(self, (input,))[0]
+        bf16 = [x.dtype.scalar == tl.bfloat16 for x in input]
+        if not any(bf16):
+            return reduce_or_scan(self, input)
+        input = tuple(retyped(x, to_f32(x.handle), tl.float32) if b else x for x, b in zip(input, bf16))
+        output = reduce_or_scan(self, input)
+        return tuple(retyped(y, to_bf16(y.handle.data), tl.bfloat16) if b else y for y, b in zip(output, bf16))
+
+    interp.ReduceScanOpInterface.apply = apply_to_values
+
+    from conftest import make_model, random_ids
+    from hf_posenc import fla_kernels, linear_attention
+
+    calls = []
+    module_of = fla_kernels.fla_module
+    KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+
+    def counted(name):
+        module = module_of(name)
+        return type("Counted", (), {
+            key: staticmethod(lambda *a, _f=getattr(module, key), _key=key, **k: calls.append(_key) or _f(*a, **k))
+            for key in KERNELS
+        })
+
+    fla_kernels.fla_module = counted
+
+
+    def relative_errors(got, want):
+        return {
+            name: float((got[name] - value).abs().max() / max(float(value.abs().max()), 1e-12))
+            for name, value in want.items()
+        }
+
+
+    def rule_case(form, dtype, with_state):
+        # 2 x 70 tokens (a chunk of 64 and a partial one), a key head serving two value heads, heads of 8 and 6;
+        # decoding: 3 one-token steps, each from the state the last left
+        seq = 70 if form == "chunk" else 3
+        generator = torch.Generator().manual_seed(0)
+        shapes = [(2, seq, 1, 8), (2, seq, 1, 8), (2, seq, 2, 6)]
+        q, k, v = (torch.randn(*shape, generator=generator).to(getattr(torch, dtype)) for shape in shapes)
+        g = -2 * torch.rand(2, seq, 2, generator=generator)  # float32, as the layer computes it
+        beta = torch.rand(2, seq, 2, generator=generator).to(q.dtype)
+        state = torch.randn(2, 2, 8, 6, generator=generator) if with_state else None
+        weights = torch.randn(2, seq, 2, 6, generator=generator), torch.randn(2, 2, 8, 6, generator=generator)
+        results = {}
+        for run in ("torch", "fla"):
+            fla_kernels.fla_runs_on = lambda device, run=run: run == "fla"
+            grad = form == "chunk"
+            leaves = [x.detach().clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
+            initial = None if state is None else state.clone().requires_grad_(grad)
+            if grad:
+                output, final = linear_attention.gated_delta_rule(*leaves, initial, output_final_state=True)
+                loss = (output.float() * weights[0]).sum() + (final.float() * weights[1]).sum()
+                loss.backward()
+                names = ("q", "k", "v", "g", "beta", "initial_state")
+                pairs = zip(names, leaves + [initial])
+                grads = {f"grad {name}": x.grad.double() for name, x in pairs if x is not None}
+            else:
+                with torch.no_grad():
+                    outputs, final = [], initial
+                    for t in range(seq):
+                        step = [x[:, t : t + 1] for x in leaves]
+                        output, final = linear_attention.gated_delta_rule(*step, final, output_final_state=True)
+                        outputs.append(output)
+                    output, grads = torch.cat(outputs, 1), {}
+            results[run] = {"output": output.detach().double(), "final state": final.detach().double(), **grads}
+        return {"calls": calls.copy(), "errors": relative_errors(results["fla"], results["torch"])}
+
+
+    def model_case():
+        # a 3:1 PosEnc GPT-2 hybrid: a training step (the chunked kernel, forward and backward, every parameter's
+        # gradient) and greedy generation through the cache (a prefill, then the fused recurrent kernel per step)
+        results = {}
+        ids = random_ids(2, 20)
+        for run in ("torch", "fla"):
+            fla_kernels.fla_runs_on = lambda device, run=run: run == "fla"
+            model = make_model("gpt2", "rope", n_layer=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+            loss = model.train()(ids, labels=ids).loss
+            loss.backward()
+            grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
+            generated = model.eval().generate(
+                ids[:, :6], max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True
+            )
+            scores = torch.stack(generated.scores).double()
+            results[run] = {"loss": loss.detach().double(), "scores": scores, **grads}
+            results[run + " tokens"] = generated.sequences.tolist()
+        tokens = results.pop("torch tokens") == results.pop("fla tokens")
+        return {"calls": calls.copy(), "errors": relative_errors(results["fla"], results["torch"]), "tokens": tokens}
+
+
+    for line in sys.stdin:  # a case (form, dtype, with_state) per line; its result (or traceback) per line
+        try:
+            calls.clear()
+            form, dtype, with_state = json.loads(line)
+            result = model_case() if form == "model" else rule_case(form, dtype, with_state)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        print("result:", json.dumps(result), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def delta_rule_interpreted(tmp_path_factory):
+    """``delta_rule_interpreted(form, dtype, with_state)``: a case of :data:`DELTA_RULE_INTERPRETED`."""
+    process, interpreted_case = interpreter_process(DELTA_RULE_INTERPRETED, tmp_path_factory)
+    yield interpreted_case
+    process.stdin.close()
+    process.wait(timeout=60)
+
+
+DELTA_RULE_BF16 = 2e-2
+"""fla's gated delta rule from bf16 q, k, v and beta against the library's torch rule from the same inputs (float32
+inside): fla rounds the l2-normalised q and k, its chunk's factors and the output to bf16 (0.005 to 0.0075 seen here,
+outputs, states and every gradient)."""
+
+
+DELTA_RULE_GATE_GRADS = 2e-3
+"""The hybrid's gate parameters (``A_log``, ``dt_bias``, ``in_proj_ba``) through fla's chunked kernel in float32: at
+Qwen3-Next's init (``A = exp(A_log)`` up to 16, ~18 nats of decay a token in the first layer) fla's ``dg`` (a
+difference of ``q . dq`` and ``k . dk`` terms, reverse-summed) is 7.4e-4 off a float64 run of the torch rule, where
+the torch rule in float32 is 4.6e-5 off; 4e-6 at the rule tests' decays of at most 2 nats."""
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+    reason="needs fla-core and triton (pip install fla-core==0.6.0 --no-deps einops; torch pins triton)",
+)
+@pytest.mark.parametrize(
+    ("form", "dtype", "with_state"),
+    [
+        ("chunk", "float32", False),
+        ("chunk", "float32", True),
+        ("chunk", "bfloat16", True),
+        ("recurrent", "float32", True),
+        ("recurrent", "bfloat16", True),
+        ("model", "float32", True),
+    ],
+)
+def test_flas_delta_rule_kernels_in_tritons_interpreter_equal_the_torch_rule(
+    form, dtype, with_state, delta_rule_interpreted
+):
+    """fla-core 0.6.0's ``chunk_gated_delta_rule`` (2 x 70 tokens: a chunk and a partial one; a key head serving two
+    value heads of 6, keys of 8; from a state or none) and ``fused_recurrent_gated_delta_rule`` (three one-token
+    steps from a state), run by Triton's interpreter on the CPU through the layer's routing
+    (``linear_attention.gated_delta_rule``), against the library's torch rules on the same inputs: the outputs, the
+    final states and, through the chunked kernel, the gradients of q, k, v, g, beta and the initial state, relative
+    to the largest entry; float32 to 1e-5, bf16 inputs to :data:`DELTA_RULE_BF16`. And a 3:1 hybrid GPT-2 (float32):
+    a training step's loss and every gradient, and greedy generation through the cache: the same tokens, the scores
+    and gradients to 1e-4 (the rounding of four layers, as in the attention kernels' test), the gate parameters' to
+    :data:`DELTA_RULE_GATE_GRADS`."""
+    result = delta_rule_interpreted(form, dtype, with_state)
+    kernel = {"chunk": "chunk_gated_delta_rule", "recurrent": "fused_recurrent_gated_delta_rule"}
+    if form == "model":  # training and the prefill: 3 linear layers x 2; 2 cached steps x 3
+        assert sorted(set(result["calls"])) == list(kernel.values()) and len(result["calls"]) == 12
+        assert result["tokens"]
+    else:
+        assert result["calls"] == [kernel[form]] * (1 if form == "chunk" else 3)
+    tolerance = {"float32": 1e-4 if form == "model" else 1e-5, "bfloat16": DELTA_RULE_BF16}[dtype]
+    for name, error in result["errors"].items():
+        gate = form == "model" and any(part in name for part in (".A_log", ".dt_bias", ".in_proj_ba."))
+        allowed = DELTA_RULE_GATE_GRADS if gate else tolerance
         assert error <= allowed, (name, error, allowed)
