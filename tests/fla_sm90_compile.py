@@ -26,6 +26,7 @@ kernel is compiled here, not read from a cache.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -39,6 +40,8 @@ import types
 
 H100_SHARED_MEMORY = 232448
 """Shared memory a block can opt into on an H100 (bytes): Triton refuses to load a kernel that needs more."""
+H100_REGISTERS = 65536
+"""Registers of an SM, which a block's threads share."""
 CASES = ("chunk", "recurrent", "wall")
 COMPILED: list[dict] = []
 
@@ -117,13 +120,27 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
 
 
+def load_refusal(record: dict) -> str | None:
+    """Why Triton (``CompiledKernel._init_handles``) would refuse to load a compiled kernel on an H100, or None: the
+    shared memory it asks for past the block's opt-in limit; its threads needing more than an SM's registers (ptxas
+    allocates a warp's registers in units of 256)."""
+    if record["shared"] > H100_SHARED_MEMORY:
+        return f"shared memory {record['shared']} > {H100_SHARED_MEMORY}"
+    registers = -(-record["ptxas"]["REG"] * 32 // 256) * 256 * record["num_warps"]
+    if registers > H100_REGISTERS:
+        return f"registers {registers} > {H100_REGISTERS}"
+    return None
+
+
 def compile_instead_of_launching(all_configs: bool) -> None:
-    from triton.runtime.autotuner import Autotuner
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.autotuner import Autotuner, OutOfResources, PTXASError
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
     seen = set()  # the kernels compiled so far (Triton's in-memory cache returns the same object again)
-    autotune = {}  # the config being compiled, of how many
+    autotune = {}  # the autotuned launch and the config being compiled
+    launches = itertools.count()
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         start = time.time()
@@ -136,34 +153,51 @@ def compile_instead_of_launching(all_configs: bool) -> None:
         constexprs = {
             names[k[0]] if len(k) == 1 else str(k): repr(v) for k, v in kernel.src.constants.items() if v is not None
         }
-        COMPILED.append(
-            {
-                "kernel": self.fn.__name__,
-                "module": self.fn.__module__,
-                "stages": [stage for stage in ("ttir", "ttgir", "llir", "ptx", "cubin") if asm.get(stage)],
-                "cubin_bytes": len(asm.get("cubin", b"")),
-                "target": f"{metadata.target.backend} sm_{metadata.target.arch}",
-                "shared": metadata.shared,
-                "num_warps": metadata.num_warps,
-                "num_stages": metadata.num_stages,
-                **({"ptxas": resource_usage(asm["cubin"])} if asm.get("cubin") else {}),
-                "constexprs": {k: v for k, v in constexprs.items() if not v.startswith("<")},
-                "seconds": round(time.time() - start, 2),
-                "again": again,  # the same specialization as an earlier launch: not compiled again
-                **autotune,
-            }
-        )
+        record = {
+            "kernel": self.fn.__name__,
+            "module": self.fn.__module__,
+            "stages": [stage for stage in ("ttir", "ttgir", "llir", "ptx", "cubin") if asm.get(stage)],
+            "cubin_bytes": len(asm.get("cubin", b"")),
+            "target": f"{metadata.target.backend} sm_{metadata.target.arch}",
+            "shared": metadata.shared,
+            "num_warps": metadata.num_warps,
+            "num_stages": metadata.num_stages,
+            "ptxas": resource_usage(asm["cubin"]),
+            "constexprs": {k: v for k, v in constexprs.items() if not v.startswith("<")},
+            "seconds": round(time.time() - start, 2),
+            "again": again,  # the same specialization as an earlier launch: not compiled again
+            **autotune,
+        }
+        record["refused"] = load_refusal(record)
+        COMPILED.append(record)
+        if record["refused"] and autotune:  # as Triton's loader raises it, which the autotuner's benchmark takes
+            raise OutOfResources(metadata.shared, H100_SHARED_MEMORY, record["refused"])
         return kernel
 
     def compile_configs(self, *args, **kwargs):
+        """Compile the configs a GPU would benchmark (after fla's pruning): every one with ``all_configs``, else
+        until one compiles and loads. A config Triton's benchmark would time as infinite (a compile-time assertion,
+        ptxas failing, out of resources at load) is recorded as refused; at least one must not be."""
         self.nargs = dict(zip(self.arg_names, args, strict=False))
         configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
-        chosen = configs if all_configs else configs[:1]
-        for number, config in enumerate(chosen, 1):
-            autotune.update(config=f"{number}/{len(configs)}: {config}")
-            kernel = self.fn.run(*args, **kwargs, **config.all_kwargs())
+        launch = next(launches)
+        kernel = None
+        for number, config in enumerate(configs, 1):
+            autotune.update(launch=launch, config=f"{number}/{len(configs)}: {config}")
+            try:
+                compiled = self.fn.run(*args, **kwargs, **config.all_kwargs())
+            except (OutOfResources, CompileTimeAssertionFailure, PTXASError) as error:
+                if not isinstance(error, OutOfResources):
+                    message = str(error).strip().splitlines()[0]
+                    COMPILED.append({"kernel": self.base_fn.__name__, **autotune, "refused": message})
+                continue
+            kernel = kernel or compiled
+            if not all_configs:
+                break
         autotune.clear()
         self.nargs = None
+        if kernel is None:
+            raise RuntimeError(f"{self.base_fn.__name__}: no config compiles and loads on an H100")
         return kernel
 
     JITFunction.run = compile_only

@@ -4,10 +4,11 @@ its fake H100 must be in place before fla is imported).
 
 The regular suite compiles a representative pair (under a minute on a busy CPU): the gated delta rule's chunked
 kernel, forward and backward, from a state, bf16, the tests' heads (keys of 8, values of 6), and its fused recurrent
-step. ``HF_POSENC_FLA_SM90=1`` compiles every case of :data:`CASES` (about 10 minutes): the chunked kernel in a
+step. ``HF_POSENC_FLA_SM90=1`` compiles every case of :data:`CASES` (about 6 minutes): the chunked kernel in a
 training step, a prefill and from a state, the recurrent step, Wall's kernel with and without its scalar gate,
 float32 and bf16, small and Qwen3-Next-sized heads; ``HF_POSENC_FLA_SM90=all-configs`` also every autotune config of
-each kernel (the first after fla's pruning otherwise)."""
+each kernel (the first after fla's pruning otherwise). ``HF_POSENC_FLA_SM90_REPORT=<file>`` appends each case's
+kernels (stages, shared memory, ptxas's registers and stack, seconds) to ``<file>`` as JSON lines."""
 
 from __future__ import annotations
 
@@ -25,11 +26,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = Path(__file__).with_name("fla_sm90_compile.py")
 MODE = os.environ.get("HF_POSENC_FLA_SM90", "")
-H100_SHARED_MEMORY = 232448
-"""The shared memory a block can opt into on an H100: Triton refuses to load a kernel whose ``metadata.shared`` is
-more (``CompiledKernel._init_handles``)."""
-H100_REGISTERS = 65536
-"""Registers of an SM, which a block's threads share."""
 
 DELTA_RULE_FORWARD = {
     "l2norm_fwd_kernel",
@@ -132,18 +128,25 @@ def test_flas_kernels_compile_to_cubins_for_an_h100(form, dtype, k_dim, v_dim, c
     """Each Triton kernel fla launches for the case (:data:`KERNELS`: the gated delta rule's chunked forward and
     backward and fused recurrent step through ``linear_attention.gated_delta_rule`` -> ``fla_gated_delta_rule``;
     ``parallel_wall_attn`` forward and backward called as ``fla_attention`` calls it), with the specialization of its
-    arguments, compiles for sm_90 through every stage to a cubin (Triton's bundled ptxas); each fits an H100 at load:
-    the shared memory Triton checks against the block's opt-in limit, and ptxas's registers for all its warps within
-    an SM's."""
+    arguments, compiles for sm_90 through every stage to a cubin (Triton's bundled ptxas) and would load on an H100
+    (``fla_sm90_compile.load_refusal``: the shared memory Triton checks against the block's opt-in limit, ptxas's
+    registers for all its warps within an SM's). An autotuned kernel passes where one of its configs does (the first
+    that does; with ``all-configs`` every one is compiled): on a GPU Triton's autotuner times a config that fails to
+    compile or load as infinite and keeps another."""
     if (form, dtype, k_dim, v_dim) not in REGULAR and not MODE:
-        pytest.skip("the full grid (about 10 minutes of compiling) runs with HF_POSENC_FLA_SM90=1 (or =all-configs)")
+        pytest.skip("the full grid (about 6 minutes of compiling) runs with HF_POSENC_FLA_SM90=1 (or =all-configs)")
     result = compiled(form, dtype, k_dim, v_dim)
+    if os.environ.get("HF_POSENC_FLA_SM90_REPORT"):
+        with open(os.environ["HF_POSENC_FLA_SM90_REPORT"], "a") as report:
+            report.write(json.dumps({"case": [form, dtype, k_dim, v_dim], **result}) + "\n")
     kernels = result["compiled"]
     assert {kernel["kernel"] for kernel in kernels} == KERNELS[form]
+    launches = {}
     for kernel in kernels:
-        name = kernel["kernel"]
-        assert kernel["stages"] == ["ttir", "ttgir", "llir", "ptx", "cubin"], name
-        assert kernel["cubin_bytes"] > 0 and kernel["target"] == "cuda sm_90", name
-        assert kernel["shared"] <= H100_SHARED_MEMORY, (name, kernel["shared"])
-        registers = -(-kernel["ptxas"]["REG"] * 32 // 256) * 256 * kernel["num_warps"]  # a warp's, in units of 256
-        assert registers <= H100_REGISTERS, (name, kernel["ptxas"], kernel["num_warps"])
+        launches.setdefault(kernel.get("launch", id(kernel)), []).append(kernel)
+        if "stages" in kernel:
+            name = kernel["kernel"]
+            assert kernel["stages"] == ["ttir", "ttgir", "llir", "ptx", "cubin"], name
+            assert kernel["cubin_bytes"] > 0 and kernel["target"] == "cuda sm_90", name
+    for configs in launches.values():  # an autotuned launch needs one config that loads: Triton times the others inf
+        assert any(config["refused"] is None for config in configs), configs
