@@ -1,8 +1,9 @@
 """Compile fla's Triton kernels for an H100 (sm_90) as hf_posenc's routing launches them, on a machine with no GPU.
 
 Run as a script (``tests/test_fla_sm90_compile.py`` starts it in a Python of its own, since what it patches must
-come before ``fla`` is imported): ``python tests/fla_sm90_compile.py CASE [CASE ...] [--all-configs]``, cases
-:data:`CASES`; it prints one ``result: {json}`` line, the kernels compiled.
+come before ``fla`` is imported): ``python tests/fla_sm90_compile.py [--all-configs]`` reads a case a line on stdin,
+``["state", "bfloat16", 8, 6]`` (a form of :data:`FORMS`, a dtype, the key and value head sizes), and prints a
+``result: {json}`` line for each: the kernels compiled, and fla's hardware answers.
 
 How: Triton gets a driver whose target is ``GPUTarget("cuda", 90, 32)`` (an H100: 132 SMs, 227 KB of shared memory
 a block) before ``fla`` is imported, so fla's hardware checks (``IS_NVIDIA_HOPPER``, ``IS_TF32_SUPPORTED``,
@@ -42,7 +43,6 @@ H100_SHARED_MEMORY = 232448
 """Shared memory a block can opt into on an H100 (bytes): Triton refuses to load a kernel that needs more."""
 H100_REGISTERS = 65536
 """Registers of an SM, which a block's threads share."""
-CASES = ("chunk", "recurrent", "wall")
 COMPILED: list[dict] = []
 
 
@@ -101,6 +101,32 @@ def fake_h100() -> None:
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_properties = lambda device=None: h100
     torch.cuda.device_count = lambda: 1
+    import fla.utils.hardware as hardware  # (its checks run on import)
+
+    class ByIndex(list):  # fla indexes the devices' shared memory by a tensor's device index: a CPU tensor's is None
+        def __getitem__(self, index):
+            return super().__getitem__(0 if index is None else index)
+
+    all_max_shared_mem = hardware.get_all_max_shared_mem
+    hardware.get_all_max_shared_mem = lambda: ByIndex(all_max_shared_mem())
+    hardware.check_shared_mem.cache_clear()
+
+
+def fla_hardware() -> dict:
+    """What fla believes about the device, as its kernels' choices read it."""
+    from fla import utils
+
+    return {
+        "device": utils.device,
+        "device_platform": utils.device_platform,
+        "IS_NVIDIA": utils.IS_NVIDIA,
+        "IS_NVIDIA_HOPPER": utils.IS_NVIDIA_HOPPER,
+        "IS_TF32_SUPPORTED": utils.IS_TF32_SUPPORTED,
+        "IS_TMA_SUPPORTED": utils.IS_TMA_SUPPORTED,
+        "check_shared_mem('hopper', None)": utils.check_shared_mem("hopper", None),
+        "check_shared_mem('hopper', 0)": utils.check_shared_mem("hopper", 0),
+        "multiprocessor_count": utils.get_multiprocessor_count(0),
+    }
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
@@ -272,7 +298,7 @@ def main(argv: list[str]) -> None:
         start = time.time()
         try:
             run_case(*json.loads(line))
-            result = {"seconds": round(time.time() - start, 1), "compiled": COMPILED.copy()}
+            result = {"seconds": round(time.time() - start, 1), "compiled": COMPILED.copy(), "fla": fla_hardware()}
         except Exception:
             result = {"error": traceback.format_exc()}
         print("result:", json.dumps(result), flush=True)

@@ -62,6 +62,19 @@ KERNELS = {
 }
 """The Triton kernels each case launches (``fla_sm90_compile.FORMS``), by name."""
 
+H100_TO_FLA = {
+    "device": "cuda",
+    "device_platform": "cuda",
+    "IS_NVIDIA": True,
+    "IS_NVIDIA_HOPPER": True,
+    "IS_TF32_SUPPORTED": True,
+    "IS_TMA_SUPPORTED": False,  # (only with FLA_USE_TMA=1)
+    "check_shared_mem('hopper', None)": True,
+    "check_shared_mem('hopper', 0)": True,
+    "multiprocessor_count": 132,
+}
+"""fla's hardware answers under the fake H100, as on one (its kernels' tiles and autotune lists follow them)."""
+
 REGULAR = [("state", "bfloat16", 8, 6), ("recurrent", "bfloat16", 8, 6)]
 CASES = (
     REGULAR
@@ -132,13 +145,15 @@ def test_flas_kernels_compile_to_cubins_for_an_h100(form, dtype, k_dim, v_dim, c
     (``fla_sm90_compile.load_refusal``: the shared memory Triton checks against the block's opt-in limit, ptxas's
     registers for all its warps within an SM's). An autotuned kernel passes where one of its configs does (the first
     that does; with ``all-configs`` every one is compiled): on a GPU Triton's autotuner times a config that fails to
-    compile or load as infinite and keeps another."""
+    compile or load as infinite and keeps another. fla answers its hardware questions as on an H100
+    (:data:`H100_TO_FLA`), so the tiles and autotune lists compiled are the ones an H100 takes."""
     if (form, dtype, k_dim, v_dim) not in REGULAR and not MODE:
         pytest.skip("the full grid (about 6 minutes of compiling) runs with HF_POSENC_FLA_SM90=1 (or =all-configs)")
     result = compiled(form, dtype, k_dim, v_dim)
     if os.environ.get("HF_POSENC_FLA_SM90_REPORT"):
         with open(os.environ["HF_POSENC_FLA_SM90_REPORT"], "a") as report:
             report.write(json.dumps({"case": [form, dtype, k_dim, v_dim], **result}) + "\n")
+    assert result["fla"] == H100_TO_FLA
     kernels = result["compiled"]
     assert {kernel["kernel"] for kernel in kernels} == KERNELS[form]
     launches = {}
