@@ -427,7 +427,8 @@ TRANSFORMERS_TENSOR_PARALLEL_STYLES = torch.distributed.is_available() and (
 )
 """Whether the installed Transformers has the style registry that the styles above subclass and register into
 (``transformers.distributed.tensor_parallel``, as in 5.24; 5.15 keeps an older API in ``transformers.integrations``:
-there the styles are not registered, and tensor parallelism of the families is tested on 5.24 only)."""
+there the styles are not registered, and tensor parallelism of the families is tested on 5.24 only). The styles'
+``shard_param`` and ``install_forward`` pass on the keywords 5.25 added (``config``, ``mesh_manager``)."""
 
 
 if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
@@ -454,10 +455,10 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
         Transformers 5.24's ``packed_colwise`` splits a 1-d parameter contiguously, so a bias would load other
         rows than its weight's (found with nonzero q/k/v biases: the logits differ from one process's)."""
 
-        def shard_param(self, module, param, mesh):
+        def shard_param(self, module, param, mesh, **kwargs):
             meta = module._parameters.get(param)
             if meta is None or meta.ndim != 1:
-                return super().shard_param(module, param, mesh)
+                return super().shard_param(module, param, mesh, **kwargs)
             placement = _StridedShard(dim=0, split_factor=self.split_factor)
             distribute_parameter(module, param, mesh, placement)
 
@@ -469,7 +470,7 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
         its share of each of the ``split_factor`` packed parts. Runs on local tensors, the input's gradient summed
         over the ranks, as ``packed_colwise``."""
 
-        def shard_param(self, module, param, mesh):
+        def shard_param(self, module, param, mesh, **kwargs):
             meta = module._parameters.get(param)
             if meta is None:
                 return
@@ -477,9 +478,9 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
             placement = Shard(dim) if self.split_factor == 1 else _StridedShard(dim, split_factor=self.split_factor)
             distribute_parameter(module, param, mesh, placement)
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **kwargs):
             refuse_other_than_conv1d(module, "columns")
-            return super().install_forward(module, mesh)
+            return super().install_forward(module, mesh, **kwargs)
 
         @contextlib.contextmanager
         def context_around_forward(self, module, mesh):
@@ -500,16 +501,16 @@ if TRANSFORMERS_TENSOR_PARALLEL_STYLES:
         def should_use_local_tensors(self, module):
             return True
 
-        def shard_param(self, module, param, mesh):
+        def shard_param(self, module, param, mesh, **kwargs):
             meta = module._parameters.get(param)
             if meta is None:
                 return
             placement = Replicate() if param == "bias" else Shard(0)
             distribute_parameter(module, param, mesh, placement)
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **kwargs):
             refuse_other_than_conv1d(module, "rows")
-            return TensorParallelLayer.install_forward(self, module, mesh)
+            return TensorParallelLayer.install_forward(self, module, mesh, **kwargs)
 
         @contextlib.contextmanager
         def context_around_forward(self, module, mesh):
