@@ -419,10 +419,13 @@ def test_path_fox_generation_with_a_cache_equals_without(cache):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["path", PATH_FOX])
-def test_a_left_padded_row_equals_the_row_alone(spec):
-    """A padding token's beta is 0 (its H the identity) and its gate reaches no real token."""
-    model = make_model("gpt2", spec, attn="eager")
+@pytest.mark.parametrize(
+    ("spec", "attn"), [("path", "eager"), (PATH_FOX, "eager"), (FOX_PRO, "eager"), (FOX_PRO, "sdpa")]
+)
+def test_a_left_padded_row_equals_the_row_alone(spec, attn):
+    """A padding token's beta is 0 (its H the identity), its gate reaches no real token, and FoX-Pro's shifts read 0
+    before the first real token, as alone."""
+    model = make_model("gpt2", spec, attn=attn)
     ids = random_ids(2, 8, seed=6)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, :3] = 0
