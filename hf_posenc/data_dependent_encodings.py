@@ -118,7 +118,14 @@ class ForgetGate(LayerPositionTerm):
         return tables
 
     def transform_qkv(self, query, key, value, attention_inputs, store):
-        if self.key_shift is not None or self.value_shift is not None:
+        shifts = self.key_shift is not None or self.value_shift is not None
+        if key.shape[1] != query.shape[1] and (shifts or self.query_norm is not None):
+            raise ValueError(
+                "fox's use_qk_norm, use_k_shift and use_v_shift have a scale or a gate per query head, as the "
+                f"reference (which has no grouped-query attention); this layer has {key.shape[1]} key/value heads for "
+                f"{query.shape[1]} query heads: leave those options False."
+            )
+        if shifts:
             key, value = self.shifted_key_value(key, value, attention_inputs, store)
         if self.query_norm is not None:
             query_scale = self.heads_read(self.query_norm.view(self.model_num_heads, -1))
@@ -140,12 +147,6 @@ class ForgetGate(LayerPositionTerm):
         shifted = [
             (name, states) for name, states in (("fox_key_shift", key), ("fox_value_shift", value)) if name in tables
         ]
-        if tables[shifted[0][0]].shape[1] != heads:
-            raise ValueError(
-                f"fox's key/value shift mixes each head's keys and values with one gate per query head, as the "
-                f"reference (no grouped-query attention there); this layer has {heads} key/value heads for "
-                f"{tables[shifted[0][0]].shape[1]} query heads: leave use_k_shift and use_v_shift False."
-            )
         inputs = torch.cat([states for _, states in shifted], dim=-1)  # (batch, heads, q_len, parts * head_dim)
         visible = attention_inputs["visible"]
         first_query = None

@@ -11,7 +11,16 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import FOX_PRO, cache_of, forward_in_two_chunks, make_config, make_model, random_ids, with_cache
+from conftest import (
+    FOX_PRO,
+    TINY_LLAMA,
+    cache_of,
+    forward_in_two_chunks,
+    make_config,
+    make_model,
+    random_ids,
+    with_cache,
+)
 from torch.nn import functional as F
 
 import hf_posenc
@@ -248,6 +257,23 @@ def test_a_fox_pro_piece_asked_for_twice_is_refused(option):
 def test_a_fox_pro_option_that_is_not_a_bool_is_refused(option):
     with pytest.raises(ValueError, match=f"option '{option}' must be bool, got 'yes'"):
         make_config("gpt2", {"type": "fox", option: "yes"})
+
+
+@pytest.mark.parametrize("option", ["use_qk_norm", "use_k_shift", "use_v_shift"])
+def test_fox_pro_per_head_pieces_refuse_grouped_query_attention(option):
+    """A retrofitted Llama with 2 key/value heads for 4 query heads: the output norm and gate run, the per-query-head
+    QK-norm scales and shift gates are refused, naming the options."""
+    pieces = {"type": "fox", "use_output_gate": True, "use_output_norm": True}
+    for spec in (pieces, {**pieces, option: True}):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval()
+        hf_posenc.retrofit(model, position_encoding=spec)
+        with torch.no_grad():
+            if option not in spec:
+                assert torch.isfinite(model(random_ids(1, 5)).logits).all()
+                continue
+            with pytest.raises(ValueError, match="2 key/value heads for 4 query heads: leave those options False"):
+                model(random_ids(1, 5))
 
 
 def test_fox_shifts_refuse_flex_with_the_reason(caplog):
