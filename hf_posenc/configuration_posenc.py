@@ -476,9 +476,24 @@ def check_layer_windows(
 
 def resolve_attention_shape_options(config) -> None:
     """Check ``use_qk_norm`` (a bool) and ``attn_logit_softcapping`` (None, off, or a finite number > 0, stored as a
-    float) in place; ``ValueError`` naming the bad value."""
+    float) in place; ``ValueError`` naming the bad value, and naming a piece of the attention (QK-norm, the output
+    norm or gate) that the position encoding builds (``attention_pieces``) and the config or the normalizer too."""
     if not isinstance(config.use_qk_norm, bool):
         raise ValueError(f"use_qk_norm must be True or False; got {config.use_qk_norm!r}.")
+    normalizer = config.attention_normalizer
+    elsewhere = {
+        "qk_norm": ("the config's use_qk_norm=True", config.use_qk_norm),
+        "output_gate": (f"the normalizer's output_gate={normalizer['output_gate']!r}", normalizer["output_gate"]),
+        "output_norm": ("the normalizer's output_norm=True", normalizer["output_norm"]),
+    }
+    for spec in layer_position_specs(config.position_encoding, 1):
+        for piece in sorted(POSITION_ENCODINGS[spec["type"]].attention_pieces(spec)):
+            where, built = elsewhere[piece]
+            if built:
+                raise ValueError(
+                    f"position_encoding {spec['type']!r} builds its own {piece} with these options, and {where} "
+                    f"builds another: ask for it once (the scheme's option or {where.split('=')[0]})."
+                )
     cap = config.attn_logit_softcapping
     if cap is None:
         return

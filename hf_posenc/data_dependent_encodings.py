@@ -21,9 +21,20 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
+from .normalizer_interface import head_rms_norm, normed_and_gated_output
 from .options import ALONG_THE_SEQUENCE, ULYSSES_KERNEL_ONLY, Option
-from .position_interface import AttentionDims, LayerPositionTerm, PositionEncoding
+from .position_interface import AttentionDims, AttentionInputs, LayerPositionTerm, LayerStateStore, PositionEncoding
 from .relative_tables import in_query_chunks
+
+
+FOX_QK_NORM_EPS = 1e-5
+"""FoX-Pro's QK-norm epsilon: the reference's ``GroupNorm`` default (its ``norm_eps``, 1e-6, is the output norm's)."""
+
+FOX_PRO_OPTIONS = ("use_qk_norm", "use_output_gate", "use_output_norm", "use_k_shift", "use_v_shift")
+"""FoX-Pro's pieces, each an option of ``fox`` (:class:`ForgetGate`)."""
+
+FOX_PRO_PIECES = {"use_qk_norm": "qk_norm", "use_output_gate": "output_gate", "use_output_norm": "output_norm"}
+"""FoX's options that build a piece the layer or the normalizer also offers (:meth:`FoX.attention_pieces`)."""
 
 
 class ForgetGate(LayerPositionTerm):
@@ -36,17 +47,56 @@ class ForgetGate(LayerPositionTerm):
     first: each key's ``log f`` is kept with the KV cache, as the reference's ``FgateDynamicCache`` does), and the
     queries' ``c`` the same sums read at the current tokens, ``c_last - (log f of the current tokens after the
     query)``, which holds for a dynamic cache and a static one alike (unwritten rows hold 0 and add nothing). Two
-    tables, so that a FlexAttention ``score_mod`` reads each at one index."""
+    tables, so that a FlexAttention ``score_mod`` reads each at one index.
 
-    cache_states = ("log_forget",)
+    FoX-Pro's pieces (options of the reference's ``ForgettingAttentionLayer``, each off by default and initialised as
+    there), in the reference's order:
 
-    def __init__(self, dims: AttentionDims, bias_init: float = 0.0):
+    - ``use_k_shift`` / ``use_v_shift``: data-dependent token shift (the reference's ``ShiftLinear``), per head
+      ``k'_t = a_t k_(t-1) + (1 - a_t) k_t``, ``a_t = sigmoid(w_h . x_t)`` (``key_shift``, ``value_shift``:
+      ``nn.Linear(hidden, heads)`` without bias, ``N(0, initializer_range)``), on the projected k (v alike),
+      ``k_(-1) = 0``; padding is zeroed first, so a left-padded row's first token reads 0, as alone. The projected
+      k|v of every token is a per-token state with the cache, ``shift_inputs``, where a step finds the token before
+      it (:meth:`shifted_key_value`); the cache keeps the shifted k and v, as the reference's.
+    - ``use_qk_norm``: RMSNorm of each head's q and k with a scale per head and feature (the reference's default,
+      ``qk_norm_share_param_across_head=False``; ``query_norm``, ``key_norm`` ``(heads * head_dim,)``, 1 at init, eps
+      :data:`FOX_QK_NORM_EPS`), after the shifts.
+    - ``use_output_norm``, ``use_output_gate``: each head's output RMS-normalised (``output_norm``, 1 at init, eps
+      1e-6), then times ``sigmoid(W x)`` (``output_gate``, ``nn.Linear(hidden, heads * head_dim)`` without bias,
+      ``N(0, initializer_range)``), before the output projection: the normalizer's ``output_norm`` and
+      ``output_gate="elementwise"`` (:func:`normed_and_gated_output`), here per layer of the scheme."""
+
+    def __init__(
+        self,
+        dims: AttentionDims,
+        bias_init: float = 0.0,
+        *,
+        use_qk_norm: bool = False,
+        use_output_gate: bool = False,
+        use_output_norm: bool = False,
+        use_k_shift: bool = False,
+        use_v_shift: bool = False,
+    ):
         super().__init__()
+        self.dims = dims
         self.forget_gate = nn.Linear(dims.hidden_size, dims.num_heads, bias=True)
         self.bias_init = bias_init
+        width = dims.num_heads * dims.head_dim
+        self.key_shift = nn.Linear(dims.hidden_size, dims.num_heads, bias=False) if use_k_shift else None
+        self.value_shift = nn.Linear(dims.hidden_size, dims.num_heads, bias=False) if use_v_shift else None
+        self.query_norm = nn.Parameter(torch.ones(width)) if use_qk_norm else None
+        self.key_norm = nn.Parameter(torch.ones(width)) if use_qk_norm else None
+        self.output_norm = nn.Parameter(torch.ones(width)) if use_output_norm else None
+        self.output_gate = nn.Linear(dims.hidden_size, width, bias=False) if use_output_gate else None
+        self.cache_states = ("log_forget", "shift_inputs") if use_k_shift or use_v_shift else ("log_forget",)
 
     def init_weights(self, initializer_range):
         init.constant_(self.forget_gate.bias, self.bias_init)
+        for scale in (self.query_norm, self.key_norm, self.output_norm):
+            if scale is not None:
+                init.ones_(scale)
+        if self.output_gate is not None:
+            init.normal_(self.output_gate.weight, mean=0.0, std=initializer_range)
 
     def layer_tables(self, hidden_states, attention_inputs, store):
         # every head's gate, read at this rank's heads under tensor parallelism (the gradient summed over the ranks)
@@ -60,7 +110,68 @@ class ForgetGate(LayerPositionTerm):
             key_cumulative = store("log_forget", log_forget.transpose(1, 2)).transpose(1, 2).cumsum(-1)
             later = log_forget.sum(-1, keepdim=True) - log_forget.cumsum(-1)
             query_cumulative = key_cumulative[..., -1:] - later
-        return {"fox_query_cumulative": query_cumulative, "fox_key_cumulative": key_cumulative}
+        tables = {"fox_query_cumulative": query_cumulative, "fox_key_cumulative": key_cumulative}
+        for name, shift in (("fox_key_shift", self.key_shift), ("fox_value_shift", self.value_shift)):
+            if shift is not None:  # a_t, (batch, heads, q_len), in at least float32
+                mix = self.heads_read(shift(hidden_states), dim=-1).transpose(1, 2)
+                tables[name] = torch.sigmoid(mix.to(torch.promote_types(mix.dtype, torch.float32)))
+        return tables
+
+    def transform_qkv(self, query, key, value, attention_inputs, store):
+        shifts = self.key_shift is not None or self.value_shift is not None
+        if key.shape[1] != query.shape[1] and (shifts or self.query_norm is not None):
+            raise ValueError(
+                "fox's use_qk_norm, use_k_shift and use_v_shift have a scale or a gate per query head, as the "
+                f"reference (which has no grouped-query attention); this layer has {key.shape[1]} key/value heads for "
+                f"{query.shape[1]} query heads: leave those options False."
+            )
+        if shifts:
+            key, value = self.shifted_key_value(key, value, attention_inputs, store)
+        if self.query_norm is not None:
+            query_scale = self.heads_read(self.query_norm.view(self.model_num_heads, -1))
+            key_scale = self.heads_read(self.key_norm.view(self.model_num_heads, -1))
+            query = head_rms_norm(query, query_scale, FOX_QK_NORM_EPS)
+            key = head_rms_norm(key, key_scale, FOX_QK_NORM_EPS)
+        return query, key, value
+
+    def shifted_key_value(
+        self, key: torch.Tensor, value: torch.Tensor, attention_inputs: AttentionInputs, store: LayerStateStore | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k'_t = a_t k_(t-1) + (1 - a_t) k_t`` for k and v where shifted, ``(batch, heads, q_len, head_dim)``,
+        computed in at least float32 as the reference's ``token_shift`` and cast back. The current tokens' k|v, zeroed
+        on padding (a token that does not see itself in ``visible``), are kept through ``store``, whose rows follow
+        the layer's keys, so the token before query ``i`` is row ``first_query + i - 1`` (``visible`` gives
+        ``first_query``); before the first token, 0."""
+        tables = attention_inputs["layer"]
+        batch, heads, q_len, head_dim = key.shape
+        shifted = [
+            (name, states) for name, states in (("fox_key_shift", key), ("fox_value_shift", value)) if name in tables
+        ]
+        inputs = torch.cat([states for _, states in shifted], dim=-1)  # (batch, heads, q_len, parts * head_dim)
+        visible = attention_inputs["visible"]
+        first_query = None
+        if visible is not None:
+            first_query = first_query_index(visible)
+            inputs = inputs * tokens_among_queries(visible, first_query, inputs.dtype)[:, None]
+        rows = inputs
+        if store is not None:
+            kept = store("shift_inputs", inputs.transpose(1, 2).flatten(2))  # (batch, kv_len, heads * width)
+            rows = kept.view(batch, kept.shape[1], heads, -1).transpose(1, 2)
+        if first_query is None:  # no mask: every key is a token, the queries the last ones
+            first_query = rows.shape[-2] - q_len
+        before = first_query - 1 + torch.arange(q_len, device=key.device)
+        previous = rows[..., before.clamp(min=0), :] * (before >= 0)[:, None].to(rows.dtype)
+        compute_dtype = torch.promote_types(key.dtype, torch.float32)
+        mixed = {}
+        for index, (name, states) in enumerate(shifted):
+            part = slice(index * head_dim, (index + 1) * head_dim)
+            mix = tables[name][..., None]
+            current, earlier = inputs[..., part].to(compute_dtype), previous[..., part].to(compute_dtype)
+            mixed[name] = (mix * earlier + (1.0 - mix) * current).to(states.dtype)
+        return mixed.get("fox_key_shift", key), mixed.get("fox_value_shift", value)
+
+    def transform_output(self, output, hidden_states):
+        return normed_and_gated_output(output, hidden_states, self.output_norm, self.output_gate, self)
 
     def score_term(self, query, key, attention_inputs, scaling, project_query_key):
         tables = attention_inputs["layer"]
@@ -94,8 +205,15 @@ class FoX(PositionEncoding):
     a positive bias starts the gates near 1, the decay near none: x-transformers' data-dependent ALiBi starts it at 5,
     fla's Wall attention at 8.
 
+    FoX-Pro (the paper's section 3: QK-norm, output gate, output norm, data-dependent key/value shift) is the options
+    named after the reference's flags, off by default as there: ``use_qk_norm`` (the reference's ``qk_norm``; this
+    library's name for QK-norm), ``use_output_gate``, ``use_output_norm``, ``use_k_shift``, ``use_v_shift``
+    (:class:`ForgetGate`). The config refuses QK-norm, an output gate or an output norm asked for twice, by the
+    scheme and by the config's ``use_qk_norm`` or the normalizer's options (:meth:`attention_pieces`).
+
     Backends: the bias is the difference of two per-token tables (:class:`ForgetGate`): eager and SDPA add it as a
-    ``(batch, heads, q_len, kv_len)`` per-layer term, FlexAttention reads the tables in its ``score_mod``. An encoder
+    ``(batch, heads, q_len, kv_len)`` per-layer term, FlexAttention reads the tables in its ``score_mod``; the shifts
+    read which tokens are padding from the dense mask, so with them FlexAttention is refused (SDPA runs). An encoder
     form does not exist (the sums run from a key to a later query; a bidirectional decay is not in the paper): an
     encoder config raises ``ValueError``.
     """
@@ -120,7 +238,30 @@ class FoX(PositionEncoding):
             math.isfinite,
             "a finite number",
         ),
+        "use_qk_norm": Option(False, (bool,), "FoX-Pro's QK-norm: RMSNorm of each head's q and k, a scale per head"),
+        "use_output_gate": Option(False, (bool,), "FoX-Pro's output gate: each head's output times sigmoid(W x)"),
+        "use_output_norm": Option(False, (bool,), "FoX-Pro's output norm: RMSNorm of each head's output"),
+        "use_k_shift": Option(
+            False, (bool,), "FoX-Pro's key shift: k'_t = a_t k_(t-1) + (1 - a_t) k_t, a = sigmoid(w.x)"
+        ),
+        "use_v_shift": Option(
+            False, (bool,), "FoX-Pro's value shift: v'_t = a_t v_(t-1) + (1 - a_t) v_t, a = sigmoid(w.x)"
+        ),
     }
+
+    @classmethod
+    def attention_pieces(cls, spec):
+        return {piece for option, piece in FOX_PRO_PIECES.items() if spec[option]}
+
+    @classmethod
+    def backend_refusals(cls, spec, facts):
+        refusals = super().backend_refusals(spec, facts)
+        if "flex_attention" not in refusals and (spec["use_k_shift"] or spec["use_v_shift"]):
+            refusals["flex_attention"] = (
+                "its key/value shift zeroes the padding tokens, which it reads from the dense mask (a BlockMask does "
+                "not say which tokens are padding)"
+            )
+        return refusals
 
     @classmethod
     def check_family(cls, spec, causal):
@@ -133,7 +274,7 @@ class FoX(PositionEncoding):
 
     @classmethod
     def layer_term(cls, spec, dims, layer_idx):
-        return ForgetGate(dims, spec["gate_bias_init"])
+        return ForgetGate(dims, spec["gate_bias_init"], **{option: spec[option] for option in FOX_PRO_OPTIONS})
 
 
 def ut_transform(directions: torch.Tensor, strengths: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,43 @@ GATE_OPTIONS = {
 }
 
 
+def head_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head's features with a scale per head and feature, ``y / sqrt(mean(y^2) + eps) * w_h``, in at
+    least float32 and cast back (FoX-Pro's ``GroupNorm(is_rms_norm=True)``, a group per head, Lin et al. 2025;
+    ``zhixuan-lin/forgetting-transformer``): ``states`` ``(batch, heads, seq, head_dim)``, ``weight`` ``(heads,
+    head_dim)``."""
+    compute = states.to(torch.promote_types(states.dtype, torch.float32))
+    normed = nn.functional.rms_norm(compute, (states.shape[-1],), eps=eps)
+    return (normed * weight[None, :, None, :]).to(states.dtype)
+
+
+def normed_and_gated_output(
+    output: torch.Tensor,
+    hidden_states: torch.Tensor | None,
+    output_norm: nn.Parameter | None,
+    output_gate: nn.Linear | None,
+    owner: HeadSharded,
+) -> torch.Tensor:
+    """The heads' output ``(batch, heads, q_len, head_dim)`` through the output norm (``output_norm``, ``(heads *
+    head_dim,)``: :func:`head_rms_norm` with eps :data:`OUTPUT_NORM_EPS`), then the output gate, ``Y * sigmoid(X
+    W_g)`` with ``X`` the layer's input ``hidden_states`` ``(batch, q_len, hidden)`` and ``W_g`` ``output_gate``
+    (``heads * head_dim`` or ``heads`` rows); either None: left out. ``owner`` (the normalizer or layer term holding
+    them) reads the per-head rows at its rank's heads under tensor parallelism."""
+    if output_norm is not None:
+        head_dim = output.shape[-1]
+        scale = owner.heads_read(output_norm.view(owner.model_num_heads, head_dim))
+        output = head_rms_norm(output, scale, OUTPUT_NORM_EPS)
+    if output_gate is None:
+        return output
+    if hidden_states is None:
+        raise ValueError("output_gate reads the layer's input: pass hidden_states to positional_attention.")
+    batch, _, q_len, _ = output.shape
+    gate = torch.sigmoid(output_gate(hidden_states.to(output_gate.weight.dtype)))
+    gate = gate.view(batch, q_len, owner.model_num_heads, -1)  # this rank's heads under tensor parallelism:
+    gate = owner.heads_read(gate, dim=2).transpose(1, 2)  # (batch, heads, q_len, head_dim or 1)
+    return output * gate.to(output.dtype)
+
+
 class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     """Base class: ``forward(scores, attention_inputs) -> weights``, one module per attention layer.
 
@@ -245,24 +282,10 @@ class AttentionNormalizer(HeadSharded, CatalogueEntry, nn.Module):
     def attention_output(self, outputs: list[torch.Tensor], hidden_states: torch.Tensor | None) -> torch.Tensor:
         """What the output projection reads, ``(batch, heads, q_len, head_dim)``: ``combine_outputs``, then the
         output norm, then the output gate ``sigmoid(X W_g)`` from the layer's input ``hidden_states`` ``(batch,
-        q_len, hidden)``."""
-        output = self.combine_outputs(outputs)
-        if self.output_norm is not None:
-            head_dim = output.shape[-1]
-            scale = self.heads_read(self.output_norm.view(self.model_num_heads, head_dim))[None, :, None, :]
-            normed = nn.functional.rms_norm(
-                output.to(torch.promote_types(output.dtype, torch.float32)), (head_dim,), eps=OUTPUT_NORM_EPS
-            )
-            output = (normed * scale).to(output.dtype)
-        if self.output_gate is None:
-            return output
-        if hidden_states is None:
-            raise ValueError("output_gate reads the layer's input: pass hidden_states to positional_attention.")
-        batch, _, q_len, _ = output.shape
-        gate = torch.sigmoid(self.output_gate(hidden_states.to(self.output_gate.weight.dtype)))
-        gate = gate.view(batch, q_len, self.model_num_heads, -1)  # this rank's heads under tensor parallelism:
-        gate = self.heads_read(gate, dim=2).transpose(1, 2)  # (batch, heads, q_len, head_dim or 1)
-        return output * gate.to(output.dtype)
+        q_len, hidden)`` (:func:`normed_and_gated_output`)."""
+        return normed_and_gated_output(
+            self.combine_outputs(outputs), hidden_states, self.output_norm, self.output_gate, self
+        )
 
     def gate_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """``c_ij`` ``(batch|1, heads, q_len, kv_len)`` from positions ``(batch|1, q_len)``, ``(batch|1, kv_len)``."""

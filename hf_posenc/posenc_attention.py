@@ -1,8 +1,9 @@
 """The one attention composition both model families use.
 
-``positional_attention`` takes projected q, k, v and composes, in order: the scheme's q/k/v transform, the KV cache,
-the scores with the scheme's position terms (the shared bias folded into the mask, the layer's content term), the
-normalizer, the values and the layer's value term, on the backend ``attention_backends.choose_route`` picked for the
+``positional_attention`` takes projected q, k, v and composes, in order: the layer term's tables and q/k/v transform,
+the scheme's q/k/v transform, the KV cache, the scores with the scheme's position terms (the shared bias folded into
+the mask, the layer's content term), the normalizer, the values and the layer's value term, the normalizer's and then
+the layer term's transform of the output, on the backend ``attention_backends.choose_route`` picked for the
 forward (eager, SDPA, or FlexAttention through ``attention_backends.flex_attend``'s compile cache; a normalizer no
 SDPA kernel computes, stick_breaking, runs on the ``sdpa`` branch as the eager composition a checkpointed chunk of
 queries at a time). Every backend computes the same numbers, so the choice changes speed, never the result.
@@ -489,6 +490,7 @@ def positional_attention(
             )
         layer_tables = position_term.layer_tables(hidden_states, attention_inputs, store)
         attention_inputs = {**attention_inputs, "layer": layer_tables}
+        query, key, value = position_term.transform_qkv(query, key, value, attention_inputs, store)
         score_term = partial(position_term.score_term, scaling=scaling, project_query_key=project_query_key)
         value_rows = position_term.value_rows(attention_inputs)
     tables = attention_inputs["position"]
@@ -587,4 +589,6 @@ def positional_attention(
         weights = normalizer.output_weights(weights)
     outputs = [encoding.transform_output(output, tables) for output in outputs]
     output = normalizer.attention_output(outputs, hidden_states)
+    if position_term is not None:
+        output = position_term.transform_output(output, hidden_states)
     return output.transpose(1, 2).contiguous(), weights

@@ -493,6 +493,27 @@ class LayerPositionTerm(HeadSharded, nn.Module):
         chunk), so only one chunk's tables exist at a time. None (the default): one call for every query."""
         return None
 
+    def transform_qkv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_inputs: AttentionInputs,
+        store: LayerStateStore | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current tokens' q ``(batch, heads, q_len, head_dim)``, k and v ``(batch, kv_heads, q_len, head_dim)``
+        as projected (after the family's QK-norm and canon layer B), before the scheme's ``transform_qkv`` and the KV
+        cache, which then keeps what this returns: a mix of each token's k and v with the previous token's (FoX-Pro's
+        shifts, which keep their inputs through ``store`` as :meth:`layer_tables` does), a per-head norm. Runs after
+        :meth:`layer_tables`, whose dict is ``attention_inputs["layer"]``. Unchanged by default."""
+        return query, key, value
+
+    def transform_output(self, output: torch.Tensor, hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """The heads' output ``(batch, heads, q_len, head_dim)`` after the normalizer's ``attention_output``, before
+        the output projection, from the layer's input ``hidden_states`` ``(batch, q_len, hidden)``: FoX-Pro's output
+        norm and gate. Unchanged by default."""
+        return output
+
     def transform_query_key(
         self, query: torch.Tensor, key: torch.Tensor, attention_inputs: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,6 +626,14 @@ class PositionEncoding(HeadSharded, CatalogueEntry, nn.Module):
     def supported_backends(cls, spec: dict[str, Any]) -> tuple[str, ...]:
         """The backends that can run the scheme with these options."""
         return cls.backends
+
+    @classmethod
+    def attention_pieces(cls, spec: dict[str, Any]) -> set[str]:
+        """The pieces of the attention layer that the layer term builds with these options: ``"qk_norm"`` (a norm of
+        each head's q and k), ``"output_norm"`` and ``"output_gate"`` (of each head's output). The config refuses a
+        piece built twice, by the scheme and by the config's ``use_qk_norm`` or the normalizer's option of that name.
+        None by default."""
+        return set()
 
     @classmethod
     def has_value_term(cls, spec: dict[str, Any]) -> bool:

@@ -72,8 +72,17 @@ LAYOUTS = [
     [{"type": "none", "attn_temperature_tuning": True, "floor_scale": 4}, "shaw"],
     ["alibi", "fox"],
 ]
+# FoX-Pro: fox with every piece of the reference's Pro block on.
+FOX_PRO = {
+    "type": "fox",
+    "use_qk_norm": True,
+    "use_output_gate": True,
+    "use_output_norm": True,
+    "use_k_shift": True,
+    "use_v_shift": True,
+}
 # Options that make a scheme another formula, run through the same properties as the registry's names.
-SCHEME_VARIANTS = [{"type": "rope", "vo_rope": True}]
+SCHEME_VARIANTS = [{"type": "rope", "vo_rope": True}, FOX_PRO]
 COMBOS = [(scheme, "softmax") for scheme in SCHEMES + SCHEME_VARIANTS + LAYOUTS] + [
     (scheme, normalizer)
     for normalizer in [name for name in NORMALIZERS if name != "softmax"] + NORMALIZER_VARIANTS

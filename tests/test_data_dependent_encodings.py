@@ -1,7 +1,8 @@
 """Schemes computed from the layer's input tokens (``data_dependent_encodings.py``): FoX's forget-gate bias against a
-hand loop of its paper's formula, PaTH (Householder position encoding, Yang et al. 2025) against explicit products of
-its matrices, and PaTH-FoX; the shared properties (padding, caches, backends, save/load, checkpointing, bf16, shift)
-run ``fox`` and ``path`` through the registry."""
+hand loop of its paper's formula, FoX-Pro's options against a loop of the reference's layer, PaTH (Householder
+position encoding, Yang et al. 2025) against explicit products of its matrices, and PaTH-FoX; the shared properties
+(padding, caches, backends, save/load, checkpointing, bf16, shift) run ``fox``, FoX-Pro and ``path`` through the
+registry."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import cache_of, forward_in_two_chunks, make_config, make_model, random_ids, with_cache
+from conftest import (
+    FOX_PRO,
+    TINY_LLAMA,
+    cache_of,
+    forward_in_two_chunks,
+    make_config,
+    make_model,
+    random_ids,
+    with_cache,
+)
 from torch.nn import functional as F
 
 import hf_posenc
@@ -106,7 +116,9 @@ def test_fox_keeps_each_layers_gates_with_the_cache():
 def test_fox_in_an_encoder_config_says_why_it_is_refused():
     with pytest.raises(ValueError, match="'fox' has no encoder form: its bias sums the forget gates"):
         make_config("bert", "fox")
-    assert make_config("bert", "fox", is_decoder=True).position_encoding == {"type": "fox", "gate_bias_init": 0.0}
+    assert (
+        make_config("bert", "fox", is_decoder=True).position_encoding == make_config("gpt2", "fox").position_encoding
+    )
 
 
 def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):
@@ -118,6 +130,160 @@ def test_fox_flex_runs_sdpa_on_cpu_with_the_reason_and_flex_on_cuda(caplog):
         cuda = attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
     assert (cpu, cuda) == ("sdpa", "flex_attention")
     assert "emits C++ that does not compile for this scheme's score_mod" in caplog.text
+
+
+FOX_PRO_OPTIONS = ["use_k_shift", "use_v_shift", "use_qk_norm", "use_output_norm", "use_output_gate"]
+
+
+def fox_pro_loop(module, x: torch.Tensor, query, key, value, options: dict) -> torch.Tensor:
+    """The reference's ``ForgettingAttentionLayer`` (``zhixuan-lin/forgetting-transformer``) one head and token at a
+    time, ``x`` ``(n, hidden)``, q, k, v ``(n, heads * head_dim)``: the shifts ``k'_t = a_t k_(t-1) + (1 - a_t) k_t``,
+    ``a_t = sigmoid(w_h . x_t)``, ``k_(-1) = 0`` (``ShiftLinear``); QK-norm ``y / sqrt(mean(y^2) + 1e-5) * g`` per head
+    (``GroupNorm(is_rms_norm=True)``); the forget-gate softmax; the output norm (eps 1e-6), then ``sigmoid(W x)``
+    (``FusedGroupNormGated``). Returns what the output projection reads, ``(n, heads * head_dim)``."""
+    heads, head_dim, n = 4, 8, x.shape[0]
+
+    def head(tensor, t, h):
+        return tensor[t, h * head_dim : (h + 1) * head_dim]
+
+    def rms(vector, scale, eps):
+        return vector / math.sqrt(float((vector * vector).mean()) + eps) * scale
+
+    out = torch.zeros(n, heads * head_dim, dtype=torch.float64)
+    for h in range(heads):
+        keys, values = [head(key, t, h) for t in range(n)], [head(value, t, h) for t in range(n)]
+        for flag, shift, states in (("use_k_shift", "key_shift", keys), ("use_v_shift", "value_shift", values)):
+            if options.get(flag):
+                weight = getattr(module, shift).weight[h]
+                projected = list(states)
+                for t in range(n):
+                    mix = torch.sigmoid(weight @ x[t])
+                    before = projected[t - 1] if t > 0 else torch.zeros(head_dim, dtype=torch.float64)
+                    states[t] = mix * before + (1 - mix) * projected[t]
+        queries = [head(query, t, h) for t in range(n)]
+        if options.get("use_qk_norm"):
+            query_scale = module.query_norm[h * head_dim : (h + 1) * head_dim]
+            key_scale = module.key_norm[h * head_dim : (h + 1) * head_dim]
+            queries = [rms(q, query_scale, 1e-5) for q in queries]
+            keys = [rms(k, key_scale, 1e-5) for k in keys]
+        forget = [torch.sigmoid(module.forget_gate.weight[h] @ x[t] + module.forget_gate.bias[h]) for t in range(n)]
+        for i in range(n):
+            scores = []
+            for j in range(i + 1):
+                decay = sum(math.log(forget[t]) for t in range(j + 1, i + 1))
+                scores.append(queries[i] @ keys[j] / math.sqrt(head_dim) + decay)
+            weights = torch.softmax(torch.stack(scores), dim=0)
+            output = sum(weights[j] * values[j] for j in range(i + 1))
+            if options.get("use_output_norm"):
+                output = rms(output, module.output_norm[h * head_dim : (h + 1) * head_dim], 1e-6)
+            if options.get("use_output_gate"):
+                output = output * torch.sigmoid(module.output_gate.weight[h * head_dim : (h + 1) * head_dim] @ x[i])
+            out[i, h * head_dim : (h + 1) * head_dim] = output
+    return out
+
+
+@pytest.mark.parametrize("options", [{name: True} for name in FOX_PRO_OPTIONS] + [FOX_PRO], ids=str)
+def test_fox_pro_options_equal_the_reference_layer_loop(options):
+    """Each FoX-Pro option alone, and all of them, against :func:`fox_pro_loop` in float64: what GPT-2's output
+    projection reads, for every token."""
+    spec = {"type": "fox", **{name: value for name, value in options.items() if name != "type"}}
+    model = make_model("gpt2", spec, n_layer=1, attn="eager").double()
+    ids = random_ids(1, 6)
+    block = model.transformer.h[0]
+    seen = []
+    handle = block.attn.c_proj.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+    with torch.no_grad():
+        model(ids)
+        handle.remove()
+        x = block.ln_1(model.transformer.wte(ids))[0]
+        query, key, value = block.attn.c_attn(x).split(32, dim=-1)
+        expected = fox_pro_loop(block.attn.position_term, x, query, key, value, options)
+    torch.testing.assert_close(seen[0][0], expected, atol=1e-10, rtol=0)
+
+
+def test_fox_pro_pieces_start_as_the_reference_initialises_them():
+    """The reference's ``shift_proj`` (``nn.Linear(hidden, heads, bias=False)``) and ``ogate_proj``
+    (``nn.Linear(hidden, hidden, bias=False)``), weights ``N(0, initializer_range)``; the QK and output norms' scales
+    (one per head and feature) at 1."""
+    torch.manual_seed(0)
+    config = make_config("gpt2", FOX_PRO, n_embd=256, n_head=8, initializer_range=0.02)
+    term = hf_posenc.PosEncGPT2Model(config).h[1].attn.position_term
+    for shift in (term.key_shift, term.value_shift):
+        assert shift.weight.shape == (8, 256) and shift.bias is None
+        assert abs(shift.weight.std().item() - 0.02) < 0.003
+    assert term.output_gate.weight.shape == (256, 256) and term.output_gate.bias is None
+    assert abs(term.output_gate.weight.std().item() - 0.02) < 0.002
+    for scale in (term.query_norm, term.key_norm, term.output_norm):
+        assert torch.equal(scale, torch.ones(256))
+    assert make_config("gpt2", "fox").position_encoding == {
+        "type": "fox",
+        "gate_bias_init": 0.0,
+        **dict.fromkeys(FOX_PRO_OPTIONS, False),
+    }
+
+
+def test_fox_shifts_keep_each_layers_key_and_value_inputs_with_the_cache():
+    """The shifts read the token before a chunk's first from the cache: its projected k|v per layer, one more state
+    slot per layer after the log gates; chunked forwards equal one forward."""
+    model = make_model("gpt2", FOX_PRO, attn="eager")
+    chunked, full, cache = forward_in_two_chunks(model, random_ids(1, 9), 5)
+    # attention layers, key positions, the log gates' slot per layer, the shift inputs' slot per layer
+    assert len(cache.layers) == 2 + 2 + 2 + 2
+    stored = cache.layers[6].keys[0, 0]  # layer 0: (kv_len, heads * 2 * head_dim)
+    assert stored.shape == (9, 4 * 2 * 8)
+    torch.testing.assert_close(chunked[:, 5:], full[:, 5:], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("option", ["use_qk_norm", "use_output_gate", "use_output_norm"])
+def test_a_fox_pro_piece_asked_for_twice_is_refused(option):
+    """QK-norm, the output gate and the output norm exist as the config's ``use_qk_norm`` and the normalizer's
+    ``output_gate`` / ``output_norm`` too: asking the scheme and one of those is refused, naming both."""
+    elsewhere = {
+        "use_qk_norm": ({"use_qk_norm": True}, "softmax", "the config's use_qk_norm=True"),
+        "use_output_gate": (
+            {},
+            {"type": "softmax", "output_gate": "headwise"},
+            "the normalizer's output_gate='headwise'",
+        ),
+        "use_output_norm": ({}, {"type": "softmax", "output_norm": True}, "the normalizer's output_norm=True"),
+    }
+    fields, normalizer, named = elsewhere[option]
+    with pytest.raises(ValueError, match=f"'fox' builds its own .* with these options, and {named}"):
+        make_config("gpt2", {"type": "fox", option: True}, normalizer, **fields)
+    make_config("gpt2", {"type": "fox", option: True})
+
+
+@pytest.mark.parametrize("option", FOX_PRO_OPTIONS)
+def test_a_fox_pro_option_that_is_not_a_bool_is_refused(option):
+    with pytest.raises(ValueError, match=f"option '{option}' must be bool, got 'yes'"):
+        make_config("gpt2", {"type": "fox", option: "yes"})
+
+
+@pytest.mark.parametrize("option", ["use_qk_norm", "use_k_shift", "use_v_shift"])
+def test_fox_pro_per_head_pieces_refuse_grouped_query_attention(option):
+    """A retrofitted Llama with 2 key/value heads for 4 query heads: the output norm and gate run, the per-query-head
+    QK-norm scales and shift gates are refused, naming the options."""
+    pieces = {"type": "fox", "use_output_gate": True, "use_output_norm": True}
+    for spec in (pieces, {**pieces, option: True}):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval()
+        hf_posenc.retrofit(model, position_encoding=spec)
+        with torch.no_grad():
+            if option not in spec:
+                assert torch.isfinite(model(random_ids(1, 5)).logits).all()
+                continue
+            with pytest.raises(ValueError, match="2 key/value heads for 4 query heads: leave those options False"):
+                model(random_ids(1, 5))
+
+
+def test_fox_shifts_refuse_flex_with_the_reason(caplog):
+    """The shifts read the padding from the dense mask: a flex request runs SDPA, on CUDA too, with the reason."""
+    config = make_config("gpt2", {"type": "fox", "use_v_shift": True})
+    spec, softmax = config.position_encoding, config.attention_normalizer
+    with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
+        cuda = attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
+    assert cuda == "sdpa"
+    assert "its key/value shift zeroes the padding tokens" in caplog.text
 
 
 PATH_FOX = {"type": "path", "forget_gate": True}
@@ -279,10 +445,13 @@ def test_path_fox_generation_with_a_cache_equals_without(cache):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["path", PATH_FOX])
-def test_a_left_padded_row_equals_the_row_alone(spec):
-    """A padding token's beta is 0 (its H the identity) and its gate reaches no real token."""
-    model = make_model("gpt2", spec, attn="eager")
+@pytest.mark.parametrize(
+    ("spec", "attn"), [("path", "eager"), (PATH_FOX, "eager"), (FOX_PRO, "eager"), (FOX_PRO, "sdpa")]
+)
+def test_a_left_padded_row_equals_the_row_alone(spec, attn):
+    """A padding token's beta is 0 (its H the identity), its gate reaches no real token, and FoX-Pro's shifts read 0
+    before the first real token, as alone."""
+    model = make_model("gpt2", spec, attn=attn)
     ids = random_ids(2, 8, seed=6)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, :3] = 0

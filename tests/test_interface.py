@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.utils import send_to_device
-from conftest import cache_of, make_config, make_model, random_ids, with_cache
+from conftest import FOX_PRO, cache_of, make_config, make_model, random_ids, with_cache
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import hf_posenc
@@ -21,10 +21,10 @@ from hf_posenc.position_interface import EmbeddingInputs, LayerPositionTerm, Pos
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox", "path"])
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "fox", FOX_PRO, "path"])
 def test_beam_search_with_cache_equals_without_cache(scheme):
-    """Beam search reorders the cache every step: the cached key positions (and FoX's per-layer gates) must follow
-    their keys."""
+    """Beam search reorders the cache every step: the cached key positions (and FoX's per-layer gates, FoX-Pro's
+    shift inputs) must follow their keys."""
     model = make_model("gpt2", scheme, attn="sdpa")
     prompt = random_ids(2, 8, seed=3)
     attention_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])

@@ -10,6 +10,7 @@ import transformers
 from conftest import (
     COMBOS,
     FAMILIES,
+    FOX_PRO,
     REPRESENTATIVE_SCHEMES,
     SCHEMES,
     TINY_LLAMA,
@@ -534,7 +535,11 @@ ATTENTION_OPTIONS = [
     {"use_qk_norm": True, "attn_logit_softcapping": 1.0, "sliding_window": 4},
     {"canon_layers": "ABCD"},
 ]
-OPTION_COMBOS = [(scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw", ["rope", "t5"]]] + [
+# FoX-Pro less its own QK-norm, which beside the config's use_qk_norm would be asked for twice (refused).
+FOX_PRO_LESS_QK_NORM = {**FOX_PRO, "use_qk_norm": False}
+OPTION_COMBOS = [
+    (scheme, "softmax") for scheme in [*REPRESENTATIVE_SCHEMES, "rope", "shaw", ["rope", "t5"], FOX_PRO_LESS_QK_NORM]
+] + [
     ("t5", "differential"),
     ("t5", "stick_breaking"),
     ("rope", {"type": "softmax", "sink": "learned"}),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, WITHOUT_HF_POSENC, make_config, make_model, random_ids
+from conftest import FOX_PRO, VOCAB, WITHOUT_HF_POSENC, make_config, make_model, random_ids
 
 
 LOAD_WITHOUT_HF_POSENC = WITHOUT_HF_POSENC + textwrap.dedent(
@@ -73,6 +73,7 @@ REMOTE_CASES = [
     ("bert", "learned", "softmax", "AutoModelForMaskedLM"),
     ("gpt2", "fire", "softmax", "AutoModelForCausalLM"),
     ("gpt2", "fox", "softmax", "AutoModelForCausalLM"),
+    ("gpt2", FOX_PRO, "softmax", "AutoModelForCausalLM"),
     ("gpt2", {"type": "path", "forget_gate": True}, "softmax", "AutoModelForCausalLM"),  # PaTH-FoX
     ("gpt2", {"type": "wall", "use_scalar_gate": True}, "softmax", "AutoModelForCausalLM"),
     ("gpt2", {"type": "selective_rope", "use_gate": True}, "softmax", "AutoModelForCausalLM"),
