@@ -254,9 +254,16 @@ class FoX(PositionEncoding):
         return {piece for option, piece in FOX_PRO_PIECES.items() if spec[option]}
 
     @classmethod
+    def supported_backends(cls, spec):
+        if spec["use_k_shift"] or spec["use_v_shift"]:
+            return tuple(backend for backend in cls.backends if backend != "flex_attention")
+        return cls.backends
+
+    @classmethod
     def backend_refusals(cls, spec, facts):
+        """:meth:`supported_backends`' refusal of FlexAttention with a shift, with its reason."""
         refusals = super().backend_refusals(spec, facts)
-        if "flex_attention" not in refusals and (spec["use_k_shift"] or spec["use_v_shift"]):
+        if spec["use_k_shift"] or spec["use_v_shift"]:
             refusals["flex_attention"] = (
                 "its key/value shift zeroes the padding tokens, which it reads from the dense mask (a BlockMask does "
                 "not say which tokens are padding)"

@@ -176,6 +176,15 @@ def gated_delta_rule(
     return rule(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state)
 
 
+def recorded_steps(cache, layer_idx: int, seq_len: int) -> int:
+    """How many of the current tokens' recurrent states layer ``layer_idx``'s cache records (Transformers 5.25's
+    ``get_recurrent_states_to_keep``, set for assisted decoding, whose ``crop`` rolls the state back to one of
+    them): 0 without a cache or where the cache records none."""
+    if cache is None or not hasattr(cache, "get_recurrent_states_to_keep"):
+        return 0
+    return min(cache.get_recurrent_states_to_keep(layer_idx) or 0, seq_len)
+
+
 class GatedRMSNorm(nn.Module):
     """``weight * RMSNorm(x) * SiLU(z)``, normalised in float32 before the gate (Qwen3-Next's
     ``Qwen3NextRMSNormGated``; weight initialised to ones)."""
@@ -377,6 +386,40 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(*z.shape[:2], -1, self.head_v_dim)
         return query, key, value, z, b.reshape(*b.shape[:2], -1), a.reshape(*a.shape[:2], -1)
 
+    @staticmethod
+    def delta_rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor | None,
+        keep_state: bool,
+        recorded: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor] | None]:
+        """:func:`gated_delta_rule` over the tokens from ``state`` (the final state where ``keep_state``); the state
+        after each of the last ``recorded`` tokens as a list (a cache recording its past for assisted decoding, which
+        crops back to one of them), as Qwen3-Next splits its forward: the tokens before them in one call, then one
+        call a token."""
+        if not recorded:
+            return gated_delta_rule(query, key, value, g, beta, initial_state=state, output_final_state=keep_state)
+        split, outputs, states = query.shape[1] - recorded, [], []
+        if split:
+            output, state = gated_delta_rule(
+                query[:, :split], key[:, :split], value[:, :split], g[:, :split], beta[:, :split],
+                initial_state=state, output_final_state=True,
+            )  # fmt: skip
+            outputs.append(output)
+        for t in range(split, query.shape[1]):
+            step = slice(t, t + 1)
+            output, state = gated_delta_rule(
+                query[:, step], key[:, step], value[:, step], g[:, step], beta[:, step],
+                initial_state=state, output_final_state=True,
+            )  # fmt: skip
+            outputs.append(output)
+            states.append(state)
+        return torch.cat(outputs, dim=1), states
+
     def convolve(self, mixed: torch.Tensor, cache) -> torch.Tensor:
         """SiLU of the causal depthwise convolution of ``(batch, conv_dim, seq)``; with a cache, the
         ``conv_kernel_size`` inputs before these are read from (and these written to) the layer's conv state (its
@@ -385,14 +428,10 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             out = F.conv1d(mixed.to(weight.dtype), weight, padding=self.conv_kernel_size - 1, groups=self.conv_dim)
             return F.silu(out[..., :seq_len]).to(mixed.dtype)
-        previous = cache.get_conv_state(self.layer_idx)
-        if previous is not None and not getattr(cache.layers[self.layer_idx], "record_past", False):
-            window = torch.cat([previous, mixed], dim=-1)
-            previous.copy_(window[..., -previous.shape[-1] :])
-        else:  # a prefill (or a cache that records its past for cropping): the cache pads and keeps what it needs
-            window = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-            if window.shape[-1] < seq_len + self.conv_kernel_size - 1:
-                window = F.pad(window, (seq_len + self.conv_kernel_size - 1 - window.shape[-1], 0))
+        # the cache prepends the inputs it keeps (a prefill: zeros) and counts the tokens, as get_seq_length reads them
+        window = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        if window.shape[-1] < seq_len + self.conv_kernel_size - 1:
+            window = F.pad(window, (seq_len + self.conv_kernel_size - 1 - window.shape[-1], 0))
         out = F.conv1d(
             window[..., -(seq_len + self.conv_kernel_size - 1) :].to(weight.dtype), weight, groups=self.conv_dim
         )
@@ -414,9 +453,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
-        output, state = gated_delta_rule(
-            query, key, value, g, beta, initial_state=state, output_final_state=cache is not None
-        )
+        recorded = recorded_steps(cache, self.layer_idx, seq_len)
+        output, state = self.delta_rule(query, key, value, g, beta, state, cache is not None, recorded)
         if cache is not None:
             cache.update_recurrent_state(state, self.layer_idx)
         output = self.norm(output.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

@@ -512,7 +512,7 @@ def non_default_value(action: argparse.Action) -> tuple[list[str], object]:
         return ["false"], False
     if action.choices:
         choice = next(choice for choice in action.choices if choice != action.default)
-        return [choice], choice
+        return [choice], [choice] if action.nargs in ("+", "*") else choice
     if isinstance(action.default, (int, float)) or action.type in (int, float):
         word = str((action.default or 0) + 3)
         return [word], action.type(word)
