@@ -280,6 +280,7 @@ def test_fox_shifts_refuse_flex_with_the_reason(caplog):
     """The shifts read the padding from the dense mask: a flex request runs SDPA, on CUDA too, with the reason."""
     config = make_config("gpt2", {"type": "fox", "use_v_shift": True})
     spec, softmax = config.position_encoding, config.attention_normalizer
+    attention_backends._log.cache_clear()  # logged once per process
     with torch.no_grad(), caplog.at_level("INFO", logger="hf_posenc"):
         cuda = attention_backends.choose_backend("flex_attention", spec, softmax, torch.device("cuda"), head_dim=32)
     assert cuda == "sdpa"
