@@ -814,10 +814,18 @@ def test_bad_family_requests_raise():
         hf_posenc.retrofit(stock_class("Gemma3ForConditionalGeneration")(multimodal))
     with pytest.raises(ValueError, match="use_qk_norm must be True, False or None"):
         hf_posenc.retrofit(family_model("qwen3"), "none", use_qk_norm="yes")
-    with pytest.raises(ValueError, match="rope_type='proportional' has no hf_posenc scaling"):
-        importlib.import_module("hf_posenc.retrofit").rope_spec_of(
-            {"rope_type": "proportional", "rope_theta": 1e4}, 64
-        )
+    rope_spec_of = importlib.import_module("hf_posenc.retrofit").rope_spec_of
+    with pytest.raises(ValueError, match="rope_type='not_a_rope' has no hf_posenc scaling"):
+        rope_spec_of({"rope_type": "not_a_rope", "rope_theta": 1e4}, 64)
+    # Gemma 4's and LFM3's proportional RoPE is p-RoPE: the whole head's frequencies, the highest fraction rotating
+    proportional = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "factor": 8.0}
+    assert rope_spec_of(proportional, 64) == {
+        "type": "rope",
+        "theta": 1e6,
+        "rotary_fraction": 1.0,
+        "kept_frequency_fraction": 0.25,
+        "scaling": {"type": "linear", "factor": 8.0},
+    }
 
 
 # Decoders retrofitted through the attention interface (no class of their own): MoE, interleaved rotary.

@@ -157,12 +157,27 @@ KEPT = [
     "granite",
     "exaone4",
     "apertus",
+    # hybrids: their linear-attention, Mamba and convolution layers keep their modules and cache layers
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "olmo_hybrid",
+    "lara_mini",
+    "lfm3",
+    # NoPE attention (no rotary module): beside Mamba-2 layers, beside KDA layers (MLA without positions)
+    "nemotron_h",
+    "kimi_linear",
+    # attention sinks (the softmax normalizer's learned sink)
+    "flint",
+    "granite_swa",
+    "granitemoe_swa",
 ]
 """Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
 Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
 REFUSED = {
     "deepseek_v3": "MLA",
-    "qwen3_next": "hybrid",
+    "minimax": "cache of its own class",
+    "mimo_v2_flash": "attention sinks",
     "xglm": "no rotary module",
 }
 """Model types it refuses, and a word of the reason."""
