@@ -909,8 +909,6 @@ class InterfaceFamily(LlamaFamily):
                 )
         layer_types = config_layer_types(config)
         attention_layers = attention_layer_indices(config)
-        if not attention_layers:
-            return f"its layer_types {sorted(set(layer_types))} hold no attention layer"
         if getattr(config, "use_bidirectional_attention", False):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
@@ -938,6 +936,8 @@ class InterfaceFamily(LlamaFamily):
                     "(e.g. differential attention: the differential normalizer is hf_posenc's form of it)"
                 )
             attentions.append(attention)
+        if not attention_layers:
+            return f"its layer_types {sorted(set(layer_types))} hold no attention layer"
         own_caches = own_cache_classes(base)
         if own_caches:
             return (
