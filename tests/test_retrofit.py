@@ -1087,3 +1087,113 @@ def test_minilm_retrofit_trains_saves_and_reloads(minilm_batch, scheme, normaliz
     reloaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(**minilm_batch).logits, model(**minilm_batch).logits)
+
+
+# Hybrids, NoPE models and attention sinks, through the attention interface (the walk's tiny configs).
+
+
+def walk_model(model_type: str) -> transformers.PreTrainedModel:
+    """The walk's tiny stock causal LM of ``model_type`` (one layer of each default layer type), eager, seed 0."""
+    from test_retrofit_walk import causal_lm_classes, tiny_config
+
+    torch.manual_seed(0)
+    return getattr(transformers, causal_lm_classes()[model_type])(tiny_config(model_type)).eval()
+
+
+def test_a_hybrid_switches_its_attention_layers_and_keeps_the_others_with_their_cache_layers():
+    """Qwen3-Next (a gated-DeltaNet layer, then an attention layer): ``alibi`` leaves the linear-attention layer's
+    module and weights as they were and its states in Transformers' ``LinearAttentionLayer`` of the stock cache; a
+    left-padded row gives the logits of the row alone (the recurrent layer gets its padding mask), and generates with
+    the cache as without. A switch naming the linear layer, or a scheme written on it, is refused."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    from hf_posenc.position_interface import CACHE_NAME
+
+    stock = walk_model("qwen3_next")
+    assert stock.config.layer_types == ["linear_attention", "full_attention"]
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    linear = patched.model.layers[0]
+    assert not hasattr(linear, "normalizer") and not hasattr(linear.linear_attn, "normalizer")
+    assert hasattr(patched.model.layers[1].self_attn, "normalizer")
+    for name, value in stock.model.layers[0].linear_attn.state_dict().items():
+        assert torch.equal(linear.linear_attn.state_dict()[name], value)
+    batch = left_padded_batch()
+    batch["input_ids"][1, :3] = 7  # padding of a token with an embedding (the padding token's is zeros)
+    with torch.no_grad():
+        output = patched(**batch, use_cache=True)
+        alone = patched(batch["input_ids"][1:, 3:]).logits
+    cache = getattr(output, CACHE_NAME)
+    assert isinstance(cache.layers[0], LinearAttentionLayer) and cache.layers[0].recurrent_states[0] is not None
+    assert isinstance(cache.layers[1], DynamicLayer) and cache.get_seq_length() == 12
+    torch.testing.assert_close(output.logits[1:, 3:], alone, atol=1e-5, rtol=0)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=r"layers \[0\] are not attention layers.*attention layers only: \[1\]"):
+        hf_posenc.retrofit(model, "alibi", layers=[0])
+    with pytest.raises(ValueError, match=r"position_encoding\[0\] is 'alibi', but layer 0 is a 'linear_attention'"):
+        hf_posenc.retrofit(model, [{"type": "alibi"}, {"type": "none"}])
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+
+
+def test_nope_models_keep_none_and_kimis_head_size(tmp_path):
+    """Nemotron-H and Kimi Linear have no rotary module and NoPE attention: their own scheme is ``none``. Kimi's
+    attention hands over heads of ``qk_nope + qk_rope`` features, not its config's ``head_dim`` (the rope part),
+    kept as ``posenc_head_dim``; the retrofitted model reloads as remote code with the stock logits."""
+    nemotron = walk_model("nemotron_h")
+    assert hf_posenc.retrofit(copy.deepcopy(nemotron)).config.position_encoding["type"] == "none"
+    stock = walk_model("kimi_linear")
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.position_encoding["type"] == "none"
+    assert stock.config.head_dim == 4 and patched.config.posenc_head_dim == 8
+    ids = random_ids(2, 10)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_without_a_rotary_module_whose_attention_sees_positions_is_refused():
+    """Nemotron-H with positions added to its attention's input (so not NoPE), and Kimi Linear with values of
+    another size than its q and k heads: refused by name, nothing changed."""
+    stock = walk_model("nemotron_h")
+    attention = stock.model.layers[2].mixer
+    offsets = torch.randn(1, 64, stock.config.hidden_size)
+
+    def positioned(self, hidden_states, **kwargs):
+        return type(self).forward(self, hidden_states + offsets[:, : hidden_states.shape[1]], **kwargs)
+
+    attention.forward = positioned.__get__(attention)
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="gives one input at two positions different q or k"):
+        hf_posenc.retrofit(model)
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    from test_retrofit_walk import tiny_config
+
+    config = tiny_config("kimi_linear")
+    config.v_head_dim = 4
+    with pytest.raises(ValueError, match=r"q, k and v heads of \[\(8, 8, 4\)\] features"):
+        hf_posenc.retrofit(transformers.KimiLinearForCausalLM(config))
+
+
+def test_attention_sinks_move_into_the_normalizer_through_the_attention_interface():
+    """Granite SWA's per-head sinks become the ``softmax`` normalizer's learned sink (the stock logits with sinks
+    that matter), read back by the module's ``sinks``; a normalizer without a sink drops them."""
+    stock = walk_model("granite_swa")
+    with torch.no_grad():
+        for layer in stock.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.attention_normalizer["sink"] == "learned"
+    for ours, theirs in zip(patched.model.layers, stock.model.layers, strict=True):
+        assert ours.self_attn.sinks is ours.self_attn.normalizer.sink
+        assert torch.equal(ours.self_attn.normalizer.sink, theirs.self_attn.sinks)
+    assert not [name for name in patched.state_dict() if name.endswith("self_attn.sinks")]
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+    dropped = hf_posenc.retrofit(copy.deepcopy(stock), attention_normalizer="l2")
+    assert dropped.model.layers[0].self_attn.sinks.numel() == 0
