@@ -4,13 +4,13 @@ Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BE
 CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
 any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
 ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
-attention calls Transformers' attention interface with its rotary module's ``position_embeddings``
-(:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an attention function
-registered with ``AttentionInterface``; ``docs/retrofit_coverage.md`` lists every causal LM of the installed
-Transformers). The model's own layout is kept by
-default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
-masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
-patched:
+attention calls Transformers' attention interface with its rotary module's ``position_embeddings``, or with no
+positions at all (:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an
+attention function registered with ``AttentionInterface``; the attention layers of hybrids, whose linear-attention,
+Mamba and convolution layers keep their modules and cache layers; NoPE models; ``docs/retrofit_coverage.md`` lists
+every causal LM of the installed Transformers). The model's own layout is kept by default: its rotary parameters
+per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the masks and caches as the stock
+model reads them), QK-norm and sinks. The model keeps its class; its modules are patched:
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
@@ -856,7 +856,11 @@ class InterfaceFamily(LlamaFamily):
     config copy names it), which runs the scheme's rotation, bias or content term and the normalizer. The stock
     attention keeps computing q, k, v (its QK-norm, its scaling); the KV cache goes to the library's attention
     only. The model's own scheme is ``rope`` with its ``rope_parameters`` per layer type, checked against the stock
-    rotary function before anything changes (:meth:`refusal`)."""
+    forward's rotation before anything changes (:meth:`probe_rotation`), or ``none`` for a model without a rotary
+    module whose modules show NoPE attention (:meth:`probe_nope`). A hybrid's layers of other types than
+    :data:`ATTENTION_LAYER_TYPES` keep their modules, masks and cache layers (:class:`RetrofitStateLayer`,
+    :meth:`stock_attention_mask`); per-head attention sinks move into the normalizer (:class:`SinksInNormalizer`).
+    What does not fit is refused by name (:meth:`refusal`)."""
 
     def layers(self, base):
         return list(base.layers)
