@@ -1363,6 +1363,10 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
     cache = given_cache(call.pop("cache", None), call.pop("past_key_values", None))
     if causal:
         call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
+        if base.training and getattr(family.layers(base)[0], "gradient_checkpointing", False):
+            # as Transformers' checkpointed layers drop it (the recomputed forward would store the keys again); the
+            # attention-interface family's cache bypasses their keyword arguments
+            call["use_cache"] = False
         if call["use_cache"] and cache is None:
             cache = DynamicCache(config=config)
         family.hand_down(call, cache)

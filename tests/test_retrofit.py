@@ -1197,3 +1197,25 @@ def test_attention_sinks_move_into_the_normalizer_through_the_attention_interfac
         torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
     dropped = hf_posenc.retrofit(copy.deepcopy(stock), attention_normalizer="l2")
     assert dropped.model.layers[0].self_attn.sinks.numel() == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_interface_retrofit_trains_with_activation_checkpointing_as_without(model_type):
+    """With gradient checkpointing the retrofitted forward keeps no cache (``use_cache`` defaults to True in the
+    config), as Transformers' checkpointed layers drop it: the recomputed attention would store its keys twice. The
+    loss and gradients are those without checkpointing."""
+    stock = walk_model(model_type)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi").train()
+    batch = left_padded_batch()
+    losses, gradients = [], []
+    for checkpointing in (False, True):
+        if checkpointing:
+            patched.gradient_checkpointing_enable()
+        patched.zero_grad()
+        loss = patched(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append([p.grad.clone() for p in patched.parameters() if p.grad is not None])
+    torch.testing.assert_close(losses[1], losses[0])
+    for with_checkpoints, without in zip(gradients[1], gradients[0], strict=True):
+        torch.testing.assert_close(with_checkpoints, without)
