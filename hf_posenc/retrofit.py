@@ -793,6 +793,13 @@ def captured_query_key(
         attention.__dict__.pop("posenc_value_dim", None)
 
 
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The difference, relative to the values' largest magnitude (at least 1), that a probe of the stock modules
+    accepts: 1e-5 in float32, eight units in the last place in bfloat16 and float16 (the stock rotation's and
+    attention's own rounding)."""
+    return max(1e-5, 8 * torch.finfo(dtype).eps)
+
+
 def captured_forward(
     base: nn.Module,
     attentions: dict[int, nn.Module],
@@ -1000,7 +1007,7 @@ class InterfaceFamily(LlamaFamily):
         if parameters[0].is_meta:
             return None
         device, dtype = parameters[0].device, parameters[0].dtype
-        tolerance = max(1e-5, 8 * torch.finfo(dtype).eps)
+        tolerance = probe_tolerance(dtype)
         positions = torch.arange(8, device=device)[None]
         hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0))
         hidden[:, 5] = hidden[:, 2]
@@ -1026,13 +1033,17 @@ class InterfaceFamily(LlamaFamily):
                     f"{prefix}, and its attention layers hand over q, k and v heads of {sorted(sizes)} features: "
                     "the retrofit takes one head size for q, k and v in every layer."
                 )
-            moved = max((t[:, :, 5] - t[:, :, 2]).abs().max().item() for t in (query, key))
+            moved = max(
+                (t[:, :, 5] - t[:, :, 2]).float().abs().max().item() / max(1.0, t.float().abs().max().item())
+                for t in (query, key)
+            )
             if moved > tolerance:
                 raise ValueError(
                     f"{prefix}, yet its attention {name} (layer {idx}) gives one input at two positions different q "
                     f"or k (by {moved:.2g}): positions enter them otherwise, which the retrofit does not read."
                 )
             difference = (stock.float() - plain.float()).abs().max().item()
+            difference /= max(1.0, stock.float().abs().max().item())
             if difference > tolerance:
                 raise ValueError(
                     f"{prefix}, yet its attention {name} (layer {idx}) computes otherwise than causal softmax "
@@ -1067,8 +1078,8 @@ class InterfaceFamily(LlamaFamily):
         0``: :func:`identity_rotary_forward`), every attention function replaced for the call by
         :func:`capture_attention` (so each layer's input is the same in both runs), so each layer gets what the stock
         forward hands it (Lara Mini's full layers get no rotary embedding). Equal q and k mean a layer without
-        rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the
-        layer's own spec must rotate the identity's q and k into the stock ones (1e-5, float32), in the pair layout
+        rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the layer's own spec must rotate
+        the identity's q and k into the stock ones (:func:`probe_tolerance`: 1e-5 in float32), in the pair layout
         ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`). Returns
         the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
         rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
@@ -1120,18 +1131,19 @@ class InterfaceFamily(LlamaFamily):
                 with torch.no_grad():
                     actual = ours.transform_qkv(plain[0][..., order], plain[1][..., order], plain[1], tables)
                 difference = max(
-                    (a.float() - e[..., order].float()).abs().max().item()
+                    (a.float() - e[..., order].float()).abs().max().item() / max(1.0, e.float().abs().max().item())
                     for a, e in zip(actual[:2], rotated, strict=True)
                 )
                 differences[layout] = max(differences[layout], difference)
         if len(nope_layers) == len(attention_layers):
             return None, nope_layers
         layout = min(differences, key=differences.get)
-        if differences[layout] > 1e-5:
+        if differences[layout] > probe_tolerance(hidden.dtype):
             raise ValueError(
                 f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
                 f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in either pair layout: "
-                f"max difference {differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
+                f"max difference {differences[layout]:.2g}, relative to the largest value (a layout or rescaling the "
+                "rope spec does not describe)."
             )
         return layout, nope_layers
 

@@ -1219,3 +1219,15 @@ def test_interface_retrofit_trains_with_activation_checkpointing_as_without(mode
     torch.testing.assert_close(losses[1], losses[0])
     for with_checkpoints, without in zip(gradients[1], gradients[0], strict=True):
         torch.testing.assert_close(with_checkpoints, without)
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "qwen3_next", "kimi_linear"])
+def test_a_bfloat16_model_is_probed_at_its_own_precision(model_type):
+    """A model loaded in bfloat16 (as checkpoints are) is probed within its rounding (:func:`probe_tolerance`): GLM-4's
+    interleaved rotation, Qwen3-Next's hybrid and Kimi's NoPE attention are kept, the logits within bfloat16's
+    rounding of the stock ones."""
+    stock = walk_model(model_type).to(torch.bfloat16)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=2e-2, rtol=0)
