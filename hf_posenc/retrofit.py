@@ -762,7 +762,7 @@ def call_stock_attention(
     """A stock attention module's output for ``hidden_states``, run once in eval mode with the attention function
     registered as ``implementation`` (its config and mode are restored afterwards); ``position_embeddings`` where
     given or where its ``forward`` takes them, ``position_ids`` where it takes them."""
-    stock_config, training = attention.config, attention.training
+    stock_config, modes = attention.config, {module: module.training for module in attention.modules()}
     attention.config = copy.copy(stock_config)
     attention.config._attn_implementation_internal = implementation
     accepted = inspect.signature(attention.forward).parameters
@@ -774,20 +774,22 @@ def call_stock_attention(
         return attention(hidden_states=hidden_states, attention_mask=attention_mask, **extra)
     finally:
         attention.config = stock_config
-        attention.train(training)
+        for module, training in modes.items():
+            module.training = training
 
 
-def captured_query_key(
+def captured_heads(
     attention: nn.Module,
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
     position_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, read by
-    running it once with :func:`capture_attention` (its config and the module are restored afterwards)."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, and the
+    size of its value heads, read by running it once with :func:`capture_attention` (its config and the module are
+    restored afterwards)."""
     try:
         call_stock_attention(attention, CAPTURE_ATTENTION, hidden_states, position_embeddings, position_ids)
-        return attention.posenc_captured
+        return (*attention.posenc_captured, attention.posenc_value_dim)
     finally:
         attention.__dict__.pop("posenc_captured", None)
         attention.__dict__.pop("posenc_value_dim", None)
@@ -1019,12 +1021,7 @@ class InterfaceFamily(LlamaFamily):
             attention = self.attention(base.layers[idx])
             name = type(attention).__name__
             with torch.no_grad():
-                try:
-                    call_stock_attention(attention, CAPTURE_ATTENTION, hidden, None, positions)
-                    (query, key), value_dim = attention.posenc_captured, attention.posenc_value_dim
-                finally:
-                    attention.__dict__.pop("posenc_captured", None)
-                    attention.__dict__.pop("posenc_value_dim", None)
+                query, key, value_dim = captured_heads(attention, hidden, None, positions)
                 stock = call_stock_attention(attention, "eager", hidden, None, positions, mask)[0]
                 plain = call_stock_attention(attention, PLAIN_ATTENTION, hidden, None, positions, mask)[0]
             sizes.add((query.shape[-1], key.shape[-1], value_dim))
