@@ -802,6 +802,15 @@ def probe_tolerance(dtype: torch.dtype) -> float:
     return max(1e-5, 8 * torch.finfo(dtype).eps)
 
 
+def rotary_modules(base: nn.Module) -> list[nn.Module]:
+    """The base model's rotary modules: ``base_model.rotary_emb`` and every other module of its class (Granite SWA
+    keeps one per base in ``rotary_embs``, which its forward reads); none for a model without a rotary module."""
+    rotary = getattr(base, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        return []
+    return [rotary, *(module for module in base.modules() if type(module) is type(rotary) and module is not rotary)]
+
+
 def captured_forward(
     base: nn.Module,
     attentions: dict[int, nn.Module],
@@ -812,15 +821,17 @@ def captured_forward(
     """The q and k each attention module of ``attentions`` (by layer index) is handed by the stock base model's
     forward on ``hidden`` (inputs_embeds) at ``positions``, in eval mode and without a cache, with every attention
     function replaced by :func:`capture_attention` (the attention outputs are zeros, whatever the rotation) and, with
-    ``identity_rotary``, the rotary module as :func:`identity_rotary_forward`. The modules are left as they were."""
+    ``identity_rotary``, the rotary modules (:func:`rotary_modules`) as :func:`identity_rotary_forward`. The modules
+    are left as they were."""
     stock_configs = {idx: attention.config for idx, attention in attentions.items()}
     modes = {module: module.training for module in base.modules()}
-    rotary_forward = base.rotary_emb.__dict__.get("forward")  # an accelerate hook's, kept
+    rotaries = rotary_modules(base) if identity_rotary else []
+    hooks = [rotary.__dict__.get("forward") for rotary in rotaries]  # accelerate's, kept
     for attention in attentions.values():
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation_internal = CAPTURE_ATTENTION
-    if identity_rotary:
-        base.rotary_emb.forward = types.MethodType(identity_rotary_forward, base.rotary_emb)
+    for rotary in rotaries:
+        rotary.forward = types.MethodType(identity_rotary_forward, rotary)
     base.eval()
     try:
         with torch.no_grad():
@@ -831,11 +842,36 @@ def captured_forward(
             attention.config = stock_configs[idx]
             attention.__dict__.pop("posenc_captured", None)
             attention.__dict__.pop("posenc_value_dim", None)
-        base.rotary_emb.__dict__.pop("forward", None)
-        if rotary_forward is not None:
-            base.rotary_emb.forward = rotary_forward
+        for rotary, hook in zip(rotaries, hooks, strict=True):
+            rotary.__dict__.pop("forward", None)
+            if hook is not None:
+                rotary.forward = hook
         for module, training in modes.items():
             module.training = training
+
+
+def check_no_other_positions(
+    model: PreTrainedModel, attentions: dict[int, nn.Module], hidden: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """``ValueError`` where the keys the stock forward hands an attention layer still change with the positions once
+    its rotary modules are the identity (or where it has none): positions reach the attention by another way than
+    the rotary modules (a rotary module the retrofit does not find, a position table), which the retrofit would leave
+    in place beside the scheme. The queries are not compared: a position-dependent scaling of the queries alone (Beam's
+    attention temperature on its NoPE layers, as Llama 4's) stays in the stock forward, the model's own temperature
+    beside any scheme."""
+    base = decoder_base(model)
+    tolerance = probe_tolerance(hidden.dtype)
+    here = captured_forward(base, attentions, hidden, positions, identity_rotary=True)
+    there = captured_forward(base, attentions, hidden, positions + 3, identity_rotary=True)
+    for idx in attentions:
+        key, shifted = here[idx][1].float(), there[idx][1].float()
+        moved = (key - shifted).abs().max().item() / max(1.0, key.abs().max().item())
+        if moved > tolerance:
+            raise ValueError(
+                f"retrofit(): {type(model).__name__} ({model.config.model_type}): with its rotary modules as the "
+                f"identity, the keys its layer {idx} gets still change with the positions (by {moved:.2g}): "
+                "positions reach its attention by another way, which the retrofit would leave beside the scheme."
+            )
 
 
 def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1000,7 +1036,9 @@ class InterfaceFamily(LlamaFamily):
         attention module, run on random hidden states of 8 positions two of which are equal, hands over equal q and
         k rows for them (no position enters q or k), and its own attention function (eager) gives what causal
         softmax attention of those q, k, v gives (:func:`plain_attention`: no position bias, sink or other term
-        beside them); ``ValueError`` naming the difference otherwise, or where the q, k and v heads differ in size.
+        beside them), and the q and k the stock forward hands them do not change with the positions
+        (:func:`check_no_other_positions`); ``ValueError`` naming the difference otherwise, or where the q, k and v
+        heads differ in size.
         Returns that size where it is not the config's ``head_dim`` (Kimi Linear's MLA without positions: its
         ``head_dim`` is the size of the key part it does not rotate), else None. The modules are left as they were;
         skipped on a model built without weights (meta)."""
@@ -1047,6 +1085,8 @@ class InterfaceFamily(LlamaFamily):
                     f"attention of the q, k, v it hands over (max difference {difference:.2g}): a position bias or "
                     "other term the retrofit does not read."
                 )
+        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layer_indices(config)}
+        check_no_other_positions(model, attentions, hidden, positions)
         size = next(iter(sizes))[0]
         return size if size != attention_dims(config, True).head_dim else None
 
@@ -1102,6 +1142,7 @@ class InterfaceFamily(LlamaFamily):
                 "the retrofit reads (Llama 4 hands its attention complex frequencies)"
             )
         attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
+        check_no_other_positions(model, attentions, hidden, positions)
         stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
         identity = captured_forward(base, attentions, hidden, positions, identity_rotary=True)
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
@@ -1189,8 +1230,8 @@ class InterfaceFamily(LlamaFamily):
         return "softcap" in inspect.getsource(type(attention).forward)
 
     def patch_rotary(self, base):
-        if isinstance(getattr(base, "rotary_emb", None), nn.Module):  # none in a NoPE model
-            base.rotary_emb.forward = types.MethodType(identity_rotary_forward, base.rotary_emb)
+        for rotary in rotary_modules(base):  # none in a NoPE model
+            rotary.forward = types.MethodType(identity_rotary_forward, rotary)
 
     def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids):
         """A hybrid's other layers read the stock mask of their layer type (Transformers' ``masking_utils`` mask

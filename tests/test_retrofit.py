@@ -1231,3 +1231,20 @@ def test_a_bfloat16_model_is_probed_at_its_own_precision(model_type):
     ids = random_ids(2, 10)
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=2e-2, rtol=0)
+
+
+def test_every_rotary_module_of_the_base_becomes_the_identity():
+    """Granite SWA's forward rotates with the modules of ``rotary_embs`` (one per base), not ``rotary_emb``: all of
+    them are the model's rotary modules, probed and switched, so its own scheme is ``rope`` and a ``none`` switch
+    leaves no rotation behind (uneven positions give the logits of even ones)."""
+    stock = walk_model("granite_swa")
+    assert len(stock.model.rotary_embs) >= 1
+    assert hf_posenc.retrofit(copy.deepcopy(stock)).config.position_encoding["type"] == "rope"
+    switched = hf_posenc.retrofit(copy.deepcopy(stock), "none")
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        even = switched(ids, position_ids=torch.arange(8)[None]).logits
+        uneven = switched(ids, position_ids=torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21]])).logits
+        rotated = stock(ids, position_ids=torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21]])).logits
+    torch.testing.assert_close(uneven, even, atol=1e-5, rtol=0)
+    assert (rotated - stock(ids).logits).abs().max() > 1e-3
