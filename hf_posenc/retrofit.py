@@ -852,13 +852,13 @@ def captured_forward(
 
 def check_no_other_positions(
     model: PreTrainedModel, attentions: dict[int, nn.Module], hidden: torch.Tensor, positions: torch.Tensor
-) -> None:
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """``ValueError`` where the keys the stock forward hands an attention layer still change with the positions once
     its rotary modules are the identity (or where it has none): positions reach the attention by another way than
     the rotary modules (a rotary module the retrofit does not find, a position table), which the retrofit would leave
     in place beside the scheme. The queries are not compared: a position-dependent scaling of the queries alone (Beam's
     attention temperature on its NoPE layers, as Llama 4's) stays in the stock forward, the model's own temperature
-    beside any scheme."""
+    beside any scheme. Returns the q and k of the forward at ``positions`` (:func:`captured_forward`)."""
     base = decoder_base(model)
     tolerance = probe_tolerance(hidden.dtype)
     here = captured_forward(base, attentions, hidden, positions, identity_rotary=True)
@@ -872,6 +872,7 @@ def check_no_other_positions(
                 f"identity, the keys its layer {idx} gets still change with the positions (by {moved:.2g}): "
                 "positions reach its attention by another way, which the retrofit would leave beside the scheme."
             )
+    return here
 
 
 def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1142,9 +1143,8 @@ class InterfaceFamily(LlamaFamily):
                 "the retrofit reads (Llama 4 hands its attention complex frequencies)"
             )
         attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
-        check_no_other_positions(model, attentions, hidden, positions)
+        identity = check_no_other_positions(model, attentions, hidden, positions)
         stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
-        identity = captured_forward(base, attentions, hidden, positions, identity_rotary=True)
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
         for idx in attention_layers:
             spec, rotated, plain = own_rotary[idx], stock[idx], identity[idx]
