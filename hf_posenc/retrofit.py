@@ -7,7 +7,8 @@ any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3
 attention calls Transformers' attention interface with its rotary module's ``position_embeddings``, or with no
 positions at all (:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an
 attention function registered with ``AttentionInterface``; the attention layers of hybrids, whose linear-attention,
-Mamba and convolution layers keep their modules and cache layers; NoPE models; ``docs/retrofit_coverage.md`` lists
+Mamba and convolution layers keep their modules and cache layers; NoPE models; MLA models, their rotary part of each
+head switched; ``docs/retrofit_coverage.md`` lists
 every causal LM of the installed Transformers). The model's own layout is kept by default: its rotary parameters
 per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the masks and caches as the stock
 model reads them), QK-norm and sinks. The model keeps its class; its modules are patched:
@@ -48,6 +49,7 @@ import functools
 import inspect
 import itertools
 import json
+import math
 import shutil
 import types
 import typing
@@ -875,23 +877,45 @@ def check_no_other_positions(
     return here
 
 
-def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
     attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
-    layouts alike) and the scheme acts in :func:`interface_attention`."""
-    cos, sin = type(self).forward(self, *args, **kwargs)
+    layouts alike; DeepSeek V3's interleaved rotation puts the even features of each pair before the odd ones, the
+    same permutation of q and k, so ``q . k`` is kept) and the scheme acts in :func:`interface_attention`. Complex
+    frequencies ``e^{i m theta}`` (DeepSeek V2: ``q * e^{i m theta}`` on the pairs) become 1."""
+    embeddings = type(self).forward(self, *args, **kwargs)
+    if isinstance(embeddings, torch.Tensor):
+        return torch.ones_like(embeddings)
+    cos, sin = embeddings
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 
-def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> list[int]:
-    """The feature order that reads a head in ``layout`` as hf_posenc's rope lays it out: the identity for
-    ``"half"``; for ``"interleaved"`` the even rotary features, then the odd ones, then the rest
-    (``0, 2, .., r - 2, 1, 3, .., r - 1, r, .., d - 1``), so rotating pairs ``(i, i + r/2)`` of the reordered head
-    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged). Plain ints: no tensor
-    that a meta-device build would leave empty."""
-    if layout == "half":
-        return list(range(head_dim))
-    return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
+def half_layout_order(head_dim: int, rotary_dim: int, layout: str, start: int = 0) -> list[int]:
+    """The feature order that reads a head whose rotary features ``start .. start + r - 1`` are in ``layout`` as
+    hf_posenc's rope lays it out (the first ``r`` features rotate, pairs ``(i, i + r/2)``): the rotary features first,
+    in order for ``"half"``, for ``"interleaved"`` the even ones, then the odd ones (GLM, Cohere: ``0, 2, .., r - 2,
+    1, 3, .., r - 1``, so rotating the pairs ``(i, i + r/2)`` of the reordered head rotates the pairs ``(2i, 2i + 1)``
+    of the stock one), then the others in order (MLA's no-position part, ``start`` features before its rotary part).
+    q and k alike: ``q . k`` is unchanged. Plain ints: no tensor that a meta-device build would leave empty."""
+    rotary = range(start, start + rotary_dim)
+    if layout == "interleaved":
+        rotary = [*rotary[::2], *rotary[1::2]]
+    return [*rotary, *range(start), *range(start + rotary_dim, head_dim)]
+
+
+def mla_head_sizes(config: PretrainedConfig) -> tuple[int, int] | None:
+    """``(qk_nope_head_dim, qk_rope_head_dim)`` of a multi-head latent attention (MLA, DeepSeek V2/V3) config, or
+    None: its q and k heads are a no-position part, then a rotary part (the rotated key shared by every head),
+    ``torch.cat((q_pass, q_rot), dim=-1)``."""
+    sizes = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    return sizes if all(isinstance(size, int) and size > 0 for size in sizes) else None
+
+
+def rotary_fraction_of(head_dim: int, rotary_dim: int) -> float:
+    """The ``rotary_fraction`` whose rotary size ``int(head_dim * fraction)`` (rope's rule, Transformers' own) is
+    ``rotary_dim``: ``rotary_dim / head_dim``, or the next float up where that product rounds below it."""
+    fraction = rotary_dim / head_dim
+    return fraction if int(head_dim * fraction) == rotary_dim else math.nextafter(fraction, 1.0)
 
 
 class InterfaceFamily(LlamaFamily):
@@ -906,7 +930,11 @@ class InterfaceFamily(LlamaFamily):
     module whose modules show NoPE attention (:meth:`probe_nope`). A hybrid's layers of other types than
     :data:`ATTENTION_LAYER_TYPES` keep their modules, masks and cache layers (:class:`RetrofitStateLayer`,
     :meth:`stock_attention_mask`); per-head attention sinks move into the normalizer (:class:`SinksInNormalizer`).
-    What does not fit is refused by name (:meth:`refusal`)."""
+    Multi-head latent attention (MLA: DeepSeek V2/V3, MiniCPM3, GLM-4 MoE Lite) hands over heads of a no-position
+    part, then a rotary part (:func:`mla_head_sizes`): its own ``rope`` rotates that part only (``rotary_fraction``,
+    the features read rotary part first: :func:`half_layout_order`), so ``none`` drops only its rotation and a
+    score-bias scheme adds its bias to every head; the keys reach the cache expanded per head (not as the stock
+    latents). What does not fit is refused by name (:meth:`refusal`)."""
 
     def layers(self, base):
         return list(base.layers)
@@ -924,9 +952,31 @@ class InterfaceFamily(LlamaFamily):
         return isinstance(getattr(self.first_attention(decoder_base(model)), "sinks", None), torch.Tensor)
 
     def own_rotary(self, config):
-        """The rotary parameters per layer (:meth:`LlamaFamily.own_rotary`); None for a model without any (NoPE
-        attention, checked by :meth:`probe_nope`)."""
-        return super().own_rotary(config) if getattr(config, "rope_parameters", None) else None
+        """The rotary parameters per layer (:meth:`LlamaFamily.own_rotary`), rotating MLA's rotary part of each head
+        (:meth:`handed_head_dim`); None for a model without any (NoPE attention, checked by :meth:`probe_nope`)."""
+        if not getattr(config, "rope_parameters", None):
+            return None
+        specs = super().own_rotary(config)
+        mla = mla_head_sizes(config)
+        if mla is None:
+            return specs
+        fraction = rotary_fraction_of(sum(mla), mla[1])
+        return [dict(spec, rotary_fraction=fraction) if spec else None for spec in specs]
+
+    def handed_head_dim(self, config) -> int | None:
+        """The size of the q and k heads the stock attention hands over where it is not the config's ``head_dim``
+        and the config says it: MLA's ``qk_nope_head_dim + qk_rope_head_dim`` (its ``head_dim`` is the rotary part);
+        None otherwise (a NoPE model's is probed: :meth:`probe_nope`)."""
+        mla = mla_head_sizes(config)
+        if mla is None or getattr(config, "rope_parameters", None) is None:
+            return None
+        return sum(mla) if sum(mla) != getattr(config, "head_dim", None) else None
+
+    def rotary_start(self, config) -> int:
+        """The first rotary feature of the q and k heads the stock attention hands over: MLA's
+        ``qk_nope_head_dim``, else 0."""
+        mla = mla_head_sizes(config)
+        return mla[0] if mla is not None and self.handed_head_dim(config) is not None else 0
 
     def own_scheme(self, config):
         return super().own_scheme(config) if self.own_rotary(config) is not None else {"type": "none"}
@@ -997,15 +1047,11 @@ class InterfaceFamily(LlamaFamily):
             )
         dims = attention_dims(config, True)
         for attention in attentions:
-            if hasattr(attention, "qk_rope_head_dim") and rope:
-                return (
-                    "its attention is MLA (decoupled rotary: a rotary slice beside a no-position slice of each head), "
-                    "which hf_posenc's rope does not lay out yet"
-                )
             if getattr(attention, "layer_idx", None) is None:
                 return f"its attention {type(attention).__name__} has no layer_idx"
-            if getattr(attention, "head_dim", dims.head_dim) != dims.head_dim:
-                return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
+            head_dim = self.handed_head_dim(config) or dims.head_dim
+            if getattr(attention, "head_dim", head_dim) != head_dim:
+                return f"its attention's head_dim {attention.head_dim} is not the config's {head_dim}"
         with_sinks = [
             idx
             for idx, attention in zip(attention_layers, attentions, strict=True)
@@ -1106,7 +1152,7 @@ class InterfaceFamily(LlamaFamily):
         own = attention_shared(own, config_layer_types(model.config))
         if isinstance(own, list) and all(spec == own[0] for spec in own):
             own = own[0]
-        return layout, own, None
+        return layout, own, self.handed_head_dim(model.config)
 
     def probe_rotation(
         self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]
@@ -1118,7 +1164,8 @@ class InterfaceFamily(LlamaFamily):
         forward hands it (Lara Mini's full layers get no rotary embedding). Equal q and k mean a layer without
         rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the layer's own spec must rotate
         the identity's q and k into the stock ones (:func:`probe_tolerance`: 1e-5 in float32), in the pair layout
-        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`). Returns
+        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`), on the
+        rotary part of MLA's heads (:meth:`rotary_start`); complex frequencies (DeepSeek V2) are read alike. Returns
         the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
         rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
         they were."""
@@ -1128,6 +1175,8 @@ class InterfaceFamily(LlamaFamily):
             return None, []
         device = parameters[0].device
         dims = attention_dims(config, True)
+        dims = dataclasses.replace(dims, head_dim=self.handed_head_dim(config) or dims.head_dim)
+        start = self.rotary_start(config)
         positions = torch.arange(8, device=device)[None]
         hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
         hidden = hidden.to(parameters[0].dtype)
@@ -1136,11 +1185,12 @@ class InterfaceFamily(LlamaFamily):
         per_type = "rope_theta" not in config.rope_parameters
         with torch.no_grad():
             embeddings = base.rotary_emb(hidden, positions, *([layer_types[attention_layers[0]]] if per_type else []))
-        if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
+        pair = isinstance(embeddings, tuple) and len(embeddings) == 2
+        if not (pair or isinstance(embeddings, torch.Tensor) and embeddings.is_complex()):
             raise ValueError(
                 f"retrofit(): {type(model).__name__} ({config.model_type}): its rotary module "
-                f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair "
-                "the retrofit reads (Llama 4 hands its attention complex frequencies)"
+                f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair or "
+                "the complex frequencies the retrofit reads"
             )
         attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
         identity = check_no_other_positions(model, attentions, hidden, positions)
@@ -1165,7 +1215,7 @@ class InterfaceFamily(LlamaFamily):
             ours = POSITION_ENCODINGS["rope"](resolved, dims)
             tables = ours.prepare(positions, positions, "eager")
             for layout in differences:
-                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
+                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout, start)
                 with torch.no_grad():
                     actual = ours.transform_qkv(plain[0][..., order], plain[1][..., order], plain[1], tables)
                 difference = max(
@@ -1217,11 +1267,12 @@ class InterfaceFamily(LlamaFamily):
         if isinstance(getattr(attention, "sinks", None), torch.Tensor):  # moved into the normalizer
             del attention.sinks
             attention.__class__ = retrofit_class(type(attention), SinksInNormalizer)
-        if getattr(config, "posenc_rotary_layout", "half") != "half":
+        layout, start = getattr(config, "posenc_rotary_layout", "half"), self.rotary_start(config)
+        if layout != "half" or start:
             dims = attention_dims(config, causal)
             fraction = (self.own_rotary(config)[attention.layer_idx] or {}).get("rotary_fraction", 1.0)
             rotary_dim = int(dims.head_dim * fraction) // 2 * 2
-            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
+            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, layout, start)
         return []
 
     def applies_softcapping(self, model):
@@ -1516,8 +1567,9 @@ class RetrofitPlan:
     """The stock rotation's pair layout (:meth:`InterfaceFamily.probe_rotation`), for the attention-interface family;
     stored as ``config.posenc_rotary_layout``."""
     head_dim: int | None = None
-    """The size of the q, k and v heads the stock attention hands over, where the config's ``head_dim`` says otherwise
-    (:meth:`InterfaceFamily.probe_nope`); stored as ``config.posenc_head_dim``, which the scheme's sizes read."""
+    """The size of the q and k heads the stock attention hands over, where the config's ``head_dim`` says otherwise
+    (MLA's, :meth:`InterfaceFamily.handed_head_dim`; a NoPE model's, :meth:`InterfaceFamily.probe_nope`); stored as
+    ``config.posenc_head_dim``, which the scheme's sizes read."""
 
 
 def plan_retrofit(

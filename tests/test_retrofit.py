@@ -1248,3 +1248,124 @@ def test_every_rotary_module_of_the_base_becomes_the_identity():
         rotated = stock(ids, position_ids=torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21]])).logits
     torch.testing.assert_close(uneven, even, atol=1e-5, rtol=0)
     assert (rotated - stock(ids).logits).abs().max() > 1e-3
+
+
+def mla_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    """The walk's tiny MLA model of ``model_type`` with q and k heads of a no-position part of 6 and a rotary part of
+    4 features, values of 6, eager, seed 0."""
+    from test_retrofit_walk import causal_lm_classes, tiny_config
+
+    config = tiny_config(model_type)
+    for name, value in {"qk_nope_head_dim": 6, "v_head_dim": 6, **overrides}.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    return getattr(transformers, causal_lm_classes()[model_type])(config).eval()
+
+
+def without_rotation(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model`` whose rotary module gives ``cos = 1, sin = 0`` (complex frequencies 1): its own attention, run without
+    rotating its rotary part."""
+    rotary = model.model.rotary_emb
+    stock_forward = rotary.forward
+
+    def forward(*args, **kwargs):
+        out = stock_forward(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return torch.ones_like(out)
+        return torch.ones_like(out[0]), torch.zeros_like(out[1])
+
+    rotary.forward = forward
+    return model
+
+
+def alibi_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal softmax attention with ALiBi's bias ``-m_h (i - j)``, ``m_h = 2^(-8h/H)`` (Press et al. 2022; H a power
+    of two), written here apart from the library."""
+    heads, length = query.shape[1], query.shape[2]
+    groups = heads // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    slopes = torch.tensor([2 ** (-8 * h / heads) for h in range(1, heads + 1)])
+    distance = (torch.arange(length)[:, None] - torch.arange(length)[None]).float()
+    scores = query @ key.transpose(-1, -2) * scaling - slopes[:, None, None] * distance
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+
+transformers.AttentionInterface.register("test_alibi_eager", alibi_eager_attention)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("deepseek_v3", {}),  # interleaved pairs (rope_interleave)
+        ("deepseek_v3", {"rope_interleave": False}),
+        ("deepseek_v2", {}),  # complex frequencies
+        ("minicpm3", {}),
+        (
+            "deepseek_v3",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 16,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                }
+            },
+        ),
+    ],
+)
+def test_mla_keeps_its_rotary_part_and_switches_it_alone(model_type, overrides):
+    """Multi-head latent attention (q and k heads of 6 no-position and 4 rotary features, the rotated key shared by
+    the heads; values of 6): the identity retrofit gives the stock logits and greedy tokens, its own ``rope``
+    rotating 4 of 10 features; ``none`` gives the stock model's logits with its rotary module giving no rotation (the
+    no-position part as it was), ``alibi`` those of the stock model without rotation with ALiBi's bias added to its
+    scores (an attention function of the test's own)."""
+    stock = mla_model(model_type, **overrides)
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    own = patched.config.position_encoding
+    assert own["type"] == "rope" and int(10 * own["rotary_fraction"]) == 4 and patched.config.posenc_head_dim == 10
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+    assert torch.equal(patched.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+    unrotated = without_rotation(copy.deepcopy(stock))
+    with torch.no_grad():
+        dropped = hf_posenc.retrofit(copy.deepcopy(stock), "none")(ids).logits
+        torch.testing.assert_close(dropped, unrotated(ids).logits, atol=1e-5, rtol=0)
+        assert (dropped - stock(ids).logits).abs().max() > 1e-4  # ten times the tolerance
+        unrotated.set_attn_implementation("test_alibi_eager")
+        biased = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")(ids).logits
+        torch.testing.assert_close(biased, unrotated(ids, use_cache=False).logits, atol=1e-5, rtol=0)
+        assert (biased - dropped).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "bailing_hybrid"])
+def test_mla_and_hybrid_models_generate_reload_and_train_with_lora(model_type, tmp_path):
+    """DeepSeek V3 (MLA and MoE), Qwen3-Next (a hybrid) and Bailing hybrid (MLA beside linear attention) switched to
+    ``alibi``: they generate with the dynamic and the static cache as without, save and reload as remote code with
+    the same logits and tokens, and LoRA on the reloaded model trains (its adapters get gradients)."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    from peft import LoraConfig, get_peft_model
+
+    stock = walk_model(model_type)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = patched.generate(ids, use_cache=False, **kwargs)
+    for cache in (None, "static"):
+        assert torch.equal(patched.generate(ids, cache_implementation=cache, **kwargs), tokens)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, patched(ids).logits, atol=1e-6, rtol=1e-6)
+    assert torch.equal(reloaded.generate(ids, **kwargs), tokens)
+    targets = ["q_b_proj", "kv_b_proj"] if hasattr(stock.config, "kv_lora_rank") else ["q_proj", "v_proj"]
+    lora = get_peft_model(reloaded, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)).train()
+    lora(ids, labels=ids).loss.backward()
+    adapters = [p.grad for name, p in lora.named_parameters() if "lora_B" in name]
+    assert adapters and all(grad is not None and grad.abs().max() > 0 for grad in adapters)

@@ -171,11 +171,20 @@ KEPT = [
     "flint",
     "granite_swa",
     "granitemoe_swa",
+    # MLA (a rotary part beside a no-position part of each head): interleaved pairs, complex frequencies, a hybrid
+    "deepseek_v3",
+    "deepseek_v2",
+    "minicpm3",
+    "glm4_moe_lite",
+    "youtu",
+    "bailing_hybrid",
+    # complex frequencies and NoPE layers
+    "llama4_text",
 ]
 """Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
 Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
 REFUSED = {
-    "deepseek_v3": "MLA",
+    "deepseek_v32": "indexed_attention",
     "minimax": "cache of its own class",
     "mimo_v2_flash": "attention sinks",
     "xglm": "no rotary module",
