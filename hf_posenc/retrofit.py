@@ -15,9 +15,11 @@ model reads them), QK-norm and sinks. The model keeps its class; its modules are
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
-  the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``),
-  keep key positions with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through
-  the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
+  the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``;
+  given ``position_ids`` count from 0 in every family, where stock RoBERTa reads them as rows of its table, so the
+  ones ``generate`` hands over put a retrofitted RoBERTa at the positions of its stock forward), keep key positions
+  with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through the scheme's
+  ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
   positions are the consecutive default ones, so that a relative bias is built once per distance). The stock forward
   then runs on these ``inputs_embeds`` (its own position table is gone: BERT's embeddings module passes them through,
   GPT-2's ``wpe`` adds nothing), and Transformers hands two keyword arguments down to every attention layer: the
@@ -496,6 +498,18 @@ class BertFamily(StockFamily):
         # RoBERTa: the k-th non-padding token (k = 1, 2, ...) is at position past + k - 1; padding at 0.
         real = (input_ids != base.embeddings.padding_idx).long()
         return ((real.cumsum(-1) + past_length) * real - 1).clamp(min=0)
+
+    def check(self, config):
+        """ELECTRA's embeddings may be narrower than its layers (``embedding_size``, projected to ``hidden_size``):
+        its position table is of the embeddings' width, the schemes' tables are of the layers'."""
+        super().check(config)
+        width = getattr(config, "embedding_size", None) or config.hidden_size
+        if width != config.hidden_size:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's embeddings are embedding_size={width} wide, projected "
+                f"to hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
+                "with embedding_size equal to hidden_size."
+            )
 
     def embed(self, base, encoding, inputs, call):
         embeddings = base.embeddings

@@ -1093,11 +1093,12 @@ def test_minilm_retrofit_trains_saves_and_reloads(minilm_batch, scheme, normaliz
 
 
 def walk_model(model_type: str) -> transformers.PreTrainedModel:
-    """The walk's tiny stock causal LM of ``model_type`` (one layer of each default layer type), eager, seed 0."""
-    from test_retrofit_walk import causal_lm_classes, tiny_config
+    """The walk's tiny stock causal LM of ``model_type`` (one layer of each default layer type), eager, seed 0;
+    skipped where the installed Transformers has no such model."""
+    from test_retrofit_walk import causal_lm_classes, present, tiny_config
 
     torch.manual_seed(0)
-    return getattr(transformers, causal_lm_classes()[model_type])(tiny_config(model_type)).eval()
+    return getattr(transformers, causal_lm_classes()[present(model_type)])(tiny_config(model_type)).eval()
 
 
 def test_a_hybrid_switches_its_attention_layers_and_keeps_the_others_with_their_cache_layers():
@@ -1253,9 +1254,9 @@ def test_every_rotary_module_of_the_base_becomes_the_identity():
 def mla_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
     """The walk's tiny MLA model of ``model_type`` with q and k heads of a no-position part of 6 and a rotary part of
     4 features, values of 6, eager, seed 0."""
-    from test_retrofit_walk import causal_lm_classes, tiny_config
+    from test_retrofit_walk import causal_lm_classes, present, tiny_config
 
-    config = tiny_config(model_type)
+    config = tiny_config(present(model_type))
     for name, value in {"qk_nope_head_dim": 6, "v_head_dim": 6, **overrides}.items():
         setattr(config, name, value)
     torch.manual_seed(0)
@@ -1369,3 +1370,28 @@ def test_mla_and_hybrid_models_generate_reload_and_train_with_lora(model_type, t
     lora(ids, labels=ids).loss.backward()
     adapters = [p.grad for name, p in lora.named_parameters() if "lora_B" in name]
     assert adapters and all(grad is not None and grad.abs().max() > 0 for grad in adapters)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "camembert"])
+def test_roberta_like_decoder_generates_the_stock_forwards_greedy_tokens(model_type):
+    """A RoBERTa-like decoder numbers its tokens from ``padding_idx + 1`` in its forward, and so does the identity
+    retrofit in ``generate`` (with the cache): the tokens of the stock forward's greedy loop. The stock ``generate``
+    hands it position ids from 0 instead (other table rows), so its tokens are not the reference."""
+    from test_retrofit_walk import GENERATE, greedy_tokens
+
+    stock = walk_model(model_type)
+    ids = random_ids(2, 10)
+    expected = greedy_tokens(stock, ids)
+    assert torch.equal(hf_posenc.retrofit(copy.deepcopy(stock)).generate(ids, **GENERATE), expected)
+
+
+def test_electra_with_narrower_embeddings_is_refused_naming_the_sizes():
+    """ELECTRA's embeddings of ``embedding_size`` 128, projected to a hidden size of 32: refused by name, nothing
+    changed."""
+    config = transformers.ElectraConfig(**dict(ENCODER, embedding_size=128, is_decoder=True))
+    stock = transformers.ElectraForCausalLM(config).eval()
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="embedding_size=128 wide, projected to hidden_size=32"):
+        hf_posenc.retrofit(model)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
