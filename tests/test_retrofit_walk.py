@@ -200,7 +200,7 @@ KEPT = [
 """Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
 Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
 REFUSED = {
-    "deepseek_v32": "indexed_attention",
+    "deepseek_v32": "calls the attention interface",  # its indexer layers (layer type named by the version)
     "minimax": "cache of its own class",
     "mimo_v2_flash": "attention sinks",
     "xglm": "no rotary module",
