@@ -709,18 +709,20 @@ def calls_attention_interface(module: nn.Module) -> bool:
         return False
 
 
-def call_arguments(function: Callable, callee: str) -> str:
-    """The source text of the arguments of the first call ``callee(...)`` in ``function`` ('' if none)."""
+def call_arguments(function: Callable, callee: str) -> list[str]:
+    """The source text of the arguments of each call ``callee(...)`` in ``function``, in order (Nemotron-H's block
+    calls its mixer in one branch per layer kind)."""
     source = inspect.getsource(function)
-    start = source.find(f"{callee}(")
-    if start < 0:
-        return ""
-    depth, end = 0, start + len(callee)
-    for end in range(start + len(callee), len(source)):
-        depth += {"(": 1, ")": -1}.get(source[end], 0)
-        if depth == 0:
-            break
-    return source[start + len(callee) + 1 : end]
+    calls, start = [], source.find(f"{callee}(")
+    while start >= 0:
+        depth, end = 0, start + len(callee)
+        for end in range(start + len(callee), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        calls.append(source[start + len(callee) + 1 : end])
+        start = source.find(f"{callee}(", end)
+    return calls
 
 
 CAPTURE_ATTENTION = "posenc_retrofit_capture"
@@ -990,7 +992,7 @@ class InterfaceFamily(LlamaFamily):
         """The first rotary feature of the q and k heads the stock attention hands over: MLA's
         ``qk_nope_head_dim``, else 0."""
         mla = mla_head_sizes(config)
-        return mla[0] if mla is not None and self.handed_head_dim(config) is not None else 0
+        return mla[0] if mla is not None and getattr(config, "rope_parameters", None) else 0
 
     def own_scheme(self, config):
         return super().own_scheme(config) if self.own_rotary(config) is not None else {"type": "none"}
@@ -1039,7 +1041,7 @@ class InterfaceFamily(LlamaFamily):
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
             name, attention = found[0]
-            if "**kwargs" not in call_arguments(type(layer).forward, f"self.{name}"):
+            if not any("**kwargs" in call for call in call_arguments(type(layer).forward, f"self.{name}")):
                 return (
                     f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
                     f"{type(attention).__name__}, through which the attention inputs reach the attention function"

@@ -1172,9 +1172,9 @@ def test_a_model_without_a_rotary_module_whose_attention_sees_positions_is_refus
     with pytest.raises(ValueError, match="gives one input at two positions different q or k"):
         hf_posenc.retrofit(model)
     assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
-    from test_retrofit_walk import tiny_config
+    from test_retrofit_walk import present, tiny_config
 
-    config = tiny_config("kimi_linear")
+    config = tiny_config(present("kimi_linear"))
     config.v_head_dim = 4
     with pytest.raises(ValueError, match=r"q, k and v heads of \[\(8, 8, 4\)\] features"):
         hf_posenc.retrofit(transformers.KimiLinearForCausalLM(config))
