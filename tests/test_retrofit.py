@@ -1222,11 +1222,11 @@ def test_interface_retrofit_trains_with_activation_checkpointing_as_without(mode
         torch.testing.assert_close(with_checkpoints, without)
 
 
-@pytest.mark.parametrize("model_type", ["glm4", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["glm4", "qwen3_next", "kimi_linear", "deepseek_v3", "deepseek_v2"])
 def test_a_bfloat16_model_is_probed_at_its_own_precision(model_type):
     """A model loaded in bfloat16 (as checkpoints are) is probed within its rounding (:func:`probe_tolerance`): GLM-4's
-    interleaved rotation, Qwen3-Next's hybrid and Kimi's NoPE attention are kept, the logits within bfloat16's
-    rounding of the stock ones."""
+    interleaved rotation, Qwen3-Next's hybrid, Kimi's NoPE attention and DeepSeek V3's and V2's MLA (interleaved
+    pairs, complex frequencies) are kept, the logits within bfloat16's rounding of the stock ones."""
     stock = walk_model(model_type).to(torch.bfloat16)
     patched = hf_posenc.retrofit(copy.deepcopy(stock))
     ids = random_ids(2, 10)
