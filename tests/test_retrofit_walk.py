@@ -69,7 +69,8 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
     defaults = transformers.AutoConfig.for_model(model_type)
     values = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
     if "qk_rope_head_dim" in values:  # MLA: the head sizes are the nope and rope parts, a key head per query head
-        values.pop("head_dim", None)
+        if "head_dim" in values:  # the rotary module's size: the rope part (LongCat's default is its own, 64)
+            values["head_dim"] = values["qk_rope_head_dim"]
         values["num_key_value_heads"] = values["num_attention_heads"]
     layer_types = getattr(defaults, "layer_types", None)
     if layer_types is not None:  # each layer type once, in the order of the default pattern (hybrids keep theirs)
