@@ -294,7 +294,11 @@ def layout_preset(
     return values
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", LINEAR_ATTENTION)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""The layer types of attention layers, the layers a position encoding acts in. Any other type (a PosEnc model's
+``"linear_attention"``; in a retrofitted stock hybrid also Mamba, convolution or MLP-only layers) mixes tokens without
+positions and keeps its own cache layer."""
+LAYER_TYPES = (*ATTENTION_LAYER_TYPES, LINEAR_ATTENTION)
 """Layer types as Transformers spells them (``config.layer_types``, read by ``masking_utils`` and the KV caches): the
 attention layers' and ``"linear_attention"`` (a recurrent mixer in place of attention, ``linear_attention.py``)."""
 
@@ -390,20 +394,28 @@ def check_linear_attention_support() -> None:
 def check_linear_layer_positions(
     position_encoding: dict[str, Any] | list[dict[str, Any]], layer_types: list[str] | None
 ) -> None:
-    """A ``"linear_attention"`` layer has no position encoding. A single spec acts on the attention layers only; in a
-    per-layer list a linear layer's entry must be ``"none"`` or the spec that every attention layer carries (a single
-    spec written out per layer), else ``ValueError``: a scheme written on a layer that cannot run it."""
-    if not isinstance(position_encoding, list) or layer_types is None or LINEAR_ATTENTION not in layer_types:
+    """A layer that is not an attention layer (``"linear_attention"``; any type outside :data:`ATTENTION_LAYER_TYPES`)
+    has no position encoding. A single spec acts on the attention layers only; in a per-layer list such a layer's
+    entry must be ``"none"`` or the spec that every attention layer carries (a single spec written out per layer),
+    else ``ValueError``: a scheme written on a layer that cannot run it."""
+    if not isinstance(position_encoding, list) or layer_types is None:
         return
-    attention = [spec for spec, kind in zip(position_encoding, layer_types, strict=True) if kind != LINEAR_ATTENTION]
+    if all(kind in ATTENTION_LAYER_TYPES for kind in layer_types):
+        return
+    attention = attention_layer_specs(position_encoding, layer_types)
     shared = attention[0] if attention and all(spec == attention[0] for spec in attention) else None
     for layer_idx, (spec, kind) in enumerate(zip(position_encoding, layer_types, strict=True)):
-        if kind == LINEAR_ATTENTION and spec["type"] != "none" and spec != shared:
+        if kind not in ATTENTION_LAYER_TYPES and spec["type"] != "none" and spec != shared:
             raise ValueError(
-                f"position_encoding[{layer_idx}] is {spec['type']!r}, but layer {layer_idx} is a 'linear_attention' "
-                "layer, which has no position encoding: give it 'none', or the spec every attention layer carries "
+                f"position_encoding[{layer_idx}] is {spec['type']!r}, but layer {layer_idx} is a {kind!r} layer, "
+                "which has no position encoding: give it 'none', or the spec every attention layer carries "
                 f"(here {'none shared' if shared is None else repr(shared['type'])})."
             )
+
+
+def attention_layer_specs(position_encoding: list[Any], layer_types: list[str]) -> list[Any]:
+    """The entries of a per-layer ``position_encoding`` on the attention layers (:data:`ATTENTION_LAYER_TYPES`)."""
+    return [spec for spec, kind in zip(position_encoding, layer_types, strict=True) if kind in ATTENTION_LAYER_TYPES]
 
 
 PER_LAYER_CACHE_WINDOWS = version.parse("5.19.0")

@@ -19,13 +19,14 @@ from .attention_backends import build_attention_mask, build_dense_mask, choose_r
 from .attention_normalizers import ATTENTION_NORMALIZERS
 from .canon_layers import CanonLayer, canon_forward_inputs
 from .configuration_posenc import (
+    ATTENTION_LAYER_TYPES,
     config_layer_types,
     layer_position_specs,
     resolve_attention_normalizer,
     resolve_position_layout,
     training_length,
 )
-from .linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTIONS, GatedDeltaNet, linear_keep
+from .linear_attention import LINEAR_ATTENTIONS, GatedDeltaNet, linear_keep
 from .normalizer_interface import AttentionNormalizer
 from .options import ALONG_THE_SEQUENCE, PARALLELISMS, RING_ATTENTION_ONLY
 from .posenc_attention import QueryKeyRMSNorm
@@ -44,8 +45,9 @@ from .score_bias_encodings import refuse_old_t5_table
 
 
 def attention_dims(config, causal: bool) -> AttentionDims:
-    """Sizes from a config; ``head_dim`` is ``hidden_size / num_attention_heads`` unless the config sets it (Llama)."""
-    head_dim = getattr(config, "head_dim", None)
+    """Sizes from a config; ``head_dim`` is ``hidden_size / num_attention_heads`` unless the config sets it (Llama;
+    a retrofit's ``posenc_head_dim`` where the stock attention's heads are not of the config's ``head_dim``)."""
+    head_dim = getattr(config, "posenc_head_dim", None) or getattr(config, "head_dim", None)
     if head_dim is None and config.hidden_size % config.num_attention_heads != 0:
         raise ValueError(
             f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
@@ -159,8 +161,9 @@ def prepare_attention(
     logit_softcapping = getattr(model.config, "attn_logit_softcapping", None)
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
     all_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
-    # linear-attention layers read no scheme, mask or key position: only which current tokens are padding
-    layer_kinds = [(scheme, layer_type) for scheme, layer_type in all_kinds if layer_type != LINEAR_ATTENTION]
+    # linear-attention layers (any layer that is not an attention layer) read no scheme, mask or key position: only
+    # which current tokens are padding
+    layer_kinds = [(scheme, layer_type) for scheme, layer_type in all_kinds if layer_type in ATTENTION_LAYER_TYPES]
     linear_inputs = None
     if len(layer_kinds) < len(all_kinds):
         linear_inputs = {"linear_keep": linear_keep(attention_mask, inputs_embeds.shape[1], past_length)}
@@ -172,7 +175,7 @@ def prepare_attention(
     key_positions, first_layer, slot_keys = {}, {}, {}
     key_slots = position_cache.key_slots() if position_cache is not None else None
     for layer_idx, (_, layer_type) in enumerate(all_kinds):
-        if layer_type in key_positions or layer_type == LINEAR_ATTENTION:
+        if layer_type in key_positions or layer_type not in ATTENTION_LAYER_TYPES:
             continue
         first_layer[layer_type] = layer_idx
         key_positions[layer_type] = position_ids
@@ -237,7 +240,7 @@ def prepare_attention(
             built.append((scheme, layer_type, kind_inputs(scheme, layer_type)))
     return tuple(
         linear_inputs
-        if layer_type == LINEAR_ATTENTION
+        if layer_type not in ATTENTION_LAYER_TYPES
         else next(inputs for done, done_type, inputs in built if done is scheme and done_type == layer_type)
         for scheme, layer_type in all_kinds
     )
@@ -390,7 +393,7 @@ def parallelism_refusals(config, parallelism: str, family_refusals: dict[str, st
         refusal = CANON_PARALLEL_REFUSALS[parallelism]
         reasons.append(f"canon_layers {config.canon_layers!r} refuse {described}: {refusal}")
     windowed = sorted(
-        {kind for kind in config_layer_types(config) if kind not in ("full_attention", LINEAR_ATTENTION)}
+        {kind for kind in config_layer_types(config) if kind in ATTENTION_LAYER_TYPES and kind != "full_attention"}
     )
     if parallelism == "context" and windowed:
         reasons.append(f"layers of type {windowed} refuse {described}: {RING_ATTENTION_ONLY}")

@@ -263,10 +263,11 @@ class PositionCache:
 
     def widest_layer(self) -> int:
         """The attention layer whose cache layer keeps the most keys: the first full one, else the widest window.
-        Linear-attention layers (their cache layers keep states, not keys) are passed over, unless every layer is
+        Linear-attention layers (their cache layers keep states, not keys) and the placeholders of layers without a
+        cache (Transformers' ``DummyLayer``: a stock hybrid's MLP-only layers) are passed over, unless every layer is
         one."""
         layers = self.cache.layers
-        attention = [i for i in range(self.num_layers) if i >= len(layers) or not is_linear_cache_layer(layers[i])]
+        attention = [i for i in range(self.num_layers) if i >= len(layers) or keeps_keys(layers[i])]
         kinds = {i: cache_layer_kind(layers[i]) if i < len(layers) else None for i in attention or [0]}
         full = [i for i, kind in kinds.items() if kind is None]
         if full:
@@ -330,6 +331,12 @@ def is_linear_cache_layer(layer: Any) -> bool:
     """Whether a cache layer is Transformers' linear-attention one (``LinearAttentionLayer``: convolution and
     recurrent states, no keys; absent from Transformers before its hybrids)."""
     return type(layer).__name__ == "LinearAttentionLayer" or hasattr(layer, "recurrent_states")
+
+
+def keeps_keys(layer: Any) -> bool:
+    """Whether a cache layer keeps keys: not a linear-attention layer (:func:`is_linear_cache_layer`), nor the
+    ``DummyLayer`` Transformers places for a layer without a cache."""
+    return not is_linear_cache_layer(layer) and type(layer).__name__ != "DummyLayer"
 
 
 def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:

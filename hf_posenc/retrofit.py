@@ -4,19 +4,22 @@ Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BE
 CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
 any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
 ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
-attention calls Transformers' attention interface with its rotary module's ``position_embeddings``
-(:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an attention function
-registered with ``AttentionInterface``; ``docs/retrofit_coverage.md`` lists every causal LM of the installed
-Transformers). The model's own layout is kept by
-default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
-masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
-patched:
+attention calls Transformers' attention interface with its rotary module's ``position_embeddings``, or with no
+positions at all (:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an
+attention function registered with ``AttentionInterface``; the attention layers of hybrids, whose linear-attention,
+Mamba and convolution layers keep their modules and cache layers; NoPE models; MLA models, their rotary part of each
+head switched; ``docs/retrofit_coverage.md`` lists
+every causal LM of the installed Transformers). The model's own layout is kept by default: its rotary parameters
+per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the masks and caches as the stock
+model reads them), QK-norm and sinks. The model keeps its class; its modules are patched:
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
-  the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``),
-  keep key positions with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through
-  the scheme's ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
+  the position ids (the stock rule: ``past .. past + seq``; RoBERTa counts non-padding tokens after ``padding_idx``;
+  given ``position_ids`` count from 0 in every family, where stock RoBERTa reads them as rows of its table, so the
+  ones ``generate`` hands over put a retrofitted RoBERTa at the positions of its stock forward), keep key positions
+  with the KV cache (:class:`PositionCache`), combine the token embeddings with positions through the scheme's
+  ``embed`` hook, and build the :data:`AttentionInputs` with :func:`prepare_attention` (told when the
   positions are the consecutive default ones, so that a relative bias is built once per distance). The stock forward
   then runs on these ``inputs_embeds`` (its own position table is gone: BERT's embeddings module passes them through,
   GPT-2's ``wpe`` adds nothing), and Transformers hands two keyword arguments down to every attention layer: the
@@ -46,9 +49,12 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
+import math
 import shutil
 import types
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,15 +63,18 @@ import torch
 import transformers
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel, masking_utils
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
 from .attention_normalizers import AttentionNormalizer
 from .configuration_posenc import (
+    ATTENTION_LAYER_TYPES,
+    attention_layer_specs,
     check_layer_windows,
+    check_linear_layer_positions,
     config_layer_types,
     layer_position_specs,
     layout_name,
@@ -132,6 +141,25 @@ class RetrofitLayer:
         num_args, spec = posenc_layout
         kwargs[ATTENTION_INPUTS] = tree_unflatten(list(args[num_args:]), spec)
         return super().forward(*args[:num_args], **kwargs)
+
+
+class RetrofitStateLayer:
+    """Mixin of a stock hybrid's layer that is not an attention layer (its ``config.layer_types`` entry is not one of
+    :data:`ATTENTION_LAYER_TYPES`: linear attention, Mamba, a short convolution, an MLP-only block): its modules stay
+    as they are and it reads and writes its own states in the stock model's cache (Transformers'
+    ``LinearAttentionLayer`` of its layer type), which the retrofitted forward hands it under :data:`RETROFIT_CACHE`
+    while the stock forward runs without one (the attention layers' keys reach the cache through
+    :func:`interface_attention` only). The attention inputs and the scheme are not its arguments."""
+
+    def __call__(self, *args, **kwargs):
+        kwargs.pop(ATTENTION_INPUTS, None)
+        kwargs.pop(POSITION_ENCODING, None)
+        cache = kwargs.pop(RETROFIT_CACHE, None)
+        if cache is not None:
+            kwargs[CACHE_NAME] = cache
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = True
+        return super().__call__(*args, **kwargs)
 
 
 class RetrofitAttention:
@@ -235,16 +263,22 @@ class RetrofitOlmo3Attention(RetrofitLlamaAttention):
         return tuple(t.view(shape).transpose(1, 2) for t in (query, key, value))
 
 
-class RetrofitGptOssAttention(RetrofitLlamaAttention):
-    """gpt-oss's attention: its per-head ``sinks`` are the ``softmax`` normalizer's learned ``sink`` (``e^b / (e^c +
-    sum_j e^b)``, as ``eager_attention_forward``'s extra column). The stock parameter is moved into the normalizer
-    (``normalizer.sink``); ``sinks`` reads it there (the stock ``_init_weights`` initialises it by that name), an
-    empty tensor under a normalizer without a learned sink."""
+class SinksInNormalizer:
+    """Mixin of an attention module with per-head attention sinks (gpt-oss; through the attention interface, those
+    of e.g. Granite SWA and Flint): they are the ``softmax`` normalizer's learned ``sink`` (``e^b / (e^c
+    + sum_j e^b)``, as ``eager_attention_forward``'s extra column). The stock parameter is moved into the normalizer
+    (``normalizer.sink``); ``sinks`` reads it there (the stock ``_init_weights`` initialises it by that name, the stock
+    forward hands it to the attention function, which the retrofit's ignores), an empty tensor under a normalizer
+    without a learned sink."""
 
     @property
     def sinks(self) -> torch.Tensor:
         sink = getattr(self.normalizer, "sink", None)
         return sink if sink is not None else torch.empty(0)
+
+
+class RetrofitGptOssAttention(SinksInNormalizer, RetrofitLlamaAttention):
+    """gpt-oss's attention: Llama's projections, its ``sinks`` in the normalizer (:class:`SinksInNormalizer`)."""
 
 
 class RetrofitModernBertAttention(RetrofitAttention):
@@ -406,6 +440,11 @@ class StockFamily:
         """Take the stock rotary embedding out where the stock attention still applies it (the attention-interface
         family); the other families' attention modules no longer read it."""
 
+    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids) -> Any:
+        """The ``attention_mask`` the stock forward gets: None, as the masks live in the attention inputs (sparing
+        the stock forward building its own)."""
+        return None
+
     def hand_down(self, call: dict[str, Any], cache) -> None:
         """Put the KV cache in the stock forward's arguments: here its attention layers read it (under
         :data:`CACHE_NAME`) and give it to :func:`positional_attention`."""
@@ -460,6 +499,18 @@ class BertFamily(StockFamily):
         real = (input_ids != base.embeddings.padding_idx).long()
         return ((real.cumsum(-1) + past_length) * real - 1).clamp(min=0)
 
+    def check(self, config):
+        """ELECTRA's embeddings may be narrower than its layers (``embedding_size``, projected to ``hidden_size``):
+        its position table is of the embeddings' width, the schemes' tables are of the layers'."""
+        super().check(config)
+        width = getattr(config, "embedding_size", None) or config.hidden_size
+        if width != config.hidden_size:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's embeddings are embedding_size={width} wide, projected "
+                f"to hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
+                "with embedding_size equal to hidden_size."
+            )
+
     def embed(self, base, encoding, inputs, call):
         embeddings = base.embeddings
         token_type_ids = call.pop("token_type_ids", None)
@@ -500,6 +551,11 @@ def rope_spec_of(parameters: dict[str, Any], max_position_embeddings: int, fract
     fraction = parameters.get("partial_rotary_factor") or fraction
     spec = {"type": "rope", "theta": float(parameters["rope_theta"]), "rotary_fraction": float(fraction)}
     if kind == "default":
+        return spec
+    if kind == "proportional":  # Gemma 4's: the whole head's frequencies, the highest fraction of them rotating
+        spec.update(rotary_fraction=1.0, kept_frequency_fraction=float(fraction))
+        if parameters.get("factor") not in (None, 1, 1.0):
+            spec["scaling"] = {"type": "linear", "factor": float(parameters["factor"])}
         return spec
     if kind not in ROPE_SCALING_OPTIONS:
         raise ValueError(
@@ -600,8 +656,8 @@ class ModernBertFamily(StockFamily):
 RETROFIT_ATTENTION = "posenc_retrofit"
 """The name :func:`interface_attention` is registered under with Transformers' ``AttentionInterface``."""
 RETROFIT_CACHE = "posenc_cache"
-"""The keyword under which the KV cache reaches :func:`interface_attention` (the stock attention gets none)."""
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""The keyword under which the KV cache reaches :func:`interface_attention` (the stock attention gets none) and the
+layers of a hybrid that are not attention layers (:class:`RetrofitStateLayer`)."""
 
 
 def interface_attention(
@@ -653,18 +709,20 @@ def calls_attention_interface(module: nn.Module) -> bool:
         return False
 
 
-def call_arguments(function: Callable, callee: str) -> str:
-    """The source text of the arguments of the first call ``callee(...)`` in ``function`` ('' if none)."""
+def call_arguments(function: Callable, callee: str) -> list[str]:
+    """The source text of the arguments of each call ``callee(...)`` in ``function``, in order (Nemotron-H's block
+    calls its mixer in one branch per layer kind)."""
     source = inspect.getsource(function)
-    start = source.find(f"{callee}(")
-    if start < 0:
-        return ""
-    depth, end = 0, start + len(callee)
-    for end in range(start + len(callee), len(source)):
-        depth += {"(": 1, ")": -1}.get(source[end], 0)
-        if depth == 0:
-            break
-    return source[start + len(callee) + 1 : end]
+    calls, start = [], source.find(f"{callee}(")
+    while start >= 0:
+        depth, end = 0, start + len(callee)
+        for end in range(start + len(callee), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        calls.append(source[start + len(callee) + 1 : end])
+        start = source.find(f"{callee}(", end)
+    return calls
 
 
 CAPTURE_ATTENTION = "posenc_retrofit_capture"
@@ -677,50 +735,203 @@ def capture_attention(
     """Keep the q and k a stock attention module hands over (``module.posenc_captured``); return zeros of the
     output's shape ``(batch, seq, heads, value_dim)``."""
     module.posenc_captured = (query, key)
+    module.posenc_value_dim = value.shape[-1]
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
 AttentionInterface.register(CAPTURE_ATTENTION, capture_attention)
 
 
-def captured_query_key(
+PLAIN_ATTENTION = "posenc_retrofit_plain"
+"""The attention function a retrofit's probe of a NoPE attention module compares the module's own with."""
+
+
+def plain_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal softmax attention of q, k, v alone (grouped-query heads repeated), ``(batch, seq, heads, value_dim)``:
+    what a NoPE attention layer computes, with nothing handed over beside q, k and v read."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    weights = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(value.dtype)
+    return (weights @ value).transpose(1, 2), None
+
+
+AttentionInterface.register(PLAIN_ATTENTION, plain_attention)
+
+
+def call_stock_attention(
     attention: nn.Module,
+    implementation: str,
     hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
     position_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, read by
-    running it once with :func:`capture_attention` (its config and the module are restored afterwards)."""
-    stock_config = attention.config
+    attention_mask: torch.Tensor | None = None,
+) -> Any:
+    """A stock attention module's output for ``hidden_states``, run once in eval mode with the attention function
+    registered as ``implementation`` (its config and mode are restored afterwards); ``position_embeddings`` where
+    given or where its ``forward`` takes them, ``position_ids`` where it takes them."""
+    stock_config, modes = attention.config, {module: module.training for module in attention.modules()}
     attention.config = copy.copy(stock_config)
-    attention.config._attn_implementation_internal = CAPTURE_ATTENTION
+    attention.config._attn_implementation_internal = implementation
     accepted = inspect.signature(attention.forward).parameters
     extra = {"position_ids": position_ids} if "position_ids" in accepted else {}
+    if position_embeddings is not None or "position_embeddings" in accepted:
+        extra["position_embeddings"] = position_embeddings
+    attention.eval()
     try:
-        attention(hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=None, **extra)
-        return attention.posenc_captured
+        return attention(hidden_states=hidden_states, attention_mask=attention_mask, **extra)
     finally:
         attention.config = stock_config
+        for module, training in modes.items():
+            module.training = training
+
+
+def captured_heads(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The q and k a stock attention module computes from ``hidden_states`` with ``position_embeddings``, and the
+    size of its value heads, read by running it once with :func:`capture_attention` (its config and the module are
+    restored afterwards)."""
+    try:
+        call_stock_attention(attention, CAPTURE_ATTENTION, hidden_states, position_embeddings, position_ids)
+        return (*attention.posenc_captured, attention.posenc_value_dim)
+    finally:
         attention.__dict__.pop("posenc_captured", None)
+        attention.__dict__.pop("posenc_value_dim", None)
 
 
-def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The difference, relative to the values' largest magnitude (at least 1), that a probe of the stock modules
+    accepts: 1e-5 in float32, eight units in the last place in bfloat16 and float16 (the stock rotation's and
+    attention's own rounding)."""
+    return max(1e-5, 8 * torch.finfo(dtype).eps)
+
+
+def rotary_modules(base: nn.Module) -> list[nn.Module]:
+    """The base model's rotary modules: ``base_model.rotary_emb`` and every other module of its class (Granite SWA
+    keeps one per base in ``rotary_embs``, which its forward reads); none for a model without a rotary module."""
+    rotary = getattr(base, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        return []
+    return [rotary, *(module for module in base.modules() if type(module) is type(rotary) and module is not rotary)]
+
+
+def captured_forward(
+    base: nn.Module,
+    attentions: dict[int, nn.Module],
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    identity_rotary: bool,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The q and k each attention module of ``attentions`` (by layer index) is handed by the stock base model's
+    forward on ``hidden`` (inputs_embeds) at ``positions``, in eval mode and without a cache, with every attention
+    function replaced by :func:`capture_attention` (the attention outputs are zeros, whatever the rotation) and, with
+    ``identity_rotary``, the rotary modules (:func:`rotary_modules`) as :func:`identity_rotary_forward`. The modules
+    are left as they were."""
+    stock_configs = {idx: attention.config for idx, attention in attentions.items()}
+    modes = {module: module.training for module in base.modules()}
+    rotaries = rotary_modules(base) if identity_rotary else []
+    hooks = [rotary.__dict__.get("forward") for rotary in rotaries]  # accelerate's, kept
+    for attention in attentions.values():
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation_internal = CAPTURE_ATTENTION
+    for rotary in rotaries:
+        rotary.forward = types.MethodType(identity_rotary_forward, rotary)
+    base.eval()
+    try:
+        with torch.no_grad():
+            base(inputs_embeds=hidden, position_ids=positions, use_cache=False)
+        return {idx: attention.posenc_captured for idx, attention in attentions.items()}
+    finally:
+        for idx, attention in attentions.items():
+            attention.config = stock_configs[idx]
+            attention.__dict__.pop("posenc_captured", None)
+            attention.__dict__.pop("posenc_value_dim", None)
+        for rotary, hook in zip(rotaries, hooks, strict=True):
+            rotary.__dict__.pop("forward", None)
+            if hook is not None:
+                rotary.forward = hook
+        for module, training in modes.items():
+            module.training = training
+
+
+def check_no_other_positions(
+    model: PreTrainedModel, attentions: dict[int, nn.Module], hidden: torch.Tensor, positions: torch.Tensor
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``ValueError`` where the keys the stock forward hands an attention layer still change with the positions once
+    its rotary modules are the identity (or where it has none): positions reach the attention by another way than
+    the rotary modules (a rotary module the retrofit does not find, a position table), which the retrofit would leave
+    in place beside the scheme. The queries are not compared: a position-dependent scaling of the queries alone (Beam's
+    attention temperature on its NoPE layers, as Llama 4's) stays in the stock forward, the model's own temperature
+    beside any scheme. Returns the q and k of the forward at ``positions`` (:func:`captured_forward`)."""
+    base = decoder_base(model)
+    tolerance = probe_tolerance(hidden.dtype)
+    here = captured_forward(base, attentions, hidden, positions, identity_rotary=True)
+    there = captured_forward(base, attentions, hidden, positions + 3, identity_rotary=True)
+    for idx in attentions:
+        key, shifted = here[idx][1].float(), there[idx][1].float()
+        moved = (key - shifted).abs().max().item() / max(1.0, key.abs().max().item())
+        if moved > tolerance:
+            raise ValueError(
+                f"retrofit(): {type(model).__name__} ({model.config.model_type}): with its rotary modules as the "
+                f"identity, the keys its layer {idx} gets still change with the positions (by {moved:.2g}): "
+                "positions reach its attention by another way, which the retrofit would leave beside the scheme."
+            )
+    return here
+
+
+def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
     attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
-    layouts alike) and the scheme acts in :func:`interface_attention`."""
-    cos, sin = type(self).forward(self, *args, **kwargs)
+    layouts alike; DeepSeek V3's interleaved rotation puts the even features of each pair before the odd ones, the
+    same permutation of q and k, so ``q . k`` is kept) and the scheme acts in :func:`interface_attention`. Complex
+    frequencies ``e^{i m theta}`` (DeepSeek V2: ``q * e^{i m theta}`` on the pairs) become 1."""
+    embeddings = type(self).forward(self, *args, **kwargs)
+    if isinstance(embeddings, torch.Tensor):
+        return torch.ones_like(embeddings)
+    cos, sin = embeddings
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 
-def half_layout_order(head_dim: int, rotary_dim: int, layout: str) -> list[int]:
-    """The feature order that reads a head in ``layout`` as hf_posenc's rope lays it out: the identity for
-    ``"half"``; for ``"interleaved"`` the even rotary features, then the odd ones, then the rest
-    (``0, 2, .., r - 2, 1, 3, .., r - 1, r, .., d - 1``), so rotating pairs ``(i, i + r/2)`` of the reordered head
-    rotates the pairs ``(2i, 2i + 1)`` of the stock one (q and k alike: ``q . k`` is unchanged). Plain ints: no tensor
-    that a meta-device build would leave empty."""
-    if layout == "half":
-        return list(range(head_dim))
-    return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
+def half_layout_order(head_dim: int, rotary_dim: int, layout: str, start: int = 0) -> list[int]:
+    """The feature order that reads a head whose rotary features ``start .. start + r - 1`` are in ``layout`` as
+    hf_posenc's rope lays it out (the first ``r`` features rotate, pairs ``(i, i + r/2)``): the rotary features first,
+    in order for ``"half"``, for ``"interleaved"`` the even ones, then the odd ones (GLM, Cohere: ``0, 2, .., r - 2,
+    1, 3, .., r - 1``, so rotating the pairs ``(i, i + r/2)`` of the reordered head rotates the pairs ``(2i, 2i + 1)``
+    of the stock one), then the others in order (MLA's no-position part, ``start`` features before its rotary part).
+    q and k alike: ``q . k`` is unchanged. Plain ints: no tensor that a meta-device build would leave empty."""
+    rotary = range(start, start + rotary_dim)
+    if layout == "interleaved":
+        rotary = [*rotary[::2], *rotary[1::2]]
+    return [*rotary, *range(start), *range(start + rotary_dim, head_dim)]
+
+
+def mla_head_sizes(config: PretrainedConfig) -> tuple[int, int] | None:
+    """``(qk_nope_head_dim, qk_rope_head_dim)`` of a multi-head latent attention (MLA, DeepSeek V2/V3) config, or
+    None: its q and k heads are a no-position part, then a rotary part (the rotated key shared by every head),
+    ``torch.cat((q_pass, q_rot), dim=-1)``."""
+    sizes = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    return sizes if all(isinstance(size, int) and size > 0 for size in sizes) else None
+
+
+def rotary_fraction_of(head_dim: int, rotary_dim: int) -> float:
+    """The ``rotary_fraction`` whose rotary size ``int(head_dim * fraction)`` (rope's rule, Transformers' own) is
+    ``rotary_dim``: ``rotary_dim / head_dim``, or the next float up where that product rounds below it."""
+    fraction = rotary_dim / head_dim
+    return fraction if int(head_dim * fraction) == rotary_dim else math.nextafter(fraction, 1.0)
 
 
 class InterfaceFamily(LlamaFamily):
@@ -731,7 +942,15 @@ class InterfaceFamily(LlamaFamily):
     config copy names it), which runs the scheme's rotation, bias or content term and the normalizer. The stock
     attention keeps computing q, k, v (its QK-norm, its scaling); the KV cache goes to the library's attention
     only. The model's own scheme is ``rope`` with its ``rope_parameters`` per layer type, checked against the stock
-    rotary function before anything changes (:meth:`refusal`)."""
+    forward's rotation before anything changes (:meth:`probe_rotation`), or ``none`` for a model without a rotary
+    module whose modules show NoPE attention (:meth:`probe_nope`). A hybrid's layers of other types than
+    :data:`ATTENTION_LAYER_TYPES` keep their modules, masks and cache layers (:class:`RetrofitStateLayer`,
+    :meth:`stock_attention_mask`); per-head attention sinks move into the normalizer (:class:`SinksInNormalizer`).
+    Multi-head latent attention (MLA: DeepSeek V2/V3, MiniCPM3, GLM-4 MoE Lite) hands over heads of a no-position
+    part, then a rotary part (:func:`mla_head_sizes`): its own ``rope`` rotates that part only (``rotary_fraction``,
+    the features read rotary part first: :func:`half_layout_order`), so ``none`` drops only its rotation and a
+    score-bias scheme adds its bias to every head; the keys reach the cache expanded per head (not as the stock
+    latents). What does not fit is refused by name (:meth:`refusal`)."""
 
     def layers(self, base):
         return list(base.layers)
@@ -739,33 +958,90 @@ class InterfaceFamily(LlamaFamily):
     def attention(self, layer):
         return next(module for module in layer.children() if calls_attention_interface(module))
 
+    def first_attention(self, base: nn.Module) -> nn.Module:
+        """The attention module of the first attention layer (a hybrid's first layer may be another kind)."""
+        return self.attention(base.layers[attention_layer_indices(base.config)[0]])
+
+    def has_sinks(self, model: PreTrainedModel) -> bool:
+        """Whether the attention modules have per-head attention sinks (a ``sinks`` tensor: Granite SWA, Flint), which
+        become the ``softmax`` normalizer's learned ``sink`` (:class:`SinksInNormalizer`)."""
+        return isinstance(getattr(self.first_attention(decoder_base(model)), "sinks", None), torch.Tensor)
+
+    def own_rotary(self, config):
+        """The rotary parameters per layer (:meth:`LlamaFamily.own_rotary`), rotating MLA's rotary part of each head
+        (:meth:`handed_head_dim`); None for a model without any (NoPE attention, checked by :meth:`probe_nope`)."""
+        if not getattr(config, "rope_parameters", None):
+            return None
+        specs = super().own_rotary(config)
+        mla = mla_head_sizes(config)
+        if mla is None:
+            return specs
+        fraction = rotary_fraction_of(sum(mla), mla[1])
+        return [dict(spec, rotary_fraction=fraction) if spec else None for spec in specs]
+
+    def handed_head_dim(self, config) -> int | None:
+        """The size of the q and k heads the stock attention hands over where it is not the config's ``head_dim``
+        and the config says it: MLA's ``qk_nope_head_dim + qk_rope_head_dim`` (its ``head_dim`` is the rotary part);
+        None otherwise (a NoPE model's is probed: :meth:`probe_nope`)."""
+        mla = mla_head_sizes(config)
+        if mla is None or getattr(config, "rope_parameters", None) is None:
+            return None
+        return sum(mla) if sum(mla) != getattr(config, "head_dim", None) else None
+
+    def rotary_start(self, config) -> int:
+        """The first rotary feature of the q and k heads the stock attention hands over: MLA's
+        ``qk_nope_head_dim``, else 0."""
+        mla = mla_head_sizes(config)
+        return mla[0] if mla is not None and getattr(config, "rope_parameters", None) else 0
+
+    def own_scheme(self, config):
+        return super().own_scheme(config) if self.own_rotary(config) is not None else {"type": "none"}
+
     def refusal(self, model: PreTrainedModel) -> str | None:
-        """Why ``model`` does not fit the seams, or None: the reason names what the library cannot reproduce."""
+        """Why ``model`` does not fit the seams, or None: the reason names what the library cannot reproduce. A
+        hybrid's layers whose ``layer_types`` entry is not an attention type (:data:`ATTENTION_LAYER_TYPES`: linear
+        attention, Mamba, a convolution, an MLP-only block) must not call the attention interface: they keep their
+        modules and cache layers. A model without a rotary module must hold nothing beside its layers, token
+        embeddings and norms (no position table: XGLM's, BioGPT's), so that its attention is NoPE, which
+        :meth:`probe_nope` checks on the modules."""
         config, base = model.config, decoder_base(model)
         if getattr(config, "is_encoder_decoder", False) or not isinstance(
             getattr(base, "layers", None), nn.ModuleList
         ):
             return "it is not a decoder with its layers in base_model.layers"
-        if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
-            return "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
+        no_rotary = "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
         rope = getattr(config, "rope_parameters", None)
-        if not isinstance(rope, dict) or not rope:
-            return "its config has no rope_parameters"
-        other_types = sorted(set(config_layer_types(config)) - set(ATTENTION_LAYER_TYPES))
-        if other_types:
-            return (
-                f"its layer_types hold {other_types} (a hybrid): the retrofit switches attention layers only, and "
-                "does not yet keep the other layers' caches"
-            )
+        if isinstance(getattr(base, "rotary_emb", None), nn.Module):
+            if not isinstance(rope, dict) or not rope:
+                return "its config has no rope_parameters"
+        elif rope:
+            return f"{no_rotary}, yet its config has rope_parameters"
+        else:
+            others = self.position_modules(base)
+            if others:
+                return (
+                    f"{no_rotary}, and it holds {others} beside its layers, token embeddings and norms (positions "
+                    "outside the attention)"
+                )
+        layer_types = config_layer_types(config)
+        attention_layers = attention_layer_indices(config)
         if getattr(config, "use_bidirectional_attention", False):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
         for idx, layer in enumerate(base.layers):
             found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
+            if idx not in attention_layers:  # kept as it is, with its cache layer: it must not attend
+                if found:
+                    return (
+                        f"its layer {idx} of layer type {layer_types[idx]!r} calls the attention interface "
+                        f"({type(found[0][1]).__name__}); the retrofit switches the layers of the types "
+                        f"{list(ATTENTION_LAYER_TYPES)} and keeps the others as they are"
+                    )
+                continue
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
             name, attention = found[0]
-            if "**kwargs" not in call_arguments(type(layer).forward, f"self.{name}"):
+            if not any("**kwargs" in call for call in call_arguments(type(layer).forward, f"self.{name}")):
                 return (
                     f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
                     f"{type(attention).__name__}, through which the attention inputs reach the attention function"
@@ -776,30 +1052,136 @@ class InterfaceFamily(LlamaFamily):
                     "(e.g. differential attention: the differential normalizer is hf_posenc's form of it)"
                 )
             attentions.append(attention)
+        if not attention_layers:
+            return f"its layer_types {sorted(set(layer_types))} hold no attention layer"
+        own_caches = own_cache_classes(base)
+        if own_caches:
+            return (
+                f"its forward takes a cache of its own class ({', '.join(c.__name__ for c in own_caches)}), which "
+                "keeps states outside Transformers' cache layers; the retrofit keeps the attention keys in "
+                "Transformers' DynamicCache and StaticCache, beside the other layers' cache layers"
+            )
         dims = attention_dims(config, True)
         for attention in attentions:
-            if hasattr(attention, "qk_rope_head_dim"):
-                return (
-                    "its attention is MLA (decoupled rotary: a rotary slice beside a no-position slice of each head), "
-                    "which hf_posenc's rope does not lay out yet"
-                )
             if getattr(attention, "layer_idx", None) is None:
                 return f"its attention {type(attention).__name__} has no layer_idx"
-            if isinstance(getattr(attention, "sinks", None), torch.Tensor):
-                return f"its attention {type(attention).__name__} has attention sinks, not yet moved into a normalizer"
-            if getattr(attention, "head_dim", dims.head_dim) != dims.head_dim:
-                return f"its attention's head_dim {attention.head_dim} is not the config's {dims.head_dim}"
+            head_dim = self.handed_head_dim(config) or dims.head_dim
+            if getattr(attention, "head_dim", head_dim) != head_dim:
+                return f"its attention's head_dim {attention.head_dim} is not the config's {head_dim}"
+        with_sinks = [
+            idx
+            for idx, attention in zip(attention_layers, attentions, strict=True)
+            if isinstance(getattr(attention, "sinks", None), torch.Tensor)
+        ]
+        if with_sinks and len(with_sinks) != len(attentions):
+            return (
+                f"its attention layers {with_sinks} have attention sinks and the others ({len(attentions)} attention "
+                "layers in all) have none: a retrofit gives every layer one normalizer"
+            )
         return None
+
+    def position_modules(self, base: nn.Module) -> list[str]:
+        """The classes of the base model's children beside its layers, its token embeddings, its norms (a class
+        named ``...Norm...``) and modules holding no tensor: where a model without a rotary module could add
+        positions."""
+        embeddings = base.get_input_embeddings()
+        return [
+            type(child).__name__
+            for name, child in base.named_children()
+            if name != "layers"
+            and child is not embeddings
+            and "Norm" not in type(child).__name__
+            and any(True for _ in itertools.chain(child.parameters(), child.buffers()))
+        ]
+
+    def probe_nope(self, model: PreTrainedModel) -> int | None:
+        """Check, on the modules themselves, that the attention of a model without a rotary module is NoPE: each
+        attention module, run on random hidden states of 8 positions two of which are equal, hands over equal q and
+        k rows for them (no position enters q or k), and its own attention function (eager) gives what causal
+        softmax attention of those q, k, v gives (:func:`plain_attention`: no position bias, sink or other term
+        beside them), and the q and k the stock forward hands them do not change with the positions
+        (:func:`check_no_other_positions`); ``ValueError`` naming the difference otherwise, or where the q, k and v
+        heads differ in size.
+        Returns that size where it is not the config's ``head_dim`` (Kimi Linear's MLA without positions: its
+        ``head_dim`` is the size of the key part it does not rotate), else None. The modules are left as they were;
+        skipped on a model built without weights (meta)."""
+        config, base = model.config, decoder_base(model)
+        parameters = list(base.parameters())
+        if parameters[0].is_meta:
+            return None
+        device, dtype = parameters[0].device, parameters[0].dtype
+        tolerance = probe_tolerance(dtype)
+        positions = torch.arange(8, device=device)[None]
+        hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0))
+        hidden[:, 5] = hidden[:, 2]
+        hidden = hidden.to(device, dtype)
+        mask = torch.full((8, 8), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
+        prefix = f"retrofit(): {type(model).__name__} ({config.model_type}) has no rotary module"
+        sizes = set()
+        for idx in attention_layer_indices(config):
+            attention = self.attention(base.layers[idx])
+            name = type(attention).__name__
+            with torch.no_grad():
+                query, key, value_dim = captured_heads(attention, hidden, None, positions)
+                stock = call_stock_attention(attention, "eager", hidden, None, positions, mask)[0]
+                plain = call_stock_attention(attention, PLAIN_ATTENTION, hidden, None, positions, mask)[0]
+            sizes.add((query.shape[-1], key.shape[-1], value_dim))
+            if len(sizes) > 1 or len(set(next(iter(sizes)))) > 1:
+                raise ValueError(
+                    f"{prefix}, and its attention layers hand over q, k and v heads of {sorted(sizes)} features: "
+                    "the retrofit takes one head size for q, k and v in every layer."
+                )
+            moved = max(
+                (t[:, :, 5] - t[:, :, 2]).float().abs().max().item() / max(1.0, t.float().abs().max().item())
+                for t in (query, key)
+            )
+            if moved > tolerance:
+                raise ValueError(
+                    f"{prefix}, yet its attention {name} (layer {idx}) gives one input at two positions different q "
+                    f"or k (by {moved:.2g}): positions enter them otherwise, which the retrofit does not read."
+                )
+            difference = (stock.float() - plain.float()).abs().max().item()
+            difference /= max(1.0, stock.float().abs().max().item())
+            if difference > tolerance:
+                raise ValueError(
+                    f"{prefix}, yet its attention {name} (layer {idx}) computes otherwise than causal softmax "
+                    f"attention of the q, k, v it hands over (max difference {difference:.2g}): a position bias or "
+                    "other term the retrofit does not read."
+                )
+        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layer_indices(config)}
+        check_no_other_positions(model, attentions, hidden, positions)
+        size = next(iter(sizes))[0]
+        return size if size != attention_dims(config, True).head_dim else None
+
+    def own_layout(
+        self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None] | None
+    ) -> tuple[str | None, dict[str, Any] | list[dict[str, Any]], int | None]:
+        """The stock rotation's pair layout, the model's own scheme as its modules compute it, and the size of the
+        heads they hand over where it is not the config's ``head_dim``: ``rope`` of each layer's parameters,
+        ``none`` on a layer that does not rotate (:meth:`probe_rotation`); ``none`` for a model without a rotary
+        module (:meth:`probe_nope`). A hybrid's other layers carry what its attention layers share
+        (:func:`attention_shared`)."""
+        if own_rotary is None:
+            return None, {"type": "none"}, self.probe_nope(model)
+        layout, nope_layers = self.probe_rotation(model, own_rotary)
+        own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
+        own = attention_shared(own, config_layer_types(model.config))
+        if isinstance(own, list) and all(spec == own[0] for spec in own):
+            own = own[0]
+        return layout, own, self.handed_head_dim(model.config)
 
     def probe_rotation(
         self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None]
     ) -> tuple[str | None, list[int]]:
-        """What each stock attention module does with the rotary embedding, read from the module itself: it runs on
-        random hidden states of 8 positions with the stock ``(cos, sin)`` of its layer type and with the identity
-        (``cos = 1, sin = 0``), its attention function replaced for the call by :func:`capture_attention`. Equal q
-        and k mean a layer without rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the
-        layer's own spec must rotate the identity's q and k into the stock ones (1e-5, float32), in the pair layout
-        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`). Returns
+        """What each stock attention layer does with the rotary embedding, read from the model itself: the stock base
+        model runs on random embeddings of 8 positions with its rotary module and with the identity (``cos = 1, sin =
+        0``: :func:`identity_rotary_forward`), every attention function replaced for the call by
+        :func:`capture_attention` (so each layer's input is the same in both runs), so each layer gets what the stock
+        forward hands it (Lara Mini's full layers get no rotary embedding). Equal q and k mean a layer without
+        rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the layer's own spec must rotate
+        the identity's q and k into the stock ones (:func:`probe_tolerance`: 1e-5 in float32), in the pair layout
+        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`), on the
+        rotary part of MLA's heads (:meth:`rotary_start`); complex frequencies (DeepSeek V2) are read alike. Returns
         the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
         rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
         they were."""
@@ -809,30 +1191,32 @@ class InterfaceFamily(LlamaFamily):
             return None, []
         device = parameters[0].device
         dims = attention_dims(config, True)
+        dims = dataclasses.replace(dims, head_dim=self.handed_head_dim(config) or dims.head_dim)
+        start = self.rotary_start(config)
         positions = torch.arange(8, device=device)[None]
         hidden = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+        hidden = hidden.to(parameters[0].dtype)
         layer_types = config_layer_types(config)
+        attention_layers = attention_layer_indices(config)
         per_type = "rope_theta" not in config.rope_parameters
+        with torch.no_grad():
+            embeddings = base.rotary_emb(hidden, positions, *([layer_types[attention_layers[0]]] if per_type else []))
+        pair = isinstance(embeddings, tuple) and len(embeddings) == 2
+        if not (pair or isinstance(embeddings, torch.Tensor) and embeddings.is_complex()):
+            raise ValueError(
+                f"retrofit(): {type(model).__name__} ({config.model_type}): its rotary module "
+                f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair or "
+                "the complex frequencies the retrofit reads"
+            )
+        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
+        identity = check_no_other_positions(model, attentions, hidden, positions)
+        stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
-        for idx, layer in enumerate(base.layers):
-            attention, spec = self.attention(layer), own_rotary[idx]
+        for idx in attention_layers:
+            spec, rotated, plain = own_rotary[idx], stock[idx], identity[idx]
             if spec is None:  # a layer type without rotary parameters (Beam's full layers): the model rotates none
                 nope_layers.append(idx)
                 continue
-            with torch.no_grad():
-                embeddings = base.rotary_emb(hidden, positions, *([layer_types[idx]] if per_type else []))
-            if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
-                raise ValueError(
-                    f"retrofit(): {type(model).__name__} ({config.model_type}): its rotary module "
-                    f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair "
-                    "the retrofit reads (Llama 4 hands its attention complex frequencies)"
-                )
-            cos, sin = embeddings
-            with torch.no_grad():
-                rotated = captured_query_key(attention, hidden.to(parameters[0].dtype), (cos, sin), positions)
-                plain = captured_query_key(
-                    attention, hidden.to(parameters[0].dtype), (torch.ones_like(cos), torch.zeros_like(sin)), positions
-                )
             if all(torch.equal(r, q) for r, q in zip(rotated, plain, strict=True)):
                 nope_layers.append(idx)
                 continue
@@ -847,22 +1231,23 @@ class InterfaceFamily(LlamaFamily):
             ours = POSITION_ENCODINGS["rope"](resolved, dims)
             tables = ours.prepare(positions, positions, "eager")
             for layout in differences:
-                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout)
+                order = half_layout_order(dims.head_dim, ours.rotary_dim, layout, start)
                 with torch.no_grad():
                     actual = ours.transform_qkv(plain[0][..., order], plain[1][..., order], plain[1], tables)
                 difference = max(
-                    (a.float() - e[..., order].float()).abs().max().item()
+                    (a.float() - e[..., order].float()).abs().max().item() / max(1.0, e.float().abs().max().item())
                     for a, e in zip(actual[:2], rotated, strict=True)
                 )
                 differences[layout] = max(differences[layout], difference)
-        if len(nope_layers) == len(base.layers):
+        if len(nope_layers) == len(attention_layers):
             return None, nope_layers
         layout = min(differences, key=differences.get)
-        if differences[layout] > 1e-5:
+        if differences[layout] > probe_tolerance(hidden.dtype):
             raise ValueError(
                 f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
                 f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in either pair layout: "
-                f"max difference {differences[layout]:.2g} (a layout or rescaling the rope spec does not describe)."
+                f"max difference {differences[layout]:.2g}, relative to the largest value (a layout or rescaling the "
+                "rope spec does not describe)."
             )
         return layout, nope_layers
 
@@ -895,20 +1280,49 @@ class InterfaceFamily(LlamaFamily):
         reads that one)."""
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation_internal = RETROFIT_ATTENTION
-        if getattr(config, "posenc_rotary_layout", "half") != "half":
+        if isinstance(getattr(attention, "sinks", None), torch.Tensor):  # moved into the normalizer
+            del attention.sinks
+            attention.__class__ = retrofit_class(type(attention), SinksInNormalizer)
+        layout, start = getattr(config, "posenc_rotary_layout", "half"), self.rotary_start(config)
+        if layout != "half" or start:
             dims = attention_dims(config, causal)
             fraction = (self.own_rotary(config)[attention.layer_idx] or {}).get("rotary_fraction", 1.0)
             rotary_dim = int(dims.head_dim * fraction) // 2 * 2
-            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, config.posenc_rotary_layout)
+            attention.posenc_feature_order = half_layout_order(dims.head_dim, rotary_dim, layout, start)
         return []
 
     def applies_softcapping(self, model):
         """Gemma 2's attention passes ``softcap=config.attn_logit_softcapping`` to the attention function."""
-        attention = self.attention(decoder_base(model).layers[0])
+        attention = self.first_attention(decoder_base(model))
         return "softcap" in inspect.getsource(type(attention).forward)
 
     def patch_rotary(self, base):
-        base.rotary_emb.forward = types.MethodType(identity_rotary_forward, base.rotary_emb)
+        for rotary in rotary_modules(base):  # none in a NoPE model
+            rotary.forward = types.MethodType(identity_rotary_forward, rotary)
+
+    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids):
+        """A hybrid's other layers read the stock mask of their layer type (Transformers' ``masking_utils`` mask
+        function of the type: the recurrent layers' padding mask), which the stock forward takes as a dict by layer
+        type; its attention layers get None (their masks are in the attention inputs)."""
+        kinds = config_layer_types(config)
+        if all(kind in ATTENTION_LAYER_TYPES for kind in kinds):
+            return None
+        functions = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+        masks = {}
+        for kind in dict.fromkeys(kinds):
+            function = functions.get(kind) if kind not in ATTENTION_LAYER_TYPES else None
+            masks[kind] = (
+                function(
+                    config=config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    cache=None,
+                    position_ids=position_ids,
+                )
+                if callable(function)
+                else None
+            )
+        return masks
 
     def hand_down(self, call, cache):
         """The stock forward runs without a cache (``use_cache=False``): its attention modules would store k and v
@@ -983,6 +1397,43 @@ def decoder_base(model: PreTrainedModel) -> nn.Module:
     return base
 
 
+def own_cache_classes(base: nn.Module) -> list[type]:
+    """The cache classes of its own a base model's ``forward`` names for its cache argument (MiniMax's
+    ``MiniMaxCache``): those beside Transformers' ``Cache`` and ``DynamicCache``."""
+    parameter = inspect.signature(type(base).forward).parameters.get(CACHE_NAME)
+    annotation = parameter.annotation if parameter is not None else None
+    named = typing.get_args(annotation) or (annotation,)
+    return [
+        kind
+        for kind in named
+        if isinstance(kind, type) and issubclass(kind, Cache) and kind not in (Cache, DynamicCache, StaticCache)
+    ]
+
+
+def attention_layer_indices(config) -> list[int]:
+    """The indices of a model's attention layers: those whose ``config.layer_types`` entry is one of
+    :data:`ATTENTION_LAYER_TYPES` (every layer of a model without hybrid layer types)."""
+    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in ATTENTION_LAYER_TYPES]
+
+
+def attention_shared(
+    position_encoding: dict[str, Any] | list[dict[str, Any]], layer_types: list[str]
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """A per-layer ``position_encoding`` the retrofit wrote out (the model's own, ``layers=``, a rotary variant
+    started from each layer's own parameters), with each layer that is not an attention layer given what every
+    attention layer carries where they carry the same, else ``none`` (:func:`check_linear_layer_positions`' rule); one
+    spec where all layers then agree."""
+    if not isinstance(position_encoding, list) or all(kind in ATTENTION_LAYER_TYPES for kind in layer_types):
+        return position_encoding
+    attention = attention_layer_specs(position_encoding, layer_types)
+    shared = attention[0] if all(spec == attention[0] for spec in attention) else {"type": "none"}
+    specs = [
+        spec if kind in ATTENTION_LAYER_TYPES else shared
+        for spec, kind in zip(position_encoding, layer_types, strict=True)
+    ]
+    return specs[0] if all(spec == specs[0] for spec in specs) else specs
+
+
 def stock_family(model: nn.Module) -> StockFamily:
     """The family of a stock model, found from its attention modules; a clear error for any other model."""
     supported = "; ".join(family.name for family in FAMILIES)
@@ -1029,6 +1480,10 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
     cache = given_cache(call.pop("cache", None), call.pop("past_key_values", None))
     if causal:
         call["use_cache"] = config.use_cache if call.get("use_cache") is None else call["use_cache"]
+        if base.training and getattr(family.layers(base)[0], "gradient_checkpointing", False):
+            # as Transformers' checkpointed layers drop it (the recomputed forward would store the keys again); the
+            # attention-interface family's cache bypasses their keyword arguments
+            call["use_cache"] = False
         if call["use_cache"] and cache is None:
             cache = DynamicCache(config=config)
         family.hand_down(call, cache)
@@ -1059,8 +1514,9 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         output_attentions=config.output_attentions if output_attentions is None else output_attentions,
         default_positions=default_positions and family.default_positions_are_consecutive(base, input_ids),
     )
-    # The mask lives in the attention inputs; None spares the stock forward building its own.
-    call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=None)
+    # The masks live in the attention inputs; a hybrid's other layers get theirs.
+    stock_mask = family.stock_attention_mask(config, hidden_states, attention_mask, position_ids)
+    call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=stock_mask)
     call.update({ATTENTION_INPUTS: attention_inputs, POSITION_ENCODING: encoding})
     return call
 
@@ -1126,6 +1582,10 @@ class RetrofitPlan:
     rotary_layout: str | None = None
     """The stock rotation's pair layout (:meth:`InterfaceFamily.probe_rotation`), for the attention-interface family;
     stored as ``config.posenc_rotary_layout``."""
+    head_dim: int | None = None
+    """The size of the q and k heads the stock attention hands over, where the config's ``head_dim`` says otherwise
+    (MLA's, :meth:`InterfaceFamily.handed_head_dim`; a NoPE model's, :meth:`InterfaceFamily.probe_nope`); stored as
+    ``config.posenc_head_dim``, which the scheme's sizes read."""
 
 
 def plan_retrofit(
@@ -1150,11 +1610,11 @@ def plan_retrofit(
     num_layers = config.num_hidden_layers
     own = family.own_scheme(config)
     own_rotary = family.own_rotary(config)
-    rotary_layout = None
+    rotary_layout = head_dim = None
+    layer_types = config_layer_types(config)
     if family is INTERFACE_FAMILY:  # the own scheme as the stock modules compute it: none where they do not rotate
-        rotary_layout, nope_layers = family.probe_rotation(model, own_rotary)
-        own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
-        own = own[0] if all(spec == own[0] for spec in own) else own
+        rotary_layout, own, head_dim = family.own_layout(model, own_rotary)
+    given_per_layer = isinstance(position_encoding, (list, tuple))
     if position_encoding is None:
         position_encoding = own
     if isinstance(position_encoding, str):
@@ -1168,8 +1628,17 @@ def plan_retrofit(
         position_encoding = {**position_encoding, **options}
     if layers is not None:
         position_encoding = layer_switch(own, position_encoding, layers, num_layers)
+        others = sorted(set(layers) - set(attention_layer_indices(config)))
+        if others:
+            raise ValueError(
+                f"retrofit(): layers {others} are not attention layers (layer_types "
+                f"{[layer_types[idx] for idx in others]}); a switch names attention layers only: "
+                f"{attention_layer_indices(config)}."
+            )
     if own_rotary is not None:
         position_encoding = from_own_rotary(position_encoding, own_rotary)
+    if not given_per_layer:  # what the retrofit wrote out per layer: a hybrid's other layers carry no scheme of theirs
+        position_encoding = attention_shared(position_encoding, layer_types)
     max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
     # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
     # the size check of a PosEnc config's rope does not apply to what the stock config holds.
@@ -1177,6 +1646,7 @@ def plan_retrofit(
     spec = resolve_position_layout(position_encoding, num_layers, size, causal, config.hidden_size)
     if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
         spec = spec[0]
+    check_linear_layer_positions(spec, layer_types)
     first = layer_position_specs(spec, num_layers)[0]
     if first["type"] == "learned" and table is not None and first["max_positions"] > max_positions:
         raise ValueError(
@@ -1185,16 +1655,18 @@ def plan_retrofit(
         )
     check_layer_windows(
         spec,
-        config_layer_types(config),
+        layer_types,
         getattr(config, "sliding_window", None),
         getattr(config, "attention_chunk_size", None),
     )
     if attention_normalizer is None:
         attention_normalizer = family.own_normalizer(config)
+        if family is INTERFACE_FAMILY and family.has_sinks(model):
+            attention_normalizer = {"type": "softmax", "sink": "learned"}
     normalizer = resolve_attention_normalizer(attention_normalizer, causal, config.num_attention_heads)
     if family is INTERFACE_FAMILY:
         family.check_request(layer_position_specs(spec, num_layers), normalizer, use_qk_norm)
-        use_qk_norm = getattr(family.attention(family.layers(base)[0]), "q_norm", None) is not None
+        use_qk_norm = getattr(family.first_attention(base), "q_norm", None) is not None
     if use_qk_norm is None:
         use_qk_norm = family.qk_norm is not None
     if not isinstance(use_qk_norm, bool):
@@ -1208,6 +1680,7 @@ def plan_retrofit(
         use_qk_norm,
         getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
         rotary_layout,
+        head_dim,
     )
     trial = copy.copy(config)
     write_plan(trial, plan)
@@ -1252,6 +1725,8 @@ def write_plan(config, plan: RetrofitPlan) -> None:
     config.use_qk_norm = plan.use_qk_norm
     if plan.rotary_layout is not None:
         config.posenc_rotary_layout = plan.rotary_layout
+    if plan.head_dim is not None:
+        config.posenc_head_dim = plan.head_dim
 
 
 def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[AttentionNormalizer], list]:
@@ -1277,9 +1752,12 @@ def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
     offset, table = family.position_offset(base), family.stock_table(base)
     first = layer_position_specs(plan.position_encoding, config.num_hidden_layers)[0]
     write_plan(config, plan)
-    stock_sinks = []
-    if family.sinks:
-        stock_sinks = [family.attention(layer).sinks.detach().clone() for layer in family.layers(base)]
+    layers = family.layers(base)
+    stock_sinks = {}
+    for idx in attention_layer_indices(config):
+        sinks = getattr(family.attention(layers[idx]), "sinks", None)
+        if isinstance(sinks, torch.Tensor) and sinks.numel():
+            stock_sinks[idx] = sinks.detach().clone()
     new_modules = patch(model, family)
     for module in new_modules:
         submodules = list(module.modules())
@@ -1291,8 +1769,8 @@ def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
     with torch.no_grad():
         if first["type"] == "learned" and table is not None:
             base.position_encoding.table.weight.copy_(table.weight[offset : offset + first["max_positions"]])
-        for layer, sinks in zip(family.layers(base), stock_sinks, strict=False):
-            sink = getattr(family.attention(layer).normalizer, "sink", None)
+        for idx, sinks in stock_sinks.items():
+            sink = getattr(family.attention(layers[idx]).normalizer, "sink", None)
             if sink is not None:
                 sink.copy_(sinks)
 
@@ -1356,7 +1834,11 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     new_modules = [encoding.to(reference.device, reference.dtype)]
     base.position_encoding = encoding
     family.remove_stock_positions(base)
+    attention_layers = attention_layer_indices(config)
     for layer_idx, layer in enumerate(family.layers(base)):
+        if layer_idx not in attention_layers:  # a hybrid's other layers keep their modules and cache layers
+            layer.__class__ = retrofit_class(type(layer), RetrofitStateLayer)
+            continue
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)

@@ -814,10 +814,18 @@ def test_bad_family_requests_raise():
         hf_posenc.retrofit(stock_class("Gemma3ForConditionalGeneration")(multimodal))
     with pytest.raises(ValueError, match="use_qk_norm must be True, False or None"):
         hf_posenc.retrofit(family_model("qwen3"), "none", use_qk_norm="yes")
-    with pytest.raises(ValueError, match="rope_type='proportional' has no hf_posenc scaling"):
-        importlib.import_module("hf_posenc.retrofit").rope_spec_of(
-            {"rope_type": "proportional", "rope_theta": 1e4}, 64
-        )
+    rope_spec_of = importlib.import_module("hf_posenc.retrofit").rope_spec_of
+    with pytest.raises(ValueError, match="rope_type='not_a_rope' has no hf_posenc scaling"):
+        rope_spec_of({"rope_type": "not_a_rope", "rope_theta": 1e4}, 64)
+    # Gemma 4's and LFM3's proportional RoPE is p-RoPE: the whole head's frequencies, the highest fraction rotating
+    proportional = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "factor": 8.0}
+    assert rope_spec_of(proportional, 64) == {
+        "type": "rope",
+        "theta": 1e6,
+        "rotary_fraction": 1.0,
+        "kept_frequency_fraction": 0.25,
+        "scaling": {"type": "linear", "factor": 8.0},
+    }
 
 
 # Decoders retrofitted through the attention interface (no class of their own): MoE, interleaved rotary.
@@ -1079,3 +1087,311 @@ def test_minilm_retrofit_trains_saves_and_reloads(minilm_batch, scheme, normaliz
     reloaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(**minilm_batch).logits, model(**minilm_batch).logits)
+
+
+# Hybrids, NoPE models and attention sinks, through the attention interface (the walk's tiny configs).
+
+
+def walk_model(model_type: str) -> transformers.PreTrainedModel:
+    """The walk's tiny stock causal LM of ``model_type`` (one layer of each default layer type), eager, seed 0;
+    skipped where the installed Transformers has no such model."""
+    from test_retrofit_walk import causal_lm_classes, present, tiny_config
+
+    torch.manual_seed(0)
+    return getattr(transformers, causal_lm_classes()[present(model_type)])(tiny_config(model_type)).eval()
+
+
+def test_a_hybrid_switches_its_attention_layers_and_keeps_the_others_with_their_cache_layers():
+    """Qwen3-Next (a gated-DeltaNet layer, then an attention layer): ``alibi`` leaves the linear-attention layer's
+    module and weights as they were and its states in Transformers' ``LinearAttentionLayer`` of the stock cache; a
+    left-padded row gives the logits of the row alone (the recurrent layer gets its padding mask), and generates with
+    the cache as without. A switch naming the linear layer, or a scheme written on it, is refused."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    from hf_posenc.position_interface import CACHE_NAME
+
+    stock = walk_model("qwen3_next")
+    assert stock.config.layer_types == ["linear_attention", "full_attention"]
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    linear = patched.model.layers[0]
+    assert not hasattr(linear, "normalizer") and not hasattr(linear.linear_attn, "normalizer")
+    assert hasattr(patched.model.layers[1].self_attn, "normalizer")
+    for name, value in stock.model.layers[0].linear_attn.state_dict().items():
+        assert torch.equal(linear.linear_attn.state_dict()[name], value)
+    batch = left_padded_batch()
+    batch["input_ids"][1, :3] = 7  # padding of a token with an embedding (the padding token's is zeros)
+    with torch.no_grad():
+        output = patched(**batch, use_cache=True)
+        alone = patched(batch["input_ids"][1:, 3:]).logits
+    cache = getattr(output, CACHE_NAME)
+    assert isinstance(cache.layers[0], LinearAttentionLayer) and cache.layers[0].recurrent_states[0] is not None
+    assert isinstance(cache.layers[1], DynamicLayer) and cache.get_seq_length() == 12
+    torch.testing.assert_close(output.logits[1:, 3:], alone, atol=1e-5, rtol=0)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**batch, **kwargs), patched.generate(**batch, use_cache=False, **kwargs))
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=r"layers \[0\] are not attention layers.*attention layers only: \[1\]"):
+        hf_posenc.retrofit(model, "alibi", layers=[0])
+    with pytest.raises(ValueError, match=r"position_encoding\[0\] is 'alibi', but layer 0 is a 'linear_attention'"):
+        hf_posenc.retrofit(model, [{"type": "alibi"}, {"type": "none"}])
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+
+
+def test_nope_models_keep_none_and_kimis_head_size(tmp_path):
+    """Nemotron-H and Kimi Linear have no rotary module and NoPE attention: their own scheme is ``none``. Kimi's
+    attention hands over heads of ``qk_nope + qk_rope`` features, not its config's ``head_dim`` (the rope part),
+    kept as ``posenc_head_dim``; the retrofitted model reloads as remote code with the stock logits."""
+    nemotron = walk_model("nemotron_h")
+    assert hf_posenc.retrofit(copy.deepcopy(nemotron)).config.position_encoding["type"] == "none"
+    stock = walk_model("kimi_linear")
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.position_encoding["type"] == "none"
+    assert stock.config.head_dim == 4 and patched.config.posenc_head_dim == 8
+    ids = random_ids(2, 10)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_without_a_rotary_module_whose_attention_sees_positions_is_refused():
+    """Nemotron-H with positions added to its attention's input (so not NoPE), and Kimi Linear with values of
+    another size than its q and k heads: refused by name, nothing changed."""
+    stock = walk_model("nemotron_h")
+    attention = stock.model.layers[2].mixer
+    offsets = torch.randn(1, 64, stock.config.hidden_size)
+
+    def positioned(self, hidden_states, **kwargs):
+        return type(self).forward(self, hidden_states + offsets[:, : hidden_states.shape[1]], **kwargs)
+
+    attention.forward = positioned.__get__(attention)
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="gives one input at two positions different q or k"):
+        hf_posenc.retrofit(model)
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    from test_retrofit_walk import present, tiny_config
+
+    config = tiny_config(present("kimi_linear"))
+    config.v_head_dim = 4
+    with pytest.raises(ValueError, match=r"q, k and v heads of \[\(8, 8, 4\)\] features"):
+        hf_posenc.retrofit(transformers.KimiLinearForCausalLM(config))
+
+
+def test_attention_sinks_move_into_the_normalizer_through_the_attention_interface():
+    """Granite SWA's per-head sinks become the ``softmax`` normalizer's learned sink (the stock logits with sinks
+    that matter), read back by the module's ``sinks``; a normalizer without a sink drops them."""
+    stock = walk_model("granite_swa")
+    with torch.no_grad():
+        for layer in stock.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.attention_normalizer["sink"] == "learned"
+    for ours, theirs in zip(patched.model.layers, stock.model.layers, strict=True):
+        assert ours.self_attn.sinks is ours.self_attn.normalizer.sink
+        assert torch.equal(ours.self_attn.normalizer.sink, theirs.self_attn.sinks)
+    assert not [name for name in patched.state_dict() if name.endswith("self_attn.sinks")]
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+    dropped = hf_posenc.retrofit(copy.deepcopy(stock), attention_normalizer="l2")
+    assert dropped.model.layers[0].self_attn.sinks.numel() == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_interface_retrofit_trains_with_activation_checkpointing_as_without(model_type):
+    """With gradient checkpointing the retrofitted forward keeps no cache (``use_cache`` defaults to True in the
+    config), as Transformers' checkpointed layers drop it: the recomputed attention would store its keys twice. The
+    loss and gradients are those without checkpointing."""
+    stock = walk_model(model_type)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi").train()
+    batch = left_padded_batch()
+    losses, gradients = [], []
+    for checkpointing in (False, True):
+        if checkpointing:
+            patched.gradient_checkpointing_enable()
+        patched.zero_grad()
+        loss = patched(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append([p.grad.clone() for p in patched.parameters() if p.grad is not None])
+    torch.testing.assert_close(losses[1], losses[0])
+    for with_checkpoints, without in zip(gradients[1], gradients[0], strict=True):
+        torch.testing.assert_close(with_checkpoints, without)
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "qwen3_next", "kimi_linear", "deepseek_v3", "deepseek_v2"])
+def test_a_bfloat16_model_is_probed_at_its_own_precision(model_type):
+    """A model loaded in bfloat16 (as checkpoints are) is probed within its rounding (:func:`probe_tolerance`): GLM-4's
+    interleaved rotation, Qwen3-Next's hybrid, Kimi's NoPE attention and DeepSeek V3's and V2's MLA (interleaved
+    pairs, complex frequencies) are kept, the logits within bfloat16's rounding of the stock ones."""
+    stock = walk_model(model_type).to(torch.bfloat16)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=2e-2, rtol=0)
+
+
+def test_every_rotary_module_of_the_base_becomes_the_identity():
+    """Granite SWA's forward rotates with the modules of ``rotary_embs`` (one per base), not ``rotary_emb``: all of
+    them are the model's rotary modules, probed and switched, so its own scheme is ``rope`` and a ``none`` switch
+    leaves no rotation behind (uneven positions give the logits of even ones)."""
+    stock = walk_model("granite_swa")
+    assert len(stock.model.rotary_embs) >= 1
+    assert hf_posenc.retrofit(copy.deepcopy(stock)).config.position_encoding["type"] == "rope"
+    switched = hf_posenc.retrofit(copy.deepcopy(stock), "none")
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        even = switched(ids, position_ids=torch.arange(8)[None]).logits
+        uneven = switched(ids, position_ids=torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21]])).logits
+        rotated = stock(ids, position_ids=torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21]])).logits
+    torch.testing.assert_close(uneven, even, atol=1e-5, rtol=0)
+    assert (rotated - stock(ids).logits).abs().max() > 1e-3
+
+
+def mla_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    """The walk's tiny MLA model of ``model_type`` with q and k heads of a no-position part of 6 and a rotary part of
+    4 features, values of 6, eager, seed 0."""
+    from test_retrofit_walk import causal_lm_classes, present, tiny_config
+
+    config = tiny_config(present(model_type))
+    for name, value in {"qk_nope_head_dim": 6, "v_head_dim": 6, **overrides}.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    return getattr(transformers, causal_lm_classes()[model_type])(config).eval()
+
+
+def without_rotation(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model`` whose rotary module gives ``cos = 1, sin = 0`` (complex frequencies 1): its own attention, run without
+    rotating its rotary part."""
+    rotary = model.model.rotary_emb
+    stock_forward = rotary.forward
+
+    def forward(*args, **kwargs):
+        out = stock_forward(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return torch.ones_like(out)
+        return torch.ones_like(out[0]), torch.zeros_like(out[1])
+
+    rotary.forward = forward
+    return model
+
+
+def alibi_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal softmax attention with ALiBi's bias ``-m_h (i - j)``, ``m_h = 2^(-8h/H)`` (Press et al. 2022; H a power
+    of two), written here apart from the library."""
+    heads, length = query.shape[1], query.shape[2]
+    groups = heads // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    slopes = torch.tensor([2 ** (-8 * h / heads) for h in range(1, heads + 1)])
+    distance = (torch.arange(length)[:, None] - torch.arange(length)[None]).float()
+    scores = query @ key.transpose(-1, -2) * scaling - slopes[:, None, None] * distance
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+
+transformers.AttentionInterface.register("test_alibi_eager", alibi_eager_attention)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("deepseek_v3", {}),  # interleaved pairs (rope_interleave)
+        ("deepseek_v3", {"rope_interleave": False}),
+        ("deepseek_v2", {}),  # complex frequencies
+        ("minicpm3", {}),
+        (
+            "deepseek_v3",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 16,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                }
+            },
+        ),
+    ],
+)
+def test_mla_keeps_its_rotary_part_and_switches_it_alone(model_type, overrides):
+    """Multi-head latent attention (q and k heads of 6 no-position and 4 rotary features, the rotated key shared by
+    the heads; values of 6): the identity retrofit gives the stock logits and greedy tokens, its own ``rope``
+    rotating 4 of 10 features; ``none`` gives the stock model's logits with its rotary module giving no rotation (the
+    no-position part as it was), ``alibi`` those of the stock model without rotation with ALiBi's bias added to its
+    scores (an attention function of the test's own)."""
+    stock = mla_model(model_type, **overrides)
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    own = patched.config.position_encoding
+    assert own["type"] == "rope" and int(10 * own["rotary_fraction"]) == 4 and patched.config.posenc_head_dim == 10
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+    assert torch.equal(patched.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+    unrotated = without_rotation(copy.deepcopy(stock))
+    with torch.no_grad():
+        dropped = hf_posenc.retrofit(copy.deepcopy(stock), "none")(ids).logits
+        torch.testing.assert_close(dropped, unrotated(ids).logits, atol=1e-5, rtol=0)
+        assert (dropped - stock(ids).logits).abs().max() > 1e-4  # ten times the tolerance
+        unrotated.set_attn_implementation("test_alibi_eager")
+        biased = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")(ids).logits
+        torch.testing.assert_close(biased, unrotated(ids, use_cache=False).logits, atol=1e-5, rtol=0)
+        assert (biased - dropped).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "bailing_hybrid"])
+def test_mla_and_hybrid_models_generate_reload_and_train_with_lora(model_type, tmp_path):
+    """DeepSeek V3 (MLA and MoE), Qwen3-Next (a hybrid) and Bailing hybrid (MLA beside linear attention) switched to
+    ``alibi``: they generate with the dynamic and the static cache as without, save and reload as remote code with
+    the same logits and tokens, and LoRA on the reloaded model trains (its adapters get gradients)."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+    from peft import LoraConfig, get_peft_model
+
+    stock = walk_model(model_type)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = patched.generate(ids, use_cache=False, **kwargs)
+    for cache in (None, "static"):
+        assert torch.equal(patched.generate(ids, cache_implementation=cache, **kwargs), tokens)
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, patched(ids).logits, atol=1e-6, rtol=1e-6)
+    assert torch.equal(reloaded.generate(ids, **kwargs), tokens)
+    targets = ["q_b_proj", "kv_b_proj"] if hasattr(stock.config, "kv_lora_rank") else ["q_proj", "v_proj"]
+    lora = get_peft_model(reloaded, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)).train()
+    lora(ids, labels=ids).loss.backward()
+    adapters = [p.grad for name, p in lora.named_parameters() if "lora_B" in name]
+    assert adapters and all(grad is not None and grad.abs().max() > 0 for grad in adapters)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "camembert"])
+def test_roberta_like_decoder_generates_the_stock_forwards_greedy_tokens(model_type):
+    """A RoBERTa-like decoder numbers its tokens from ``padding_idx + 1`` in its forward, and so does the identity
+    retrofit in ``generate`` (with the cache): the tokens of the stock forward's greedy loop. The stock ``generate``
+    hands it position ids from 0 instead (other table rows), so its tokens are not the reference."""
+    from test_retrofit_walk import GENERATE, greedy_tokens
+
+    stock = walk_model(model_type)
+    ids = random_ids(2, 10)
+    expected = greedy_tokens(stock, ids)
+    assert torch.equal(hf_posenc.retrofit(copy.deepcopy(stock)).generate(ids, **GENERATE), expected)
+
+
+def test_electra_with_narrower_embeddings_is_refused_naming_the_sizes():
+    """ELECTRA's embeddings of ``embedding_size`` 128, projected to a hidden size of 32: refused by name, nothing
+    changed."""
+    config = transformers.ElectraConfig(**dict(ENCODER, embedding_size=128, is_decoder=True))
+    stock = transformers.ElectraForCausalLM(config).eval()
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="embedding_size=128 wide, projected to hidden_size=32"):
+        hf_posenc.retrofit(model)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]

@@ -1,7 +1,8 @@
 """The walk: every causal LM class of the installed Transformers, built from a tiny config on CPU, and what
-``retrofit`` makes of it: the stock model runs / the identity retrofit keeps it (logits within 1e-5 in float32, the
-same greedy tokens) and its ``alibi`` and ``none`` switches generate as their uncached loop with the dynamic and the
-static cache / it is refused, with the reason, before anything changes.
+``retrofit`` makes of it: the stock model runs / the identity retrofit keeps it (logits within 1e-5 in float32, its
+``generate`` gives the stock forward's greedy tokens: :func:`greedy_tokens`) and its ``alibi`` and ``none``
+switches generate as their uncached loop with the dynamic and the static cache / it is refused, with the reason,
+before anything changes.
 
 The regular suite walks the model types the retrofit is documented to keep or refuse (``KEPT``, ``REFUSED``); the
 whole walk, over every model type, runs with ``HF_POSENC_FULL_WALK=1`` and writes the table of
@@ -68,7 +69,8 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
     defaults = transformers.AutoConfig.for_model(model_type)
     values = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
     if "qk_rope_head_dim" in values:  # MLA: the head sizes are the nope and rope parts, a key head per query head
-        values.pop("head_dim", None)
+        if "head_dim" in values:  # the rotary module's size: the rope part (LongCat's default is its own, 64)
+            values["head_dim"] = values["qk_rope_head_dim"]
         values["num_key_value_heads"] = values["num_attention_heads"]
     layer_types = getattr(defaults, "layer_types", None)
     if layer_types is not None:  # each layer type once, in the order of the default pattern (hybrids keep theirs)
@@ -107,7 +109,7 @@ def walk(model_type: str) -> WalkRow:
         stock = model_class(config).eval()
         with torch.no_grad():
             expected = stock(ids).logits
-        tokens = stock.generate(ids, **GENERATE)
+        tokens = greedy_tokens(stock, ids)
     except Exception as error:  # a stock model that does not build or run from this tiny config
         return dataclasses.replace(row, detail=first_line(error))
     patched = copy.deepcopy(stock)
@@ -124,6 +126,21 @@ def walk(model_type: str) -> WalkRow:
         return checked_row(row, stock, patched, ids, expected, tokens)
     except Exception as error:  # a retrofitted model that does not run: a failure of the walk, reported
         return dataclasses.replace(row, outcome="fails", detail=first_line(error))
+
+
+def greedy_tokens(model: transformers.PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` and :data:`GENERATE`'s count of tokens, each the argmax of the model's forward on the whole sequence
+    (no cache, its own default positions), the end-of-sequence tokens excluded as ``min_new_tokens`` excludes them.
+    Not the stock ``generate``: it hands RoBERTa-like decoders position ids counted from 0, table rows their forward
+    never reads (it counts from ``padding_idx + 1``)."""
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    with torch.no_grad():
+        for _ in range(GENERATE["max_new_tokens"]):
+            logits = model(ids, use_cache=False).logits[:, -1].clone()
+            logits[:, eos] = float("-inf")
+            ids = torch.cat((ids, logits.argmax(-1, keepdim=True)), dim=1)
+    return ids
 
 
 def checked_row(row: WalkRow, stock, patched, ids, expected, tokens) -> WalkRow:
@@ -157,12 +174,36 @@ KEPT = [
     "granite",
     "exaone4",
     "apertus",
+    # hybrids: their linear-attention, Mamba and convolution layers keep their modules and cache layers
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "olmo_hybrid",
+    "lara_mini",
+    "lfm3",
+    # NoPE attention (no rotary module): beside Mamba-2 layers, beside KDA layers (MLA without positions)
+    "nemotron_h",
+    "kimi_linear",
+    # attention sinks (the softmax normalizer's learned sink)
+    "flint",
+    "granite_swa",
+    "granitemoe_swa",
+    # MLA (a rotary part beside a no-position part of each head): interleaved pairs, complex frequencies, a hybrid
+    "deepseek_v3",
+    "deepseek_v2",
+    "minicpm3",
+    "glm4_moe_lite",
+    "youtu",
+    "bailing_hybrid",
+    # complex frequencies and NoPE layers
+    "llama4_text",
 ]
 """Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
 Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
 REFUSED = {
-    "deepseek_v3": "MLA",
-    "qwen3_next": "hybrid",
+    "deepseek_v32": "calls the attention interface",  # its indexer layers (layer type named by the version)
+    "minimax": "cache of its own class",
+    "mimo_v2_flash": "attention sinks",
     "xglm": "no rotary module",
 }
 """Model types it refuses, and a word of the reason."""
