@@ -403,22 +403,16 @@ class GatedDeltaNet(nn.Module):
         call a token."""
         if not recorded:
             return gated_delta_rule(query, key, value, g, beta, initial_state=state, output_final_state=keep_state)
-        split, outputs, states = query.shape[1] - recorded, [], []
-        if split:
-            output, state = gated_delta_rule(
-                query[:, :split], key[:, :split], value[:, :split], g[:, :split], beta[:, :split],
-                initial_state=state, output_final_state=True,
-            )  # fmt: skip
-            outputs.append(output)
-        for t in range(split, query.shape[1]):
-            step = slice(t, t + 1)
-            output, state = gated_delta_rule(
-                query[:, step], key[:, step], value[:, step], g[:, step], beta[:, step],
-                initial_state=state, output_final_state=True,
-            )  # fmt: skip
+        length = query.shape[1]
+        split = length - recorded
+        segments = [slice(0, split)] * (split > 0) + [slice(t, t + 1) for t in range(split, length)]
+        outputs, states = [], []
+        for segment in segments:
+            parts = (tensor[:, segment] for tensor in (query, key, value, g, beta))
+            output, state = gated_delta_rule(*parts, initial_state=state, output_final_state=True)
             outputs.append(output)
             states.append(state)
-        return torch.cat(outputs, dim=1), states
+        return torch.cat(outputs, dim=1), states[-recorded:]
 
     def convolve(self, mixed: torch.Tensor, cache) -> torch.Tensor:
         """SiLU of the causal depthwise convolution of ``(batch, conv_dim, seq)``; with a cache, the
