@@ -21,7 +21,7 @@ import transformers
 
 import hf_posenc
 from hf_posenc_recipes import compare, extrapolate, long_context, reporting
-from hf_posenc_recipes.parsers.compare import TASK_DEFAULT_FLAGS, compare_parser
+from hf_posenc_recipes.parsers.compare import TASK_DEFAULT_FLAGS, compare_parser, default_text
 from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTION_BYTES, TASK_TRAINING_DEFAULTS
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
 from hf_posenc_recipes.tasks import (
@@ -256,8 +256,25 @@ def test_compare_task_defaults_fill_only_the_flags_not_given_and_the_help_names_
             for task in TASK_TRAINING_DEFAULTS
             if flag in TASK_TRAINING_DEFAULTS[task]
         ]
-        assert f"when None: {getattr(lm, flag):g}; --task " in helps[flag]
-        assert all(f"{value:g}" in helps[flag] for value in values), flag
+        assert f"when None: {default_text(getattr(lm, flag))}; --task " in helps[flag]
+        assert all(default_text(value) in helps[flag] for value in values), flag
+
+
+def test_compare_task_canon_layers_default_and_none_turns_them_off(capsys):
+    """mqar and passkey train with canon layer B of kernel 3 unless told otherwise; --canon_layers none removes it
+    (and its kernel size) under any task; --task lm has none; a kernel size given with none is refused by name."""
+    for task in ("mqar", "passkey"):
+        args = compare.parse_args(["--task", task])
+        assert (args.canon_layers, args.canon_kernel_size) == ("B", 3)
+        off = compare.parse_args(["--task", task, "--canon_layers", "none"])
+        assert (off.canon_layers, off.canon_kernel_size) == (None, None)
+        other = compare.parse_args(["--task", task, "--canon_layers", "AB", "--canon_kernel_size", "4"])
+        assert (other.canon_layers, other.canon_kernel_size) == ("AB", 4)
+    lm = compare.parse_args([])
+    assert (lm.canon_layers, lm.canon_kernel_size) == (None, None)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--task", "mqar", "--canon_layers", "none", "--canon_kernel_size", "3"])
+    assert "canon_kernel_size=3 has no effect without canon_layers" in capsys.readouterr().err
 
 
 # --- the accuracy metric ---

@@ -29,6 +29,8 @@ LM_DEFAULTS = {
     **{name: SHARED_FLAGS[name]["default"] for name in ("block_size", *TRAINING_FLAGS)},
     **MODEL_SIZE_DEFAULTS,
     "per_device_eval_batch_size": 16,
+    "canon_layers": None,
+    "canon_kernel_size": None,
 }
 """compare's defaults of the pretrain recipe's flags it hands to each run, with ``--task lm``."""
 TASK_DEFAULT_FLAGS = tuple(dict.fromkeys(flag for defaults in TASK_TRAINING_DEFAULTS.values() for flag in defaults))
@@ -41,7 +43,7 @@ TASK_DEFAULT_HELPS = {
 }
 
 
-def task_default(task: str, flag: str) -> int | float:
+def task_default(task: str, flag: str) -> int | float | str | None:
     """compare's default of ``flag`` under ``--task task``: the task's own (:data:`~.tasks.TASK_TRAINING_DEFAULTS`),
     else ``--task lm``'s."""
     return TASK_TRAINING_DEFAULTS.get(task, {}).get(flag, LM_DEFAULTS[flag])
@@ -49,16 +51,31 @@ def task_default(task: str, flag: str) -> int | float:
 
 def task_default_note(flag: str) -> str:
     """What None means for a flag of :data:`TASK_DEFAULT_FLAGS`, in its help: every task's default."""
-    values = {task: task_default(task, flag) for task in TASKS}
-    others = ", ".join(f"{task} {value:g}" for task, value in values.items() if task != "lm" and value != values["lm"])
-    return f"when None: {values['lm']:g}; --task {others}"
+    values = {task: default_text(task_default(task, flag)) for task in TASKS}
+    others = ", ".join(f"{task} {value}" for task, value in values.items() if task != "lm" and value != values["lm"])
+    off = "; none: off" if flag == "canon_layers" else ""
+    return f"when None: {values['lm']}; --task {others}{off}"
+
+
+def default_text(value: int | float | str | None) -> str:
+    """A default as the help gives it: a number in its shortest form, a string as it is, None as off."""
+    if value is None:
+        return "off"
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 def fill_task_defaults(args: argparse.Namespace) -> None:
-    """Each flag of :data:`TASK_DEFAULT_FLAGS` not given (None) set to its default under ``args.task``."""
+    """Each flag of :data:`TASK_DEFAULT_FLAGS` not given (None) set to its default under ``args.task``;
+    ``--canon_layers none`` turns off the canon layers a task's defaults have (and their kernel size, unless
+    given)."""
+    given = {flag for flag in TASK_DEFAULT_FLAGS if getattr(args, flag) is not None}
     for flag in TASK_DEFAULT_FLAGS:
-        if getattr(args, flag) is None:
+        if flag not in given:
             setattr(args, flag, task_default(args.task, flag))
+    if args.canon_layers == "none":
+        args.canon_layers = None
+        if "canon_kernel_size" not in given:
+            args.canon_kernel_size = None
 
 
 def compare_parser() -> argparse.ArgumentParser:
