@@ -49,11 +49,14 @@ def spec_argument(text: str) -> str:
 
 def layers_description(args: argparse.Namespace) -> str:
     """The depth for a report's recipe line, with ``--layer_types`` where given (``4 layers (linear_attention x3,
-    full_attention)``)."""
-    if args.layer_types is None:
-        return f"{args.num_hidden_layers} layers"
-    runs = [(kind, len(list(group))) for kind, group in itertools.groupby(args.layer_types)]
-    return f"{args.num_hidden_layers} layers ({', '.join(kind if n == 1 else f'{kind} x{n}' for kind, n in runs)})"
+    full_attention)``) and the canon layers where there are some (``, canon layers B (kernel 3)``)."""
+    depth = f"{args.num_hidden_layers} layers"
+    if args.layer_types is not None:
+        runs = [(kind, len(list(group))) for kind, group in itertools.groupby(args.layer_types)]
+        depth += f" ({', '.join(kind if n == 1 else f'{kind} x{n}' for kind, n in runs)})"
+    if args.canon_layers:
+        depth += f", canon layers {args.canon_layers} (kernel {args.canon_kernel_size or 4})"
+    return depth
 
 
 def recipe_argv(args: argparse.Namespace, run: Run, output_dir: Path) -> list[str]:

@@ -651,6 +651,8 @@ def test_compare_hands_layer_types_to_every_run_and_its_report(tmp_path, capsys)
     config = pretrain_recipe.build_config(run_args, 384, 0, 1)
     assert config.layer_types == hybrid and config.position_encoding["type"] == "fox"
     assert reporting.layers_description(args) == "4 layers (linear_attention x3, full_attention)"
+    task_args = compare.parse_args(["--task", "mqar", "--output_dir", str(tmp_path)])
+    assert reporting.layers_description(task_args) == "2 layers, canon layers B (kernel 3)"
     for argv, message in (
         (["--schemes", "rope", "--layouts", "smollm3", "--layer_types", *hybrid], "--layouts smollm3 set their"),
     ):
