@@ -718,10 +718,10 @@ class PosEncGPT2Config(GPT2Config):
         )
         resolve_attention_shape_options(self)
         resolve_canon_options(self, kwargs)
-        if self.canon_layers is not None and self.linear_attention is not None:
+        if self.canon_layers not in (None, "B") and self.linear_attention is not None:
             raise ValueError(
-                f"canon_layers={self.canon_layers!r} act inside attention layers; 'linear_attention' layers have "
-                "their own short convolution (conv_kernel_size) and take no canon layers. Leave canon_layers None in "
-                "a hybrid."
+                f"canon_layers={self.canon_layers!r}: in a hybrid only canon layer B (on the attention layers' q, k "
+                "and v) is taken; A, C and D would act on every layer, and 'linear_attention' layers have their own "
+                "short convolution (conv_kernel_size). Use canon_layers='B' or None in a hybrid."
             )
         super().__post_init__(**kwargs)

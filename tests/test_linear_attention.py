@@ -217,6 +217,25 @@ def test_hybrid_generates_with_the_cache_as_without(position_encoding, cache):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
+def test_hybrid_with_canon_layer_b_generates_with_the_cache_as_without(cache):
+    """Canon layer B convolves the attention layer's q, k and v (its states in that layer's ``PositionCache``
+    slots) and leaves the linear layers as they are: cached generation equals uncached, and a forward in two chunks
+    equals one."""
+    model = hybrid("rope", canon_layers="B", canon_kernel_size=3)
+    convolved = [block.attn.canon_b is not None for block in model.transformer.h if hasattr(block, "attn")]
+    assert convolved == [True] and not hasattr(model.transformer.h[0], "attn")
+    prompt, attention_mask = left_padded_prompt()
+    kwargs = dict(attention_mask=attention_mask, **generate_kwargs())
+    cached = model.generate(prompt, use_cache=True, **cache, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    chunks, full, _ = forward_in_two_chunks(model, random_ids(2, 9), 5)
+    torch.testing.assert_close(chunks, full, atol=1e-5, rtol=1e-4)
+
+
 def test_hybrid_left_padded_row_generates_as_the_row_alone():
     """The padded row of a batch generates what it generates alone: the padding adds nothing to the states."""
     model = hybrid()
@@ -359,7 +378,8 @@ def test_linear_attention_spec_defaults_and_options():
         ({"position_encoding": ["alibi", "none", "none", "rope"]}, r"position_encoding\[0\] is 'alibi'"),
         ({"no_rope_layer_interval": 4}, r"position_encoding\[0\] is 'rope'"),
         ({"layer_types": ["linear_attention"] * 4}, "at least one attention layer"),
-        ({"canon_layers": "AC"}, "take no canon layers"),
+        ({"canon_layers": "AC"}, "only canon layer B"),
+        ({"canon_layers": "AB"}, "only canon layer B"),
     ],
 )
 def test_linear_attention_config_refusals(overrides, message):
