@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from hf_posenc_recipes import pretrain
 from hf_posenc_recipes.common import progress_bar_off, recipe_accelerator, torch_threads, write_model_card
-from hf_posenc_recipes.parsers.tasks import DEFAULT_LR_SWEEP, check_task_flags
+from hf_posenc_recipes.parsers.tasks import DEFAULT_LR_SWEEP, check_copy_flags, check_task_flags, copy_block_size
 from hf_posenc_recipes.reporting import (
     folder_name,
     format_cell,
@@ -42,7 +42,14 @@ from hf_posenc_recipes.reporting import (
     training_recipe,
     unique_labels,
 )
-from hf_posenc_recipes.tasks import BYTE_OFFSET, TaskSpec, passkey_texts, task_accuracy, task_row
+from hf_posenc_recipes.tasks import (
+    BYTE_OFFSET,
+    TaskSpec,
+    copy_kazemnejad_lengths,
+    passkey_texts,
+    task_accuracy,
+    task_row,
+)
 
 
 def task_spec(args: argparse.Namespace, tokenizer=None, text_file: Path | None = None) -> TaskSpec:
@@ -173,6 +180,7 @@ def check_compare_task(parser: argparse.ArgumentParser, args: argparse.Namespace
         for flag in ("lr_sweep", "stop_accuracy"):
             if getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag} trains the task models of --task mqar, copy or passkey; --task lm has none")
+        check_copy_flags(parser, args, None)
         return
     for flag, reason in TASK_REFUSED_FLAGS.items():
         if getattr(args, flag):
@@ -461,6 +469,22 @@ def baseline_notes(task: TaskSpec) -> list[str]:
     ]
 
 
+def copy_notes(task: TaskSpec, factors: tuple[int, ...]) -> list[str]:
+    """The report's line on the string lengths of copy's ``kazemnejad`` layout at each factor, when it is that."""
+    if not task.kazemnejad:
+        return []
+    block = copy_block_size(task.copy_max_length)
+    lengths = "; ".join(
+        "{}x: {}..{} in rows of {} tokens".format(f, *copy_kazemnejad_lengths(task.copy_max_length, f), f * block)
+        for f in factors
+    )
+    return [
+        f"Copy, layout kazemnejad: the string lengths at each factor, each equally often: {lengths}. Right: every "
+        "copied symbol and the end token the most likely next token given the true tokens before it, which is greedy "
+        "decoding's exact match."
+    ]
+
+
 def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[str, Any]], wall_seconds: float):
     """``compare.md`` (the accuracy table, passkey's by depth), ``compare.json`` (every seed's row, the summary) and
     ``compare.png`` in ``--output_dir``; the report printed."""
@@ -507,7 +531,7 @@ def write_task_report(args: argparse.Namespace, task: TaskSpec, rows: list[dict[
     ]
     if len(seeds) > 1:
         notes.append(f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample standard deviation.")
-    notes += baseline_notes(task)
+    notes += baseline_notes(task) + copy_notes(task, args.factors)
     if task.name == "passkey":
         fixed, _ = task.passkey_filler(args.block_size)
         lengths = "; ".join(
@@ -626,11 +650,19 @@ def check_extrapolate_task(parser: argparse.ArgumentParser, args: argparse.Names
     """``extrapolate --task``: the task's settings, and models it can score (decoders; for mqar and copy, whose
     examples are bytes, a vocabulary holding the byte tokenizer's ids)."""
     if args.task == "lm":
+        check_copy_flags(parser, args, None)
         return
     check_task_flags(parser, args, None)
-    for name, config, _, _ in models:
+    for name, config, _, train_length in models:
         if not is_decoder(config):
             parser.error(f"--task {args.task}: {name} is an encoder; the tasks score decoders (the answer comes last)")
+        block = copy_block_size(args.copy_max_length) if args.copy_layout == "kazemnejad" else None
+        if args.task == "copy" and block is not None and train_length != block:
+            parser.error(
+                f"--task copy --copy_layout kazemnejad at --copy_max_length {args.copy_max_length} scores rows of "
+                f"multiples of {block} tokens (2 x {args.copy_max_length} + 8); {name} trained at {train_length}: "
+                "give its --copy_max_length ((training length - 8) / 2)"
+            )
         if args.task in ("mqar", "copy") and config.vocab_size < 256 + BYTE_OFFSET:
             parser.error(
                 f"--task {args.task} is written in the byte tokenizer's ids (byte + {BYTE_OFFSET}); {name} has "
@@ -687,7 +719,9 @@ def score_task_models(args: argparse.Namespace, models: list[tuple]) -> list[dic
             f"\n- Nx: accuracy on {args.task_eval_examples} examples of N times each model's training length, the "
             "same examples for every model; several models of one recipe (seeds): mean ± sample standard deviation.\n"
         )
-        report += "".join(f"- {note}\n" for note in baseline_notes(description))
+        report += "".join(
+            f"- {note}\n" for note in baseline_notes(description) + copy_notes(description, args.factors)
+        )
         (args.output_dir / "extrapolation.md").write_text(report)
         document = {"task": args.task, "rows": rows, "summary": summary}
         (args.output_dir / "extrapolation.json").write_text(json.dumps(document, indent=2))

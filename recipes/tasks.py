@@ -14,6 +14,7 @@ also write the answer into the input (``labels[t] == input_ids[t]``); Zoology's 
 from __future__ import annotations
 
 import argparse
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,14 @@ from typing import Any
 
 import torch
 
-from hf_posenc_recipes.parsers.tasks import check_mqar
+from hf_posenc_recipes.parsers.tasks import (
+    COPY_DEFAULTS,
+    COPY_LAYOUTS,
+    COPY_MAX_SYMBOLS,
+    COPY_PROMPT,
+    check_mqar,
+    copy_block_size,
+)
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, batch_generator, embedded_corpus_file, randomized_position_ids
 
 
@@ -30,6 +38,14 @@ BYTE_OFFSET = 3
 """The byte tokenizer's id of byte ``b`` is ``b + BYTE_OFFSET`` (ByT5's ids: 0 pad, 1 eos, 2 unk, then the bytes)."""
 COPY_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 COPY_SEPARATOR = b"|"[0]
+COPY_SYMBOLS = (
+    string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation.replace("|", "")
+).encode() + bytes(range(128, 256))
+"""The symbols of ``copy``'s ``kazemnejad`` layout, in the order ``--copy_symbols k`` takes the first ``k`` of: a-z,
+A-Z, 0-9, the printable punctuation but the separator ``|``, then the bytes above ASCII (the paper's first 100 tokens
+are likewise ASCII characters then other single tokens of T5's vocabulary)."""
+END_OF_SEQUENCE = 1
+"""The byte tokenizer's end-of-sequence id (ByT5's ``</s>``)."""
 PASSKEY_NEEDLE = " The pass key is {key}. "
 PASSKEY_QUESTION = " The pass key is "
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -116,6 +132,65 @@ def copy_batch(generator: torch.Generator, batch_size: int, length: int) -> Task
     return TaskBatch(rows, labels)
 
 
+def copy_kazemnejad_lengths(max_length: int, factor: int) -> tuple[int, int]:
+    """The string lengths ``(shortest, longest)`` of ``copy``'s ``kazemnejad`` layout at ``factor`` times the training
+    length, L = ``max_length``: ``1 .. L`` at 1x (training and its accuracy), the integers of ``((f / 2) L, f L]``
+    at ``f > 1``: 2x is the paper's test set (21..40 at L = 20), 4x 41..80, 8x 81..160."""
+    if factor < 1:
+        raise ValueError(f"copy: the length factor must be >= 1, got {factor}")
+    return (1 if factor == 1 else factor * max_length // 2 + 1), factor * max_length
+
+
+def copy_kazemnejad_batch(
+    generator: torch.Generator, batch_size: int, length: int, max_length: int = 20, symbols: int = 100,
+    repeat: bool = False,
+) -> TaskBatch:  # fmt: skip
+    """Copying in the form of Kazemnejad et al. 2023 (McGill-NLP/length-generalization, decoder-only ``s2s_copy``):
+    the prompt ``Copy: ``, a string of ``n`` symbols, the separator ``|``, the string again and the end-of-sequence
+    token (:data:`END_OF_SEQUENCE`), right-padded with the pad token (0) to ``length``; the labels are the copy and
+    the end token (the answers), the prompt, the string and the padding ignored. Scored per example: right when every
+    answer is (:func:`answer_accuracy`). Each symbol is one token, with no spaces between them: the paper writes
+    ``"Copy: x1 x2 ... xn [SEP] x1 ... xn"`` but its T5 tokenizer folds each space into the next token (``▁x``), so
+    a symbol takes one position and a space none; a byte model spelling the spaces would double every distance and
+    make every other answer a free space. The paper's prompt and ``[SEP] `` are a few T5 tokens each; here 6 bytes
+    and 1.
+
+    ``symbols``: the first that many of :data:`COPY_SYMBOLS` (the paper's cmc: 100 tokens); each symbol of the
+    string drawn uniformly (cmc, "copy multi char"), or with ``repeat`` one symbol drawn uniformly and repeated ``n``
+    times (rsc, "repeat single char": the model must count). ``length`` must be a multiple ``f`` of the training
+    block ``2 max_length + 8`` (:func:`~hf_posenc_recipes.parsers.tasks.copy_block_size`, the longest row at
+    ``n = max_length``); the strings' lengths are :func:`copy_kazemnejad_lengths` ``(max_length, f)``, balanced over
+    the batch as the paper's equal bins of each length: row ``i`` has the ``(s + i) mod span``-th length, ``s``
+    drawn uniformly."""
+    block = copy_block_size(max_length)
+    if length < block or length % block:
+        raise ValueError(
+            f"copy, kazemnejad layout: the length must be a multiple of the training block 2 x {max_length} + 8 = "
+            f"{block} (--copy_max_length {max_length}), got {length}"
+        )
+    if not 1 <= symbols <= COPY_MAX_SYMBOLS:
+        raise ValueError(f"copy: --copy_symbols must be in 1..{COPY_MAX_SYMBOLS}, got {symbols}")
+    shortest, longest = copy_kazemnejad_lengths(max_length, length // block)
+    span = longest - shortest + 1
+    start = int(torch.randint(span, (), generator=generator))
+    sizes = shortest + (start + torch.arange(batch_size)) % span
+    alphabet = byte_ids(COPY_SYMBOLS[:symbols])
+    drawn = torch.randint(symbols, (batch_size, 1 if repeat else longest), generator=generator)
+    strings = alphabet[drawn.expand(batch_size, longest)]
+    prompt = byte_ids(COPY_PROMPT)
+    rows = torch.zeros((batch_size, length), dtype=torch.long)
+    labels = torch.full((batch_size, length), IGNORE_INDEX, dtype=torch.long)
+    separator = torch.tensor([COPY_SEPARATOR + BYTE_OFFSET])
+    end = torch.tensor([END_OF_SEQUENCE])
+    for row, row_labels, string_ids, size in zip(rows, labels, strings, sizes.tolist(), strict=True):
+        text = string_ids[:size]
+        answers = torch.cat([text, end])
+        example = torch.cat([prompt, text, separator, answers])
+        row[: len(example)] = example
+        row_labels[len(example) - len(answers) : len(example)] = answers
+    return TaskBatch(rows, labels, per_example=True)
+
+
 @dataclass
 class PasskeyText:
     """What a passkey example is made of, as token ids of one tokenizer: ``filler`` (a long text, excerpts of which
@@ -188,14 +263,25 @@ class TaskSpec:
     mqar_power_a: float = 0.01
     passkey_digits: int = 5
     passkey: dict[str, PasskeyText] | None = None
+    copy_layout: str = "fixed"
+    copy_max_length: int = COPY_DEFAULTS["copy_max_length"]
+    copy_symbols: int = COPY_DEFAULTS["copy_symbols"]
+    copy_repeat: bool = False
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace, passkey: dict[str, PasskeyText] | None = None) -> TaskSpec:
-        """The task of ``--task`` and its settings' flags."""
+        """The task of ``--task`` and its settings' flags (copy's not given: :data:`COPY_DEFAULTS`)."""
         return cls(
             args.task, args.mqar_pairs, args.mqar_queries, args.mqar_key_vocab, args.mqar_value_vocab,
-            args.mqar_layout, args.mqar_power_a, args.passkey_digits, passkey,
+            args.mqar_layout, args.mqar_power_a, args.passkey_digits, passkey, args.copy_layout,
+            args.copy_max_length or COPY_DEFAULTS["copy_max_length"],
+            args.copy_symbols or COPY_DEFAULTS["copy_symbols"], args.copy_repeat,
         )  # fmt: skip
+
+    @property
+    def kazemnejad(self) -> bool:
+        """``copy`` in Kazemnejad et al.'s layout (:func:`copy_kazemnejad_batch`)."""
+        return self.name == "copy" and self.copy_layout == "kazemnejad"
 
     def batch(
         self, generator: torch.Generator, size: int, length: int, split: str = "train", depth: float | None = None
@@ -207,6 +293,12 @@ class TaskSpec:
                 self.mqar_value_vocab, self.mqar_layout, self.mqar_power_a,
             )  # fmt: skip
         if self.name == "copy":
+            if self.copy_layout not in COPY_LAYOUTS:
+                raise ValueError(f"--copy_layout must be one of {', '.join(COPY_LAYOUTS)}, got {self.copy_layout!r}")
+            if self.kazemnejad:
+                return copy_kazemnejad_batch(
+                    generator, size, length, self.copy_max_length, self.copy_symbols, self.copy_repeat
+                )
             return copy_batch(generator, size, length)
         if self.name == "passkey":
             return passkey_batch(generator, size, length, self.passkey[split], self.passkey_digits, depth)
@@ -229,7 +321,12 @@ class TaskSpec:
             }  # fmt: skip
         if self.name == "passkey":
             return {"task": "passkey", "digits": self.passkey_digits}
-        return {"task": self.name}
+        if self.kazemnejad:
+            return {
+                "task": "copy", "layout": "kazemnejad", "max_length": self.copy_max_length,
+                "symbols": self.copy_symbols, "repeat": self.copy_repeat,
+            }  # fmt: skip
+        return {"task": self.name}  # copy's fixed layout: the settings of the runs before --copy_layout
 
     def passkey_filler(self, length: int) -> tuple[int, int]:
         """``(needle, question and key, filler)`` in tokens of a passkey example of ``length`` tokens (a key of
@@ -251,8 +348,23 @@ class TaskSpec:
                 f"mqar: multi-query associative recall, {self.mqar_pairs} key-value pairs, {self.mqar_queries} "
                 f"queries, {self.mqar_key_vocab} keys and {self.mqar_value_vocab} values, {where}; accuracy per query"
             )
+        if self.kazemnejad:
+            variant = (
+                f"one of {self.copy_symbols} symbols repeated n times (rsc)"
+                if self.copy_repeat
+                else f"n symbols drawn from {self.copy_symbols} (cmc)"
+            )
+            top = self.copy_max_length
+            return (
+                f"copy, layout kazemnejad (Kazemnejad et al. 2023): 'Copy: ', {variant}, the separator, the string "
+                f"again, the end token; n in 1..{top} at 1x, ((f/2) x {top}, f x {top}] at fx "
+                f"(2x: {top + 1}..{2 * top}, the paper's test set); accuracy per example (exact match of the copy and "
+                "the end token)"
+            )
         if self.name == "copy":
-            return "copy: a string of letters, the separator, the string again; accuracy per copied letter"
+            return (
+                "copy, layout fixed: a string of letters, the separator, the string again; accuracy per copied letter"
+            )
         return f"passkey: a {self.passkey_digits}-digit key hidden in filler text; accuracy per key (every digit)"
 
 

@@ -26,10 +26,14 @@ from hf_posenc_recipes.parsers.tasks import PASSKEY_NEEDLE_BYTES, PASSKEY_QUESTI
 from hf_posenc_recipes.pretrain import IGNORE_INDEX, byte_tokenizer
 from hf_posenc_recipes.tasks import (
     BYTE_OFFSET,
+    COPY_SYMBOLS,
+    END_OF_SEQUENCE,
     PasskeyText,
     TaskSpec,
     answer_accuracy,
     copy_batch,
+    copy_kazemnejad_batch,
+    copy_kazemnejad_lengths,
     mqar_baselines,
     mqar_batch,
     passkey_batch,
@@ -177,6 +181,137 @@ def test_copy_is_a_string_the_separator_and_the_string_again(length):
         assert labels.tolist() == [IGNORE_INDEX] * (size + 1) + row[size + 1 : 2 * size + 1].tolist() + [
             IGNORE_INDEX
         ] * (length - 2 * size - 1)
+
+
+def test_copy_fixed_layout_is_todays_batch_and_settings():
+    """``--copy_layout fixed`` (the default) draws exactly copy_batch's rows and keeps the settings of earlier runs."""
+    task = TaskSpec("copy")
+    drawn, expected = task.batch(generator(5), 4, 9), copy_batch(generator(5), 4, 9)
+    assert torch.equal(drawn.input_ids, expected.input_ids) and torch.equal(drawn.labels, expected.labels)
+    assert not drawn.per_example and task.settings() == {"task": "copy"}
+    assert "layout fixed" in task.describe()
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_copy_kazemnejad_smallest_rows_by_hand(repeat):
+    """One symbol (``a``), L = 1: the block is 2 x 1 + 8 = 10 and the only row at 1x is ``Copy: a|a</s>``; at 2x
+    (20 tokens) the strings have length 2: ``Copy: aa|aa</s>`` then 8 pads. The labels: the copy and the end token."""
+    for length, expected, size in ((10, b"Copy: a|a", 1), (20, b"Copy: aa|aa", 2)):
+        batch = copy_kazemnejad_batch(generator(), 3, length, max_length=1, symbols=1, repeat=repeat)
+        row = [b + BYTE_OFFSET for b in expected] + [END_OF_SEQUENCE] + [0] * (length - len(expected) - 1)
+        answers = [b + BYTE_OFFSET for b in expected[-size:]] + [END_OF_SEQUENCE]
+        labels = [IGNORE_INDEX] * (len(expected) - size) + answers + [IGNORE_INDEX] * (length - len(expected) - 1)
+        assert batch.per_example
+        assert batch.input_ids.tolist() == [row] * 3 and batch.labels.tolist() == [labels] * 3
+
+
+def parse_kazemnejad_row(row: torch.Tensor) -> tuple[bytes, bytes, int]:
+    """``(string, copy, pads)`` of a kazemnejad row, checking the prompt, the separator and the end token."""
+    ids = row.tolist()
+    end = ids.index(END_OF_SEQUENCE)
+    assert ids[end + 1 :] == [0] * (len(ids) - end - 1)
+    text = bytes(b - BYTE_OFFSET for b in ids[:end])
+    assert text.startswith(b"Copy: ")
+    size = (len(text) - 7) // 2
+    assert text[6 + size : 7 + size] == b"|"
+    return text[6 : 6 + size], text[7 + size :], len(ids) - end - 1
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_copy_kazemnejad_rows_reconstructed_at_each_factor(repeat):
+    """L = 5 (block 18), 7 symbols: at factor f the row holds f x 18 tokens, ``Copy: `` + a string + ``|`` + the same
+    string + the end token, the labels exactly the copy and the end; the lengths are 1..5 at 1x, 6..10 at 2x,
+    11..20 at 4x, 21..40 at 8x, each equally often over a batch of a multiple of their number; cmc strings draw from
+    the first 7 symbols (several per row), rsc rows repeat one symbol."""
+    assert [copy_kazemnejad_lengths(20, f) for f in (1, 2, 4, 8)] == [(1, 20), (21, 40), (41, 80), (81, 160)]
+    assert copy_kazemnejad_lengths(5, 3) == (8, 15)  # ((3/2) 5, 15]
+    symbols = set(COPY_SYMBOLS[:7])
+    assert COPY_SYMBOLS[:7] == b"abcdefg" and len(COPY_SYMBOLS) == 221 and b"|"[0] not in COPY_SYMBOLS
+    for factor, (shortest, longest) in ((1, (1, 5)), (2, (6, 10)), (4, (11, 20)), (8, (21, 40))):
+        span = longest - shortest + 1
+        batch = copy_kazemnejad_batch(generator(factor), 3 * span, factor * 18, 5, 7, repeat)
+        assert batch.input_ids.shape == (3 * span, factor * 18)
+        sizes = []
+        for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+            string, copied, pads = parse_kazemnejad_row(row)
+            assert copied == string and set(string) <= symbols and shortest <= len(string) <= longest
+            assert len(set(string)) == 1 if repeat else len(string) < 4 or len(set(string)) > 1
+            answers = len(string) + 1
+            start = factor * 18 - pads - answers
+            assert (labels[start : -pads or None] == row[start : -pads or None]).all()
+            assert (labels[:start] == IGNORE_INDEX).all() and (labels[factor * 18 - pads :] == IGNORE_INDEX).all()
+            sizes.append(len(string))
+        assert sorted(sizes) == sorted(list(range(shortest, longest + 1)) * 3)
+    with pytest.raises(ValueError, match="multiple of the training block 2 x 5 \\+ 8 = 18"):
+        copy_kazemnejad_batch(generator(), 2, 20, 5, 7)
+
+
+class CopySolver(torch.nn.Module):
+    """Solves kazemnejad copy rows from the tokens before each answer, but only the first ``limit`` symbols of the
+    copy: after the separator, the symbol as many places after the prompt (beyond ``limit`` a pad), then the end
+    token once the separator's place is reached."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor):
+        following = torch.zeros_like(input_ids)
+        separator = b"|"[0] + BYTE_OFFSET
+        for row, ids in enumerate(input_ids.tolist()):
+            place = ids.index(separator)
+            for t in range(place, len(ids)):
+                index = t - place
+                source = 6 + index
+                if source == place:
+                    following[row, t] = END_OF_SEQUENCE
+                elif index < self.limit and source < place:
+                    following[row, t] = ids[source]
+        return argparse.Namespace(logits=torch.nn.functional.one_hot(following, 384).float())
+
+
+def greedy_exact_match(model, batch) -> list[bool]:
+    """Greedy decoding of each row from its prompt (up to the separator): the generated tokens, up to and with the
+    first end token, against the row's answers."""
+    right = []
+    for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+        answers = row[labels != IGNORE_INDEX].tolist()
+        ids = row[: int((labels != IGNORE_INDEX).nonzero()[0])].tolist()
+        generated = []
+        while len(generated) < len(row) and (not generated or generated[-1] != END_OF_SEQUENCE):
+            token = int(model(torch.tensor([ids + [0]])).logits[0, len(ids) - 1].argmax())
+            generated.append(token)
+            ids.append(token)
+        right.append(generated == answers)
+    return right
+
+
+def test_copy_kazemnejad_exact_match_per_example_by_hand():
+    """Per example: a model right on every answer of a row but one gets that row wrong; teacher-forced argmax at
+    every answer is greedy decoding's exact match (a solver copying only 3 symbols: right on strings of 1..3 and
+    wrong beyond, both ways); scored through task_row at 1x, 2x, 4x."""
+    batch = copy_kazemnejad_batch(generator(), 10, 18, 5, 7)
+    logits = Peeking(384)(batch.input_ids).logits
+    assert answer_accuracy(logits, batch.labels, per_example=True) == (10, 10)
+    answer_places = (batch.labels[0] != IGNORE_INDEX).nonzero().flatten()
+    for place in answer_places.tolist():  # one answer of row 0 wrong (the end token among them)
+        wrong = logits.clone()
+        wrong[0, place - 1] = wrong[0, place - 1].roll(1)
+        answers = int((batch.labels != IGNORE_INDEX).sum())
+        assert answer_accuracy(wrong, batch.labels, per_example=False) == (answers - 1, answers)
+        assert answer_accuracy(wrong, batch.labels, per_example=True) == (9, 10)
+    solver = CopySolver(limit=3)
+    logits = solver(batch.input_ids).logits
+    per_row = [answer_accuracy(logits[i : i + 1], batch.labels[i : i + 1], True)[0] == 1 for i in range(10)]
+    sizes = [len(parse_kazemnejad_row(row)[0]) for row in batch.input_ids]
+    assert per_row == [size <= 3 for size in sizes] == greedy_exact_match(solver, batch)
+    assert answer_accuracy(logits, batch.labels, per_example=True) == (6, 10)  # lengths 1..5 twice each: 1-3 right
+    task = TaskSpec("copy", copy_layout="kazemnejad", copy_max_length=5, copy_symbols=7)
+    assert task_row(CopySolver(5), task, 18, (1, 2, 4), 20, 8, seed=0) == {"accuracy": {"1x": 1.0, "2x": 0.0,
+                                                                                        "4x": 0.0}}  # fmt: skip
+    assert task_row(CopySolver(100), task, 18, (1, 2, 4), 20, 8, seed=0)["accuracy"] == {"1x": 1.0, "2x": 1.0,
+                                                                                       "4x": 1.0}  # fmt: skip
 
 
 # --- passkey ---
@@ -592,9 +727,67 @@ def test_extrapolate_passkey_zero_shot_on_a_retrofitted_stock_decoder(tmp_path):
     assert "#### passkey by depth" in (tmp_path / "out" / "extrapolation.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def copy_compare(tmp_path_factory) -> Path:
+    """``compare --task copy --copy_layout kazemnejad`` (rsc, L = 4: a block of 16) on a tiny budget: rope, and
+    learned (which cannot run at 2x)."""
+    output = tmp_path_factory.mktemp("copy")
+    flags = ["--task", "copy", "--copy_layout", "kazemnejad", "--copy_max_length", "4", "--copy_symbols", "10"]
+    flags += ["--copy_repeat", "--schemes", "rope", "learned", "--hidden_size", "16", "--num_hidden_layers", "1"]
+    flags += ["--num_attention_heads", "2", "--max_train_steps", "3", "--num_warmup_steps", "1", "--eval_steps", "3"]
+    flags += ["--per_device_train_batch_size", "4", "--task_eval_examples", "8", "--factors", "1", "2"]
+    compare.main([*flags, "--output_dir", str(output)])
+    return output
+
+
+def test_compare_copy_kazemnejad_writes_its_report_with_the_layout(copy_compare):
+    table = (copy_compare / "compare.md").read_text()
+    assert table.startswith("### copy, layout kazemnejad (Kazemnejad et al. 2023): 'Copy: ', one of 10 symbols")
+    assert "of 16 tokens" in table and "1x: 1..4 in rows of 16 tokens; 2x: 5..8 in rows of 32 tokens" in table
+    assert "greedy decoding's exact match" in table and "| learned | softmax |" in table and "| n/a |" in table
+    rows = {row["scheme"]: row for row in json.loads((copy_compare / "compare.json").read_text())["rows"]}
+    assert 0.0 <= rows["rope"]["accuracy"]["2x"] <= 1.0 and isinstance(rows["learned"]["accuracy"]["2x"], str)
+    saved = json.loads((copy_compare / "models" / "copy-rope-softmax" / "training_args.json").read_text())
+    assert saved["block_size"] == 16 and saved["long_context_task"] == {
+        "task": "copy", "layout": "kazemnejad", "max_length": 4, "symbols": 10, "repeat": True,
+    }  # fmt: skip
+
+
+def test_extrapolate_copy_kazemnejad_scores_the_compare_models_and_checks_their_length(copy_compare, tmp_path, capsys):
+    """The same accuracy through ``extrapolate`` with the layout's flags; a --copy_max_length whose block is not the
+    models' training length is refused, naming it."""
+    model = str(copy_compare / "models" / "copy-rope-softmax")
+    flags = ["--task", "copy", "--copy_layout", "kazemnejad", "--copy_symbols", "10", "--copy_repeat", "--factors"]
+    flags += ["1", "2", "--task_eval_examples", "8", "--model_name_or_path", model]
+    rows = extrapolate.main([*flags, "--copy_max_length", "4", "--output_dir", str(tmp_path)])
+    compared = {row["scheme"]: row for row in json.loads((copy_compare / "compare.json").read_text())["rows"]}
+    assert rows[0]["accuracy"] == compared["rope"]["accuracy"]
+    assert "layout kazemnejad" in (tmp_path / "extrapolation.md").read_text()
+    with pytest.raises(SystemExit):
+        extrapolate.main([*flags, "--output_dir", str(tmp_path / "again")])  # L = 20: a block of 48
+    assert "scores rows of multiples of 48 tokens" in capsys.readouterr().err
+
+
+def test_compare_copy_kazemnejad_derives_its_block():
+    """The block is the longest training row, 2 L + 8, unless given (then it must be that)."""
+    assert compare.parse_args(["--task", "copy", "--copy_layout", "kazemnejad"]).block_size == 48
+    args = compare.parse_args(["--task", "copy", "--copy_layout", "kazemnejad", "--copy_max_length", "5"])
+    assert (args.block_size, args.copy_max_length, args.copy_symbols, args.copy_repeat) == (18, 5, 100, False)
+    assert TaskSpec.from_flags(args).settings()["symbols"] == 100
+    given = ["--task", "copy", "--copy_layout", "kazemnejad", "--copy_max_length", "5", "--block_size", "18"]
+    assert compare.parse_args(given).block_size == 18
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (["--task", "copy", "--copy_layout", "kazemnejad", "--block_size", "64"], "2 x 20 + 8 = 48 tokens"),
+        (["--task", "copy", "--copy_symbols", "10"], "--copy_symbols: settings of --copy_layout kazemnejad"),
+        (["--task", "copy", "--copy_repeat", "--copy_max_length", "5"], "--copy_max_length, --copy_repeat: settings"),
+        (["--task", "mqar", "--copy_layout", "kazemnejad"], "settings of --task copy, not of --task mqar"),
+        (["--copy_repeat"], "--copy_repeat: settings of --task copy, not of --task lm"),
+        (["--task", "copy", "--copy_layout", "kazemnejad", "--copy_symbols", "222"], "must be in 1..221, got 222"),
+        (["--task", "copy", "--copy_layout", "nope"], "invalid choice: 'nope' (choose from 'fixed', 'kazemnejad')"),
         (["--task", "mqar", "--encoders"], "--task mqar does not take --encoders"),
         (["--task", "mqar", "--mqar_pairs", "4", "--mqar_queries", "5"], "--mqar_queries must be in 1..4"),
         (["--task", "mqar", "--block_size", "12"], "take 16 tokens, more than the length 12"),

@@ -21,7 +21,7 @@ from .common import (
     new_parser,
     output_folder,
 )
-from .tasks import TASK_TRAINING_DEFAULTS, TASKS, add_task_flags
+from .tasks import COPY_DEFAULTS, TASK_TRAINING_DEFAULTS, TASKS, add_task_flags, copy_block_size
 
 
 DEFAULT_COMPARE_SCHEMES = ["learned", "sinusoidal", "none", "rope", "t5", "alibi"]
@@ -54,6 +54,8 @@ def task_default_note(flag: str) -> str:
     values = {task: default_text(task_default(task, flag)) for task in TASKS}
     others = ", ".join(f"{task} {value}" for task, value in values.items() if task != "lm" and value != values["lm"])
     off = "; none: off" if flag == "canon_layers" else ""
+    if flag == "block_size":
+        off = "; copy --copy_layout kazemnejad: 2 x --copy_max_length + 8, its longest row"
     return f"when None: {values['lm']}; --task {others}{off}"
 
 
@@ -67,11 +69,13 @@ def default_text(value: int | float | str | None) -> str:
 def fill_task_defaults(args: argparse.Namespace) -> None:
     """Each flag of :data:`TASK_DEFAULT_FLAGS` not given (None) set to its default under ``args.task``;
     ``--canon_layers none`` turns off the canon layers a task's defaults have (and their kernel size, unless
-    given)."""
+    given); ``--task copy --copy_layout kazemnejad`` trains on its longest row (:func:`~.tasks.copy_block_size`)."""
     given = {flag for flag in TASK_DEFAULT_FLAGS if getattr(args, flag) is not None}
     for flag in TASK_DEFAULT_FLAGS:
         if flag not in given:
             setattr(args, flag, task_default(args.task, flag))
+    if args.task == "copy" and args.copy_layout == "kazemnejad" and "block_size" not in given:
+        args.block_size = copy_block_size(args.copy_max_length or COPY_DEFAULTS["copy_max_length"])
     if args.canon_layers == "none":
         args.canon_layers = None
         if "canon_kernel_size" not in given:
@@ -99,6 +103,7 @@ With --task mqar, copy or passkey each model trains on that task instead (exampl
 the answers) and the report gives its accuracy at each length (passkey's also by depth of the needle):
   hf-posenc compare --task mqar --output_dir out/mqar        # the 6 default schemes, accuracy at 1x, 2x, 4x, 8x
   hf-posenc compare --task passkey --schemes rope pope fox alibi t5 none --seeds 0 1 2 --output_dir out/passkey
+  hf-posenc compare --task copy --copy_layout kazemnejad --output_dir out/copy   # Kazemnejad et al.'s copy, L = 20
 """,
     )
     parser.add_argument(

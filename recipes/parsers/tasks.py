@@ -10,6 +10,16 @@ from .common import positive_int
 
 TASKS = ("lm", "mqar", "copy", "passkey")
 MQAR_LAYOUTS = ("zoology", "visible_answers")
+COPY_LAYOUTS = ("fixed", "kazemnejad")
+COPY_PROMPT = b"Copy: "
+COPY_KAZEMNEJAD_FIXED_TOKENS = len(COPY_PROMPT) + 2
+"""The tokens of a ``kazemnejad`` copy row besides the string and its copy: the prompt ``Copy: ``, the separator
+and the end-of-sequence token."""
+COPY_MAX_SYMBOLS = 221
+"""The symbols a ``kazemnejad`` copy string can be drawn from (:data:`hf_posenc_recipes.tasks.COPY_SYMBOLS`): the 93
+printable non-space bytes other than the separator ``|``, then the 128 bytes above ASCII."""
+COPY_DEFAULTS = {"copy_max_length": 20, "copy_symbols": 100}
+"""``--copy_layout kazemnejad``'s defaults: the paper's training lengths 1..20 and its 100 tokens."""
 TASK_TRAINING_DEFAULTS: dict[str, dict[str, int | float | str]] = {
     "mqar": {
         "block_size": 32, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -33,6 +43,12 @@ TASK_BLOCK_SIZES = {task: int(TASK_TRAINING_DEFAULTS.get(task, {}).get("block_si
 """``compare``'s training length of each ``--task`` when ``--block_size`` is not given."""
 PASSKEY_NEEDLE_BYTES = len(" The pass key is . ")
 PASSKEY_QUESTION_BYTES = len(" The pass key is ")
+
+
+def copy_block_size(max_length: int) -> int:
+    """The training block of ``--copy_layout kazemnejad`` at ``--copy_max_length`` L: its longest row, ``Copy: ``
+    (6 bytes), L symbols, the separator, L symbols, the end token: ``2 L + 8``."""
+    return 2 * max_length + COPY_KAZEMNEJAD_FIXED_TOKENS
 
 
 def unit_interval(text: str) -> float:
@@ -95,6 +111,38 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str, training: bool = 
     group.add_argument(
         "--mqar_value_vocab", type=positive_int, default=32, help="mqar: the bytes values are drawn from (after keys)"
     )
+    group.add_argument(
+        "--copy_layout",
+        choices=COPY_LAYOUTS,
+        default="fixed",
+        help="copy: fixed (a string of (block - 1) // 2 letters a-z, the separator |, the string again; scored per "
+        "letter); kazemnejad (Kazemnejad et al. 2023's copy task: 'Copy: ', a string of n symbols, the separator |, "
+        "the string again, the end-of-sequence token, right-padded; n in 1..--copy_max_length at 1x and in "
+        "((f/2) L, f L] at factor f, so 2x is the paper's test set; scored per example, every copied symbol and the "
+        "end right)",
+    )
+    group.add_argument(
+        "--copy_max_length",
+        type=positive_int,
+        default=None,
+        help=f"copy, kazemnejad layout: L, the longest training string (when None: "
+        f"{COPY_DEFAULTS['copy_max_length']}, the paper's); compare's --block_size, when not given, is the longest "
+        "row, 2 L + 8",
+    )
+    group.add_argument(
+        "--copy_symbols",
+        type=positive_int,
+        default=None,
+        help=f"copy, kazemnejad layout: the distinct symbols a string is drawn from (when None: "
+        f"{COPY_DEFAULTS['copy_symbols']}, the paper's; at most {COPY_MAX_SYMBOLS}: a-z, A-Z, 0-9, the printable "
+        "punctuation but |, then the bytes above ASCII)",
+    )
+    group.add_argument(
+        "--copy_repeat",
+        action="store_true",
+        help="copy, kazemnejad layout: the paper's rsc variant, one symbol repeated n times (the model must count); "
+        "without it cmc, each symbol drawn uniformly",
+    )
     group.add_argument("--passkey_digits", type=positive_int, default=5, help="passkey: digits of the key")
     group.add_argument(
         "--passkey_depths",
@@ -107,7 +155,8 @@ def add_task_flags(parser: argparse.ArgumentParser, what: str, training: bool = 
         "--task_eval_examples",
         type=positive_int,
         default=128,
-        help="examples scored at each length (passkey: at each length and depth), the same for every model",
+        help="examples scored at each length (passkey: at each length and depth), the same for every model; copy's "
+        "kazemnejad layout spreads them evenly over the string lengths (a multiple of L weighs each length equally)",
     )
     if not training:
         return
@@ -143,8 +192,7 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             )  # fmt: skip
         except ValueError as error:
             parser.error(str(error))
-    if args.task == "copy" and length is not None and length < 3:
-        parser.error(f"--task copy needs --block_size >= 3 (a letter, the separator, its copy), got {length}")
+    check_copy_flags(parser, args, length)
     if args.task == "passkey" and length is not None:
         needed = PASSKEY_NEEDLE_BYTES + PASSKEY_QUESTION_BYTES + 2 * args.passkey_digits
         if needed > length:
@@ -152,6 +200,40 @@ def check_task_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                 f"--task passkey: the needle, the question and a key of --passkey_digits {args.passkey_digits} take "
                 f"{needed} bytes, more than --block_size {length}"
             )
+
+
+def check_copy_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, length: int | None) -> None:
+    """The copy flags against ``--task``, ``--copy_layout`` and the training ``length`` (when known); the
+    kazemnejad layout's flags not given set to their defaults (:data:`COPY_DEFAULTS`)."""
+    kazemnejad_only = [
+        f"--{flag}" for flag in ("copy_max_length", "copy_symbols") if getattr(args, flag) is not None
+    ] + (["--copy_repeat"] if args.copy_repeat else [])
+    if args.task != "copy":
+        given = kazemnejad_only + (["--copy_layout kazemnejad"] if args.copy_layout == "kazemnejad" else [])
+        if given:
+            parser.error(f"{', '.join(given)}: settings of --task copy, not of --task {args.task}")
+        return
+    if args.copy_layout == "fixed":
+        if kazemnejad_only:
+            parser.error(
+                f"{', '.join(kazemnejad_only)}: settings of --copy_layout kazemnejad; --copy_layout fixed copies "
+                "(block - 1) // 2 letters a-z (give --copy_layout kazemnejad)"
+            )
+        if length is not None and length < 3:
+            parser.error(f"--task copy needs --block_size >= 3 (a letter, the separator, its copy), got {length}")
+        return
+    for flag, default in COPY_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
+    if args.copy_symbols > COPY_MAX_SYMBOLS:
+        parser.error(f"--copy_symbols must be in 1..{COPY_MAX_SYMBOLS}, got {args.copy_symbols}")
+    block = copy_block_size(args.copy_max_length)
+    if length is not None and length != block:
+        parser.error(
+            f"--copy_layout kazemnejad at --copy_max_length {args.copy_max_length} trains on rows of 2 x "
+            f"{args.copy_max_length} + {COPY_KAZEMNEJAD_FIXED_TOKENS} = {block} tokens (the longest), got "
+            f"--block_size {length}: leave --block_size out (it is derived) or change --copy_max_length"
+        )
 
 
 def check_mqar(
