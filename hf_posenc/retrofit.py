@@ -134,10 +134,14 @@ class RetrofitLayer:
     """The layer's index among the attention layers, set by :func:`patch`: it reads its own attention inputs."""
 
     def __call__(self, *args, **kwargs):
+        if ATTENTION_INPUTS not in kwargs:  # a stock module above drops keyword arguments: the stash carries them
+            return super().__call__(*args, **kwargs)
         leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx])
         return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
 
-    def forward(self, *args, posenc_layout, **kwargs):
+    def forward(self, *args, posenc_layout=None, **kwargs):
+        if posenc_layout is None:  # called without the attention inputs (see __call__)
+            return super().forward(*args, **kwargs)
         num_args, spec = posenc_layout
         kwargs[ATTENTION_INPUTS] = tree_unflatten(list(args[num_args:]), spec)
         return super().forward(*args[:num_args], **kwargs)
@@ -190,7 +194,9 @@ class RetrofitAttention:
         return query[0], key[0].repeat_interleave(query.shape[1] // key.shape[1], dim=0)
 
     def attend(self, hidden_states, kwargs, *, scaling, dropout, causal):
-        """The stock layer hands the KV cache down under the installed Transformers' name (:data:`CACHE_NAME`)."""
+        """The stock layer hands the KV cache down under the installed Transformers' name (:data:`CACHE_NAME`); what
+        a stock module above did not hand down comes from the forward's stash (:func:`stashed_arguments`)."""
+        kwargs = stashed_arguments(self, kwargs)
         query, key, value = self.project(hidden_states)
         output, weights = positional_attention(
             query,
@@ -213,12 +219,18 @@ class RetrofitAttention:
 
 
 class RetrofitBertSelfAttention(RetrofitAttention):
+    """BERT-like self-attention (``query``, ``key``, ``value`` of ``attention_head_size`` heads, scaling
+    ``attention_head_size ** -0.5``), also of the models whose copies of it predate the attention interface
+    (Megatron-BERT, BigBird's full attention: no ``scaling`` or ``is_causal`` attribute, causal as decoders)."""
+
     def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
         return tuple(layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.query, self.key, self.value))
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
-        return self.attend(hidden_states, kwargs, scaling=self.scaling, dropout=self.dropout.p, causal=self.is_causal)
+        scaling = getattr(self, "scaling", self.attention_head_size**-0.5)
+        causal = getattr(self, "is_causal", self.is_decoder)
+        return self.attend(hidden_states, kwargs, scaling=scaling, dropout=self.dropout.p, causal=causal)
 
 
 class RetrofitGPT2Attention(RetrofitAttention):
@@ -330,9 +342,55 @@ def retrofit_forward(stock_class: type, family: StockFamily) -> Callable:
     @functools.wraps(stock_forward)
     def forward(self, *args, **kwargs):
         call = prepare_forward(family, self, signature.bind(*args, **kwargs).arguments)
-        return family.stock_output(stock_forward(self, **call), call)
+        with stashed_for_attention(self, call):
+            output = stock_forward(self, **call)
+        return family.stock_output(output, call)
 
     return forward
+
+
+STASH = "posenc_stash"
+"""The attribute under which a retrofitted attention module finds, for the duration of one forward, the keyword
+arguments the retrofitted forward hands down (:func:`stashed_for_attention`)."""
+ATTENTION_MODULES = "posenc_attention_modules"
+"""The base model's attribute holding its patched attention modules by layer index (set by :func:`patch`)."""
+
+
+@contextlib.contextmanager
+def stashed_for_attention(base: nn.Module, call: dict[str, Any]) -> Iterator[None]:
+    """Give each patched attention module the arguments the retrofitted forward hands down (its layer's attention
+    inputs, the scheme, the cache) for the duration of the stock forward, beside the keyword arguments: a stock layer,
+    encoder or attention wrapper that calls the next module with named arguments only (Nemotron's and StableLM's
+    decoder layers, Megatron-BERT's encoder) drops them, and the attention reads what it misses here
+    (:func:`stashed_arguments`). Not while compiling (the keyword path, which every other model takes); the
+    recomputation of activation checkpointing reads the keyword arguments, which :class:`RetrofitLayer` carries."""
+    attentions = base.__dict__.get(ATTENTION_MODULES) or {}
+    if not attentions or torch.compiler.is_compiling():
+        yield
+        return
+    shared = {name: call[name] for name in (POSITION_ENCODING, CACHE_NAME, RETROFIT_CACHE) if name in call}
+    for idx, attention in attentions.items():
+        attention.__dict__[STASH] = {**shared, ATTENTION_INPUTS: call[ATTENTION_INPUTS][idx]}
+    try:
+        yield
+    finally:
+        for attention in attentions.values():
+            attention.__dict__.pop(STASH, None)
+
+
+def stashed_arguments(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` completed by what the retrofitted forward stashed on ``module`` (:func:`stashed_for_attention`);
+    ``ValueError`` naming the way out where the attention inputs reach it by neither."""
+    stash = module.__dict__.get(STASH)
+    if stash:
+        kwargs = {**stash, **kwargs}
+    if ATTENTION_INPUTS not in kwargs:
+        raise ValueError(
+            f"{type(module).__name__} of a retrofitted model got no attention inputs: a stock module above it drops "
+            "keyword arguments, and the retrofitted forward's stash is not read under torch.compile or when "
+            "activation checkpointing recomputes the layer; run it without them."
+        )
+    return kwargs
 
 
 # Families: where a stock model keeps its layers, attention, embeddings and position table.
@@ -352,6 +410,14 @@ class StockFamily:
 
     def attention(self, layer: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+    def matches(self, base: nn.Module, class_names: set[str]) -> bool:
+        """Whether a stock base model (holding modules of ``class_names``) is of this family: by its attention
+        classes."""
+        return bool(class_names & set(self.attention_classes))
+
+    def check_model(self, model: PreTrainedModel) -> None:
+        """Raise on a module layout of a matched model the patch cannot reproduce."""
 
     def causal(self, config) -> bool:
         return True
@@ -464,11 +530,42 @@ class StockFamily:
 
 
 class BertFamily(StockFamily):
+    """BERT-like models, found by their structure rather than their class names: an embeddings module with
+    ``word_embeddings`` and a ``position_embeddings`` table (token-type and task-type tables, a ``LayerNorm`` where it
+    has them: BertGeneration has no token types, XLM-RoBERTa-XL and Megatron-BERT no LayerNorm there), the layers in
+    ``encoder.layer``, each with ``attention.self`` projecting ``query``, ``key``, ``value`` heads of
+    ``attention_head_size`` (BERT, RoBERTa and their copies: ERNIE, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
+    BertGeneration, Megatron-BERT, BigBird's full attention)."""
+
     def layers(self, base):
         return list(base.encoder.layer)
 
     def attention(self, layer):
         return layer.attention.self
+
+    def matches(self, base, class_names):
+        embeddings = getattr(base, "embeddings", None)
+        layers = getattr(getattr(base, "encoder", None), "layer", None)
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            return False
+        if not isinstance(getattr(embeddings, "word_embeddings", None), nn.Embedding):
+            return False
+        if not isinstance(getattr(embeddings, "position_embeddings", None), nn.Embedding):
+            return False
+        attention = getattr(getattr(layers[0], "attention", None), "self", None)
+        projections = all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("query", "key", "value"))
+        return projections and isinstance(getattr(attention, "attention_head_size", None), int)
+
+    def check_model(self, model):
+        """BigBird's block-sparse attention (``attention_type="block_sparse"``; its stock forward switches to full
+        attention on short inputs, replacing the modules) is not the full attention the patch computes."""
+        kind = getattr(decoder_base(model), "attention_type", "original_full")
+        if kind != "original_full":
+            raise ValueError(
+                f"retrofit(): this {model.config.model_type} model runs attention_type={kind!r} (block-sparse "
+                "attention); the retrofit computes full attention: set attention_type='original_full' first "
+                "(model.set_attention_type('original_full'))."
+            )
 
     def causal(self, config):
         return config.is_decoder
@@ -512,15 +609,25 @@ class BertFamily(StockFamily):
             )
 
     def embed(self, base, encoding, inputs, call):
+        """The stock embeddings' sum with the scheme's positions: the word embeddings (BigBird's scaled by
+        ``sqrt(hidden_size)`` where it rescales them), the token-type table and ERNIE's task-type table where the
+        module has them (ids 0 by default), then its ``LayerNorm`` where it has one and its dropout."""
         embeddings = base.embeddings
-        token_type_ids = call.pop("token_type_ids", None)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(
-                inputs.inputs_embeds.shape[:2], dtype=torch.long, device=inputs.position_ids.device
-            )
-        combined = inputs.inputs_embeds + embeddings.token_type_embeddings(token_type_ids)
+        combined = inputs.inputs_embeds
+        if getattr(embeddings, "rescale_embeddings", False):
+            combined = combined * embeddings.hidden_size**0.5
+        types = [("token_type_embeddings", "token_type_ids"), ("task_type_embeddings", "task_type_ids")]
+        for table_name, ids_name in types:
+            ids = call.pop(ids_name, None)
+            table = getattr(embeddings, table_name, None)
+            if table is None or table_name == "task_type_embeddings" and not getattr(embeddings, "use_task_id", 0):
+                continue
+            if ids is None:
+                ids = torch.zeros(combined.shape[:2], dtype=torch.long, device=inputs.position_ids.device)
+            combined = combined + table(ids)
         combined = encoding.embed(dataclasses.replace(inputs, inputs_embeds=combined))
-        return embeddings.dropout(embeddings.LayerNorm(combined))
+        norm = getattr(embeddings, "LayerNorm", None)
+        return embeddings.dropout(norm(combined) if norm is not None else combined)
 
 
 class GPT2Family(StockFamily):
@@ -677,6 +784,7 @@ def interface_attention(
     Where the stock rotation pairs features otherwise than hf_posenc's rope (interleaved: GLM, Cohere), q and k are
     read in the order that makes the pairs the same (``posenc_feature_order``, :func:`half_layout_order`).
     Returns ``(batch, seq, heads, head_dim)`` and the weights (eager), as Transformers' attention functions."""
+    kwargs = stashed_arguments(module, kwargs)
     order = getattr(module, "posenc_feature_order", None)
     if order is not None:
         query, key = query[..., order], key[..., order]
@@ -707,22 +815,6 @@ def calls_attention_interface(module: nn.Module) -> bool:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return False
-
-
-def call_arguments(function: Callable, callee: str) -> list[str]:
-    """The source text of the arguments of each call ``callee(...)`` in ``function``, in order (Nemotron-H's block
-    calls its mixer in one branch per layer kind)."""
-    source = inspect.getsource(function)
-    calls, start = [], source.find(f"{callee}(")
-    while start >= 0:
-        depth, end = 0, start + len(callee)
-        for end in range(start + len(callee), len(source)):
-            depth += {"(": 1, ")": -1}.get(source[end], 0)
-            if depth == 0:
-                break
-        calls.append(source[start + len(callee) + 1 : end])
-        start = source.find(f"{callee}(", end)
-    return calls
 
 
 CAPTURE_ATTENTION = "posenc_retrofit_capture"
@@ -1041,11 +1133,6 @@ class InterfaceFamily(LlamaFamily):
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
             name, attention = found[0]
-            if not any("**kwargs" in call for call in call_arguments(type(layer).forward, f"self.{name}")):
-                return (
-                    f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
-                    f"{type(attention).__name__}, through which the attention inputs reach the attention function"
-                )
             if inspect.getsource(type(attention).forward).count("attention_interface(") > 1:
                 return (
                     f"its attention {type(attention).__name__} calls the attention function more than once per layer "
@@ -1447,7 +1534,8 @@ def stock_family(model: nn.Module) -> StockFamily:
         )
     names = {type(module).__name__ for module in base.modules()}
     for family in FAMILIES:
-        if names & set(family.attention_classes):
+        if family.matches(base, names):
+            family.check_model(model)
             return family
     reason = INTERFACE_FAMILY.refusal(model)
     if reason is None:
@@ -1835,7 +1923,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.position_encoding = encoding
     family.remove_stock_positions(base)
     attention_layers = attention_layer_indices(config)
-    for layer_idx, layer in enumerate(family.layers(base)):
+    layers = family.layers(base)
+    for layer_idx, layer in enumerate(layers):
         if layer_idx not in attention_layers:  # a hybrid's other layers keep their modules and cache layers
             layer.__class__ = retrofit_class(type(layer), RetrofitStateLayer)
             continue
@@ -1851,6 +1940,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
             new_modules.append(attention.position_term)
         new_modules += family.patch_attention(attention, config, causal)
     family.patch_rotary(base)
+    base.__dict__[ATTENTION_MODULES] = {idx: family.attention(layers[idx]) for idx in attention_layers}
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)

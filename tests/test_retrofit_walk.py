@@ -197,9 +197,21 @@ KEPT = [
     "bailing_hybrid",
     # complex frequencies and NoPE layers
     "llama4_text",
+    # decoder layers that call their attention with named arguments only (the forward's stash carries the rest)
+    "nemotron",
+    "stablelm",
+    # BERT-like decoders, found by their structure: no token types, no LayerNorm in the embeddings, pre-LN layers,
+    # RoBERTa's positions, a task-type table, an encoder calling its layers with named arguments only, BigBird's full
+    # attention
+    "bert-generation",
+    "xlm-roberta-xl",
+    "roberta-prelayernorm",
+    "ernie",
+    "megatron-bert",
+    "big_bird",
 ]
-"""Model types the retrofit keeps through the attention interface, among the starting points researchers use (Llama,
-Mistral, Qwen2/3 have families of their own, tested in ``test_retrofit.py``)."""
+"""Model types the retrofit keeps, among the starting points researchers use and the shapes the long tail takes (Llama,
+Mistral, Qwen2/3, BERT, RoBERTa, GPT-2 are tested in ``test_retrofit.py``)."""
 REFUSED = {
     "deepseek_v32": "calls the attention interface",  # its indexer layers (layer type named by the version)
     "minimax": "cache of its own class",
