@@ -1,17 +1,19 @@
 """``retrofit``: switch the position encoding and attention normalizer of a stock Transformers model, in place.
 
-Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
-CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
-any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
-``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
-attention calls Transformers' attention interface with its rotary module's ``position_embeddings``, or with no
-positions at all (:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an
-attention function registered with ``AttentionInterface``; the attention layers of hybrids, whose linear-attention,
-Mamba and convolution layers keep their modules and cache layers; NoPE models; MLA models, their rotary part of each
-head switched; ``docs/retrofit_coverage.md`` lists
-every causal LM of the installed Transformers). The model's own layout is kept by default: its rotary parameters
-per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the masks and caches as the stock
-model reads them), QK-norm and sinks. The model keeps its class; its modules are patched:
+Supported: the BERT family (``Bert*``, ``Roberta*`` and every model of BERT's structure: XLM-RoBERTa(-XL), CamemBERT,
+ELECTRA, Data2VecText, ERNIE, BertGeneration, Megatron-BERT, BigBird, ...), ``GPT2*``, the Llama family (``Llama*``,
+``Mistral*``, ``Qwen2*``, ``SmolLM3*``; any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma
+3 text (``Gemma3ForCausalLM``, ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any
+other causal LM whose attention calls Transformers' attention interface with its rotary module's
+``position_embeddings``, or with no positions at all (:class:`InterfaceFamily`: MoE models among them, through the two
+seams, the rotary module and an attention function registered with ``AttentionInterface``; their layers in
+``base_model.layers`` or another list, a learned position table beside them, OPT's, BioGPT's, GPT-BigCode's, as their
+own ``learned``; the attention layers of hybrids, whose linear-attention, Mamba and convolution layers keep their
+modules and cache layers; NoPE models; MLA models, their rotary part of each head switched;
+``docs/retrofit_coverage.md`` lists every causal LM of the installed Transformers). The model's own layout is kept by
+default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
+masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
+patched:
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
@@ -317,11 +319,13 @@ class RetrofitBertEmbeddings:
 
 
 class NoStockPositions(nn.Module):
-    """Stands in for GPT-2's ``wpe`` after a retrofit: the scheme combined positions with the token embeddings in the
-    pre-hook, so the stock ``inputs_embeds + wpe(position_ids)`` adds 0."""
+    """Stands in for a stock position table after a retrofit (GPT-2's ``wpe``, OPT's and BioGPT's offset tables,
+    GPT-BigCode's ``wpe``): the scheme combined positions with the token embeddings before the stock forward, so the
+    stock ``inputs_embeds + table(...)`` adds 0, whatever its arguments (position ids, OPT's attention mask)."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), device=position_ids.device)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tensor = next(arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor))
+        return torch.zeros((), device=tensor.device)
 
 
 @functools.cache
@@ -466,7 +470,9 @@ class StockFamily:
         distance)."""
         return True
 
-    def default_position_ids(self, base, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+    def default_position_ids(
+        self, base, input_ids, inputs_embeds, past_length: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return resolve_position_ids(None, inputs_embeds, past_length)
 
     def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
@@ -557,8 +563,19 @@ class BertFamily(StockFamily):
         return projections and isinstance(getattr(attention, "attention_head_size", None), int)
 
     def check_model(self, model):
-        """BigBird's block-sparse attention (``attention_type="block_sparse"``; its stock forward switches to full
-        attention on short inputs, replacing the modules) is not the full attention the patch computes."""
+        """Embeddings narrower or wider than the layers (ELECTRA's ``embedding_size``, RemBERT's
+        ``input_embedding_size``, projected to ``hidden_size``): the position table is of the embeddings' width, the
+        schemes' tables are of the layers'. BigBird's block-sparse attention (``attention_type="block_sparse"``; its
+        stock forward switches to full attention on short inputs, replacing the modules) is not the full attention the
+        patch computes."""
+        config = model.config
+        width = decoder_base(model).embeddings.word_embeddings.embedding_dim
+        if width != config.hidden_size:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's embeddings are {width} wide, projected to "
+                f"hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
+                "whose embeddings are as wide as their layers."
+            )
         kind = getattr(decoder_base(model), "attention_type", "original_full")
         if kind != "original_full":
             raise ValueError(
@@ -589,24 +606,12 @@ class BertFamily(StockFamily):
         # RoBERTa numbers the real tokens of each row, so padding breaks the run.
         return input_ids is None or self.position_offset(base) == 0
 
-    def default_position_ids(self, base, input_ids, inputs_embeds, past_length):
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
         if self.default_positions_are_consecutive(base, input_ids):
             return resolve_position_ids(None, inputs_embeds, past_length)
         # RoBERTa: the k-th non-padding token (k = 1, 2, ...) is at position past + k - 1; padding at 0.
         real = (input_ids != base.embeddings.padding_idx).long()
         return ((real.cumsum(-1) + past_length) * real - 1).clamp(min=0)
-
-    def check(self, config):
-        """ELECTRA's embeddings may be narrower than its layers (``embedding_size``, projected to ``hidden_size``):
-        its position table is of the embeddings' width, the schemes' tables are of the layers'."""
-        super().check(config)
-        width = getattr(config, "embedding_size", None) or config.hidden_size
-        if width != config.hidden_size:
-            raise ValueError(
-                f"retrofit(): this {config.model_type} model's embeddings are embedding_size={width} wide, projected "
-                f"to hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
-                "with embedding_size equal to hidden_size."
-            )
 
     def embed(self, base, encoding, inputs, call):
         """The stock embeddings' sum with the scheme's positions: the word embeddings (BigBird's scaled by
@@ -1044,15 +1049,91 @@ class InterfaceFamily(LlamaFamily):
     score-bias scheme adds its bias to every head; the keys reach the cache expanded per head (not as the stock
     latents). What does not fit is refused by name (:meth:`refusal`)."""
 
+    def layer_list(self, base: nn.Module) -> tuple[nn.Module, str] | None:
+        """Where the decoder's layers are: ``(owner, name)`` of the one ``ModuleList`` of the base model's children
+        or grandchildren whose layers hold a module calling the attention interface (``base.layers``; OPT's
+        ``decoder.layers``, GPT-BigCode's ``h``); None where there is no such list or more than one (HRM's two
+        stacks)."""
+        if isinstance(getattr(base, "layers", None), nn.ModuleList):
+            return base, "layers"
+        owners = [base, *(child for child in base.children() if not isinstance(child, nn.ModuleList))]
+        found = [
+            (owner, name)
+            for owner in owners
+            for name, child in owner.named_children()
+            if isinstance(child, nn.ModuleList)
+            and any(calls_attention_interface(module) for layer in child for module in layer.children())
+        ]
+        return found[0] if len(found) == 1 else None
+
     def layers(self, base):
-        return list(base.layers)
+        owner, name = self.layer_list(base)
+        return list(getattr(owner, name))
 
     def attention(self, layer):
         return next(module for module in layer.children() if calls_attention_interface(module))
 
     def first_attention(self, base: nn.Module) -> nn.Module:
         """The attention module of the first attention layer (a hybrid's first layer may be another kind)."""
-        return self.attention(base.layers[attention_layer_indices(base.config)[0]])
+        return self.attention(self.layers(base)[attention_layer_indices(base.config)[0]])
+
+    def absolute_table(self, base: nn.Module) -> tuple[nn.Module, str, nn.Embedding] | None:
+        """``(owner, name, table)`` of the model's own absolute positions where it has no rotary module and the one
+        module it holds beside its layers, token embeddings and norms (:meth:`position_modules`) is a learned table
+        (an ``nn.Embedding``: GPT-BigCode's ``wpe``; OPT's and BioGPT's, whose rows start at their ``offset``, 2),
+        added to the token embeddings before the layers; else None."""
+        if isinstance(getattr(base, "rotary_emb", None), nn.Module) or self.layer_list(base) is None:
+            return None
+        found = self.position_modules(base)
+        if len(found) != 1 or not isinstance(found[0][2], nn.Embedding):
+            return None
+        return found[0]
+
+    def position_offset(self, base):
+        table = self.absolute_table(base)
+        return getattr(table[2], "offset", 0) if table is not None else 0
+
+    def stock_table(self, base):
+        table = self.absolute_table(base)
+        return table[2] if table is not None else None
+
+    def remove_stock_positions(self, base):
+        table = self.absolute_table(base)
+        if table is not None:
+            setattr(table[0], table[1], NoStockPositions())
+
+    @contextlib.contextmanager
+    def without_stock_table(self, base: nn.Module) -> Iterator[None]:
+        """The base model with its absolute table (:meth:`absolute_table`) adding nothing, for the probes; restored
+        afterwards."""
+        table = self.absolute_table(base)
+        if table is None:
+            yield
+            return
+        owner, name, module = table
+        setattr(owner, name, NoStockPositions())
+        try:
+            yield
+        finally:
+            setattr(owner, name, module)
+
+    def counts_from_mask(self, base: nn.Module) -> bool:
+        """Whether the stock forward numbers the tokens from the attention mask (OPT: the k-th unmasked token of a row
+        at ``k - 1``, read from its source: ``cumsum``) where it has an absolute table."""
+        if self.absolute_table(base) is None:
+            return False
+        owner = self.layer_list(base)[0]
+        return "cumsum(" in inspect.getsource(type(owner).forward)
+
+    def default_positions_are_consecutive(self, base, input_ids):
+        return not self.counts_from_mask(base)
+
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
+        """The stock rule: ``past .. past + seq - 1``; OPT counts the unmasked tokens of each row (padding at 0)."""
+        if attention_mask is None or not self.counts_from_mask(base):
+            return resolve_position_ids(None, inputs_embeds, past_length)
+        mask = attention_mask.long()
+        return ((mask.cumsum(-1) * mask - 1)[:, past_length:]).clamp(min=0)
 
     def has_sinks(self, model: PreTrainedModel) -> bool:
         """Whether the attention modules have per-head attention sinks (a ``sinks`` tensor: Granite SWA, Flint), which
@@ -1097,10 +1178,11 @@ class InterfaceFamily(LlamaFamily):
         embeddings and norms (no position table: XGLM's, BioGPT's), so that its attention is NoPE, which
         :meth:`probe_nope` checks on the modules."""
         config, base = model.config, decoder_base(model)
-        if getattr(config, "is_encoder_decoder", False) or not isinstance(
-            getattr(base, "layers", None), nn.ModuleList
-        ):
-            return "it is not a decoder with its layers in base_model.layers"
+        if getattr(config, "is_encoder_decoder", False) or self.layer_list(base) is None:
+            return (
+                "it is not a decoder with one list of layers (base_model.layers, or another list of the base model "
+                "or its decoder) whose attention calls the attention interface"
+            )
         no_rotary = "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
         rope = getattr(config, "rope_parameters", None)
         if isinstance(getattr(base, "rotary_emb", None), nn.Module):
@@ -1109,18 +1191,18 @@ class InterfaceFamily(LlamaFamily):
         elif rope:
             return f"{no_rotary}, yet its config has rope_parameters"
         else:
-            others = self.position_modules(base)
-            if others:
+            others = [type(module).__name__ for _, _, module in self.position_modules(base)]
+            if others and self.absolute_table(base) is None:
                 return (
                     f"{no_rotary}, and it holds {others} beside its layers, token embeddings and norms (positions "
-                    "outside the attention)"
+                    "outside the attention, other than one learned table added to the token embeddings)"
                 )
         layer_types = config_layer_types(config)
         attention_layers = attention_layer_indices(config)
         if getattr(config, "use_bidirectional_attention", False):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
-        for idx, layer in enumerate(base.layers):
+        for idx, layer in enumerate(self.layers(base)):
             found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
             if idx not in attention_layers:  # kept as it is, with its cache layer: it must not attend
                 if found:
@@ -1133,6 +1215,11 @@ class InterfaceFamily(LlamaFamily):
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
             name, attention = found[0]
+            if "hidden_states" not in inspect.signature(type(attention).forward).parameters:
+                return (
+                    f"its attention {type(attention).__name__} is not called on the layer's hidden_states (it is "
+                    "handed its q, k and v inputs apart), which the retrofit's probes run it on"
+                )
             if inspect.getsource(type(attention).forward).count("attention_interface(") > 1:
                 return (
                     f"its attention {type(attention).__name__} calls the attention function more than once per layer "
@@ -1167,16 +1254,20 @@ class InterfaceFamily(LlamaFamily):
             )
         return None
 
-    def position_modules(self, base: nn.Module) -> list[str]:
-        """The classes of the base model's children beside its layers, its token embeddings, its norms (a class
-        named ``...Norm...``) and modules holding no tensor: where a model without a rotary module could add
-        positions."""
+    def position_modules(self, base: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+        """``(owner, name, module)`` of the children of the base model and of the module holding the layers
+        (:meth:`layer_list`: OPT's decoder) beside the layers, the token embeddings, the norms (a class named
+        ``...Norm...``) and modules holding no tensor: where a model without a rotary module could add positions."""
         embeddings = base.get_input_embeddings()
+        owner, layers_name = self.layer_list(base)
         return [
-            type(child).__name__
-            for name, child in base.named_children()
-            if name != "layers"
+            (parent, name, child)
+            for parent in dict.fromkeys((base, owner))
+            for name, child in parent.named_children()
+            if not (parent is owner and name == layers_name)
+            and child is not owner
             and child is not embeddings
+            and not isinstance(child, PositionEncoding)  # the retrofit's own scheme, once patched
             and "Norm" not in type(child).__name__
             and any(True for _ in itertools.chain(child.parameters(), child.buffers()))
         ]
@@ -1206,7 +1297,7 @@ class InterfaceFamily(LlamaFamily):
         prefix = f"retrofit(): {type(model).__name__} ({config.model_type}) has no rotary module"
         sizes = set()
         for idx in attention_layer_indices(config):
-            attention = self.attention(base.layers[idx])
+            attention = self.attention(self.layers(base)[idx])
             name = type(attention).__name__
             with torch.no_grad():
                 query, key, value_dim = captured_heads(attention, hidden, None, positions)
@@ -1235,7 +1326,7 @@ class InterfaceFamily(LlamaFamily):
                     f"attention of the q, k, v it hands over (max difference {difference:.2g}): a position bias or "
                     "other term the retrofit does not read."
                 )
-        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layer_indices(config)}
+        attentions = {idx: self.attention(self.layers(base)[idx]) for idx in attention_layer_indices(config)}
         check_no_other_positions(model, attentions, hidden, positions)
         size = next(iter(sizes))[0]
         return size if size != attention_dims(config, True).head_dim else None
@@ -1248,8 +1339,11 @@ class InterfaceFamily(LlamaFamily):
         ``none`` on a layer that does not rotate (:meth:`probe_rotation`); ``none`` for a model without a rotary
         module (:meth:`probe_nope`). A hybrid's other layers carry what its attention layers share
         (:func:`attention_shared`)."""
-        if own_rotary is None:
-            return None, {"type": "none"}, self.probe_nope(model)
+        if own_rotary is None:  # NoPE attention, beside a learned table (OPT, BioGPT, GPT-BigCode) or not
+            base = decoder_base(model)
+            own = {"type": "learned"} if self.absolute_table(base) is not None else {"type": "none"}
+            with self.without_stock_table(base):
+                return None, own, self.probe_nope(model)
         layout, nope_layers = self.probe_rotation(model, own_rotary)
         own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
         own = attention_shared(own, config_layer_types(model.config))
@@ -1295,7 +1389,7 @@ class InterfaceFamily(LlamaFamily):
                 f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair or "
                 "the complex frequencies the retrofit reads"
             )
-        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
+        attentions = {idx: self.attention(self.layers(base)[idx]) for idx in attention_layers}
         identity = check_no_other_positions(model, attentions, hidden, positions)
         stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
@@ -1476,11 +1570,15 @@ FAMILIES = (
 def decoder_base(model: PreTrainedModel) -> nn.Module:
     """The module that holds a model's layers: ``model.base_model``, or, where the class's ``base_model_prefix``
     names none of its children (Llama 4's text LM: prefix ``language_model``, its decoder at ``model``), that child
-    ``model`` when it holds ``layers``."""
+    ``model`` when it holds ``layers``; where the base model holds its layers in a ``decoder`` model of its own
+    (OPT's ``OPTDecoder``, which the causal LM calls itself), that decoder."""
     base = model.base_model
     inner = getattr(model, "model", None)
     if base is model and isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return inner
+    decoder = getattr(base, "decoder", None)
+    if not hasattr(base, "layers") and isinstance(decoder, PreTrainedModel) and hasattr(decoder, "layers"):
+        return decoder  # OPT's, TrOCR's: the causal LM calls its base model's decoder itself
     return base
 
 
@@ -1580,7 +1678,9 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
     past_length = cache.get_seq_length() if cache is not None else 0
     default_positions = call.get("position_ids") is None
     if default_positions:
-        position_ids = family.default_position_ids(base, input_ids, inputs_embeds, past_length)
+        position_ids = family.default_position_ids(
+            base, input_ids, inputs_embeds, past_length, call.get("attention_mask")
+        )
     else:
         position_ids = resolve_position_ids(call["position_ids"], inputs_embeds, past_length)
     position_cache = PositionCache(cache, config.num_hidden_layers) if cache is not None else None

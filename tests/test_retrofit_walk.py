@@ -209,6 +209,11 @@ KEPT = [
     "ernie",
     "megatron-bert",
     "big_bird",
+    # GPT-like decoders with a learned table beside their layers (OPT's offset-2 table in decoder.layers' owner,
+    # counted from the attention mask; BioGPT's; GPT-BigCode's wpe and layers in h, multi-query)
+    "opt",
+    "biogpt",
+    "gpt_bigcode",
 ]
 """Model types the retrofit keeps, among the starting points researchers use and the shapes the long tail takes (Llama,
 Mistral, Qwen2/3, BERT, RoBERTa, GPT-2 are tested in ``test_retrofit.py``)."""
@@ -217,6 +222,8 @@ REFUSED = {
     "minimax": "cache of its own class",
     "mimo_v2_flash": "attention sinks",
     "xglm": "no rotary module",
+    "ctrl": "not called on the layer's hidden_states",
+    "hrm_text": "one list of layers",
 }
 """Model types it refuses, and a word of the reason."""
 
