@@ -583,6 +583,36 @@ class BertFamily(StockFamily):
                 "attention); the retrofit computes full attention: set attention_type='original_full' first "
                 "(model.set_attention_type('original_full'))."
             )
+        if config.is_decoder:
+            self.check_causal(model)
+
+    def check_causal(self, model: PreTrainedModel) -> None:
+        """``ValueError`` where the stock decoder, run without an attention mask, lets a token see later ones (the
+        first 4 of 8 tokens' outputs change with the last 4: Megatron-BERT and BigBird under Transformers 5.15),
+        which the causal retrofit would not reproduce. Skipped on a model built without weights (meta); the modules
+        are left as they were."""
+        base = decoder_base(model)
+        weight = base.embeddings.word_embeddings.weight
+        if weight.is_meta:
+            return
+        ids = (torch.arange(8, device=weight.device) % weight.shape[0])[None]
+        modes = {module: module.training for module in base.modules()}
+        base.eval()
+        try:
+            with torch.no_grad():
+                whole = base(input_ids=ids, use_cache=False)[0][:, :4].float()
+                prefix = base(input_ids=ids[:, :4], use_cache=False)[0].float()
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        moved = (whole - prefix).abs().max().item() / max(1.0, prefix.abs().max().item())
+        if moved > probe_tolerance(weight.dtype):
+            raise ValueError(
+                f"retrofit(): this {model.config.model_type} decoder's stock forward lets tokens see later ones "
+                f"without an attention mask (outputs change with later tokens by {moved:.2g}, Transformers "
+                f"{transformers.__version__}); the retrofit keeps decoders causal, so it would not compute what the "
+                "stock model computes."
+            )
 
     def causal(self, config):
         return config.is_decoder
