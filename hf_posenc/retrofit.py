@@ -1,17 +1,19 @@
 """``retrofit``: switch the position encoding and attention normalizer of a stock Transformers model, in place.
 
-Supported: the BERT family (``Bert*``, ``Roberta*`` and the v5 models sharing BERT's attention: XLM-RoBERTa,
-CamemBERT, ELECTRA, Data2VecText), ``GPT2*``, the Llama family (``Llama*``, ``Mistral*``, ``Qwen2*``, ``SmolLM3*``;
-any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma 3 text (``Gemma3ForCausalLM``,
-``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any other causal LM whose
-attention calls Transformers' attention interface with its rotary module's ``position_embeddings``, or with no
-positions at all (:class:`InterfaceFamily`: MoE models among them, through the two seams, the rotary module and an
-attention function registered with ``AttentionInterface``; the attention layers of hybrids, whose linear-attention,
-Mamba and convolution layers keep their modules and cache layers; NoPE models; MLA models, their rotary part of each
-head switched; ``docs/retrofit_coverage.md`` lists
-every causal LM of the installed Transformers). The model's own layout is kept by default: its rotary parameters
-per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the masks and caches as the stock
-model reads them), QK-norm and sinks. The model keeps its class; its modules are patched:
+Supported: the BERT family (``Bert*``, ``Roberta*`` and every model of BERT's structure: XLM-RoBERTa(-XL), CamemBERT,
+ELECTRA, Data2VecText, ERNIE, BertGeneration, Megatron-BERT, BigBird, ...), ``GPT2*``, the Llama family (``Llama*``,
+``Mistral*``, ``Qwen2*``, ``SmolLM3*``; any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma
+3 text (``Gemma3ForCausalLM``, ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any
+other causal LM whose attention calls Transformers' attention interface with its rotary module's
+``position_embeddings``, or with no positions at all (:class:`InterfaceFamily`: MoE models among them, through the two
+seams, the rotary module and an attention function registered with ``AttentionInterface``; their layers in
+``base_model.layers`` or another list, a learned position table beside them, OPT's, BioGPT's, GPT-BigCode's, as their
+own ``learned``; the attention layers of hybrids, whose linear-attention, Mamba and convolution layers keep their
+modules and cache layers; NoPE models; MLA models, their rotary part of each head switched;
+``docs/retrofit_coverage.md`` lists every causal LM of the installed Transformers). The model's own layout is kept by
+default: its rotary parameters per layer type, NoPE layers, windows (``layer_types``, ``sliding_window``, read by the
+masks and caches as the stock model reads them), QK-norm and sinks. The model keeps its class; its modules are
+patched:
 
 * the base model gets its own ``forward`` (an instance attribute wrapping the stock one, :func:`retrofit_forward`),
   which does, once per forward, what a PosEnc model does before its layers, then calls the stock ``forward``: resolve
@@ -134,10 +136,14 @@ class RetrofitLayer:
     """The layer's index among the attention layers, set by :func:`patch`: it reads its own attention inputs."""
 
     def __call__(self, *args, **kwargs):
+        if ATTENTION_INPUTS not in kwargs:  # a stock module above drops keyword arguments: the stash carries them
+            return super().__call__(*args, **kwargs)
         leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx])
         return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
 
-    def forward(self, *args, posenc_layout, **kwargs):
+    def forward(self, *args, posenc_layout=None, **kwargs):
+        if posenc_layout is None:  # called without the attention inputs (see __call__)
+            return super().forward(*args, **kwargs)
         num_args, spec = posenc_layout
         kwargs[ATTENTION_INPUTS] = tree_unflatten(list(args[num_args:]), spec)
         return super().forward(*args[:num_args], **kwargs)
@@ -190,7 +196,9 @@ class RetrofitAttention:
         return query[0], key[0].repeat_interleave(query.shape[1] // key.shape[1], dim=0)
 
     def attend(self, hidden_states, kwargs, *, scaling, dropout, causal):
-        """The stock layer hands the KV cache down under the installed Transformers' name (:data:`CACHE_NAME`)."""
+        """The stock layer hands the KV cache down under the installed Transformers' name (:data:`CACHE_NAME`); what
+        a stock module above did not hand down comes from the forward's stash (:func:`stashed_arguments`)."""
+        kwargs = stashed_arguments(self, kwargs)
         query, key, value = self.project(hidden_states)
         output, weights = positional_attention(
             query,
@@ -213,12 +221,18 @@ class RetrofitAttention:
 
 
 class RetrofitBertSelfAttention(RetrofitAttention):
+    """BERT-like self-attention (``query``, ``key``, ``value`` of ``attention_head_size`` heads, scaling
+    ``attention_head_size ** -0.5``), also of the models whose copies of it predate the attention interface
+    (Megatron-BERT, BigBird's full attention: no ``scaling`` or ``is_causal`` attribute, causal as decoders)."""
+
     def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
         return tuple(layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.query, self.key, self.value))
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
-        return self.attend(hidden_states, kwargs, scaling=self.scaling, dropout=self.dropout.p, causal=self.is_causal)
+        scaling = getattr(self, "scaling", self.attention_head_size**-0.5)
+        causal = getattr(self, "is_causal", self.is_decoder)
+        return self.attend(hidden_states, kwargs, scaling=scaling, dropout=self.dropout.p, causal=causal)
 
 
 class RetrofitGPT2Attention(RetrofitAttention):
@@ -305,11 +319,13 @@ class RetrofitBertEmbeddings:
 
 
 class NoStockPositions(nn.Module):
-    """Stands in for GPT-2's ``wpe`` after a retrofit: the scheme combined positions with the token embeddings in the
-    pre-hook, so the stock ``inputs_embeds + wpe(position_ids)`` adds 0."""
+    """Stands in for a stock position table after a retrofit (GPT-2's ``wpe``, OPT's and BioGPT's offset tables,
+    GPT-BigCode's ``wpe``): the scheme combined positions with the token embeddings before the stock forward, so the
+    stock ``inputs_embeds + table(...)`` adds 0, whatever its arguments (position ids, OPT's attention mask)."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), device=position_ids.device)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tensor = next(arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor))
+        return torch.zeros((), device=tensor.device)
 
 
 @functools.cache
@@ -330,9 +346,55 @@ def retrofit_forward(stock_class: type, family: StockFamily) -> Callable:
     @functools.wraps(stock_forward)
     def forward(self, *args, **kwargs):
         call = prepare_forward(family, self, signature.bind(*args, **kwargs).arguments)
-        return family.stock_output(stock_forward(self, **call), call)
+        with stashed_for_attention(self, call):
+            output = stock_forward(self, **call)
+        return family.stock_output(output, call)
 
     return forward
+
+
+STASH = "posenc_stash"
+"""The attribute under which a retrofitted attention module finds, for the duration of one forward, the keyword
+arguments the retrofitted forward hands down (:func:`stashed_for_attention`)."""
+ATTENTION_MODULES = "posenc_attention_modules"
+"""The base model's attribute holding its patched attention modules by layer index (set by :func:`patch`)."""
+
+
+@contextlib.contextmanager
+def stashed_for_attention(base: nn.Module, call: dict[str, Any]) -> Iterator[None]:
+    """Give each patched attention module the arguments the retrofitted forward hands down (its layer's attention
+    inputs, the scheme, the cache) for the duration of the stock forward, beside the keyword arguments: a stock layer,
+    encoder or attention wrapper that calls the next module with named arguments only (Nemotron's and StableLM's
+    decoder layers, Megatron-BERT's encoder) drops them, and the attention reads what it misses here
+    (:func:`stashed_arguments`). Not while compiling (the keyword path, which every other model takes); the
+    recomputation of activation checkpointing reads the keyword arguments, which :class:`RetrofitLayer` carries."""
+    attentions = base.__dict__.get(ATTENTION_MODULES) or {}
+    if not attentions or torch.compiler.is_compiling():
+        yield
+        return
+    shared = {name: call[name] for name in (POSITION_ENCODING, CACHE_NAME, RETROFIT_CACHE) if name in call}
+    for idx, attention in attentions.items():
+        attention.__dict__[STASH] = {**shared, ATTENTION_INPUTS: call[ATTENTION_INPUTS][idx]}
+    try:
+        yield
+    finally:
+        for attention in attentions.values():
+            attention.__dict__.pop(STASH, None)
+
+
+def stashed_arguments(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` completed by what the retrofitted forward stashed on ``module`` (:func:`stashed_for_attention`);
+    ``ValueError`` naming the way out where the attention inputs reach it by neither."""
+    stash = module.__dict__.get(STASH)
+    if stash:
+        kwargs = {**stash, **kwargs}
+    if ATTENTION_INPUTS not in kwargs:
+        raise ValueError(
+            f"{type(module).__name__} of a retrofitted model got no attention inputs: a stock module above it drops "
+            "keyword arguments, and the retrofitted forward's stash is not read under torch.compile or when "
+            "activation checkpointing recomputes the layer; run it without them."
+        )
+    return kwargs
 
 
 # Families: where a stock model keeps its layers, attention, embeddings and position table.
@@ -352,6 +414,14 @@ class StockFamily:
 
     def attention(self, layer: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+    def matches(self, base: nn.Module, class_names: set[str]) -> bool:
+        """Whether a stock base model (holding modules of ``class_names``) is of this family: by its attention
+        classes."""
+        return bool(class_names & set(self.attention_classes))
+
+    def check_model(self, model: PreTrainedModel) -> None:
+        """Raise on a module layout of a matched model the patch cannot reproduce."""
 
     def causal(self, config) -> bool:
         return True
@@ -400,7 +470,9 @@ class StockFamily:
         distance)."""
         return True
 
-    def default_position_ids(self, base, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+    def default_position_ids(
+        self, base, input_ids, inputs_embeds, past_length: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return resolve_position_ids(None, inputs_embeds, past_length)
 
     def embed(self, base: nn.Module, encoding: PositionEncoding, inputs: EmbeddingInputs, call: dict) -> torch.Tensor:
@@ -464,11 +536,83 @@ class StockFamily:
 
 
 class BertFamily(StockFamily):
+    """BERT-like models, found by their structure rather than their class names: an embeddings module with
+    ``word_embeddings`` and a ``position_embeddings`` table (token-type and task-type tables, a ``LayerNorm`` where it
+    has them: BertGeneration has no token types, XLM-RoBERTa-XL and Megatron-BERT no LayerNorm there), the layers in
+    ``encoder.layer``, each with ``attention.self`` projecting ``query``, ``key``, ``value`` heads of
+    ``attention_head_size`` (BERT, RoBERTa and their copies: ERNIE, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
+    BertGeneration, Megatron-BERT, BigBird's full attention)."""
+
     def layers(self, base):
         return list(base.encoder.layer)
 
     def attention(self, layer):
         return layer.attention.self
+
+    def matches(self, base, class_names):
+        embeddings = getattr(base, "embeddings", None)
+        layers = getattr(getattr(base, "encoder", None), "layer", None)
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            return False
+        if not isinstance(getattr(embeddings, "word_embeddings", None), nn.Embedding):
+            return False
+        if not isinstance(getattr(embeddings, "position_embeddings", None), nn.Embedding):
+            return False
+        attention = getattr(getattr(layers[0], "attention", None), "self", None)
+        projections = all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("query", "key", "value"))
+        return projections and isinstance(getattr(attention, "attention_head_size", None), int)
+
+    def check_model(self, model):
+        """Embeddings narrower or wider than the layers (ELECTRA's ``embedding_size``, RemBERT's
+        ``input_embedding_size``, projected to ``hidden_size``): the position table is of the embeddings' width, the
+        schemes' tables are of the layers'. BigBird's block-sparse attention (``attention_type="block_sparse"``; its
+        stock forward switches to full attention on short inputs, replacing the modules) is not the full attention the
+        patch computes."""
+        config = model.config
+        width = decoder_base(model).embeddings.word_embeddings.embedding_dim
+        if width != config.hidden_size:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's embeddings are {width} wide, projected to "
+                f"hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
+                "whose embeddings are as wide as their layers."
+            )
+        kind = getattr(decoder_base(model), "attention_type", "original_full")
+        if kind != "original_full":
+            raise ValueError(
+                f"retrofit(): this {model.config.model_type} model runs attention_type={kind!r} (block-sparse "
+                "attention); the retrofit computes full attention: set attention_type='original_full' first "
+                "(model.set_attention_type('original_full'))."
+            )
+        if config.is_decoder:
+            self.check_causal(model)
+
+    def check_causal(self, model: PreTrainedModel) -> None:
+        """``ValueError`` where the stock decoder, run without an attention mask, lets a token see later ones (the
+        first 4 of 8 tokens' outputs change with the last 4: Megatron-BERT and BigBird under Transformers 5.15),
+        which the causal retrofit would not reproduce. Skipped on a model built without weights (meta); the modules
+        are left as they were."""
+        base = decoder_base(model)
+        weight = base.embeddings.word_embeddings.weight
+        if weight.is_meta:
+            return
+        ids = (torch.arange(8, device=weight.device) % weight.shape[0])[None]
+        modes = {module: module.training for module in base.modules()}
+        base.eval()
+        try:
+            with torch.no_grad():
+                whole = base(input_ids=ids, use_cache=False)[0][:, :4].float()
+                prefix = base(input_ids=ids[:, :4], use_cache=False)[0].float()
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        moved = (whole - prefix).abs().max().item() / max(1.0, prefix.abs().max().item())
+        if moved > probe_tolerance(weight.dtype):
+            raise ValueError(
+                f"retrofit(): this {model.config.model_type} decoder's stock forward lets tokens see later ones "
+                f"without an attention mask (outputs change with later tokens by {moved:.2g}, Transformers "
+                f"{transformers.__version__}); the retrofit keeps decoders causal, so it would not compute what the "
+                "stock model computes."
+            )
 
     def causal(self, config):
         return config.is_decoder
@@ -492,35 +636,33 @@ class BertFamily(StockFamily):
         # RoBERTa numbers the real tokens of each row, so padding breaks the run.
         return input_ids is None or self.position_offset(base) == 0
 
-    def default_position_ids(self, base, input_ids, inputs_embeds, past_length):
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
         if self.default_positions_are_consecutive(base, input_ids):
             return resolve_position_ids(None, inputs_embeds, past_length)
         # RoBERTa: the k-th non-padding token (k = 1, 2, ...) is at position past + k - 1; padding at 0.
         real = (input_ids != base.embeddings.padding_idx).long()
         return ((real.cumsum(-1) + past_length) * real - 1).clamp(min=0)
 
-    def check(self, config):
-        """ELECTRA's embeddings may be narrower than its layers (``embedding_size``, projected to ``hidden_size``):
-        its position table is of the embeddings' width, the schemes' tables are of the layers'."""
-        super().check(config)
-        width = getattr(config, "embedding_size", None) or config.hidden_size
-        if width != config.hidden_size:
-            raise ValueError(
-                f"retrofit(): this {config.model_type} model's embeddings are embedding_size={width} wide, projected "
-                f"to hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
-                "with embedding_size equal to hidden_size."
-            )
-
     def embed(self, base, encoding, inputs, call):
+        """The stock embeddings' sum with the scheme's positions: the word embeddings (BigBird's scaled by
+        ``sqrt(hidden_size)`` where it rescales them), the token-type table and ERNIE's task-type table where the
+        module has them (ids 0 by default), then its ``LayerNorm`` where it has one and its dropout."""
         embeddings = base.embeddings
-        token_type_ids = call.pop("token_type_ids", None)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(
-                inputs.inputs_embeds.shape[:2], dtype=torch.long, device=inputs.position_ids.device
-            )
-        combined = inputs.inputs_embeds + embeddings.token_type_embeddings(token_type_ids)
+        combined = inputs.inputs_embeds
+        if getattr(embeddings, "rescale_embeddings", False):
+            combined = combined * embeddings.hidden_size**0.5
+        types = [("token_type_embeddings", "token_type_ids"), ("task_type_embeddings", "task_type_ids")]
+        for table_name, ids_name in types:
+            ids = call.pop(ids_name, None)
+            table = getattr(embeddings, table_name, None)
+            if table is None or table_name == "task_type_embeddings" and not getattr(embeddings, "use_task_id", 0):
+                continue
+            if ids is None:
+                ids = torch.zeros(combined.shape[:2], dtype=torch.long, device=inputs.position_ids.device)
+            combined = combined + table(ids)
         combined = encoding.embed(dataclasses.replace(inputs, inputs_embeds=combined))
-        return embeddings.dropout(embeddings.LayerNorm(combined))
+        norm = getattr(embeddings, "LayerNorm", None)
+        return embeddings.dropout(norm(combined) if norm is not None else combined)
 
 
 class GPT2Family(StockFamily):
@@ -677,6 +819,7 @@ def interface_attention(
     Where the stock rotation pairs features otherwise than hf_posenc's rope (interleaved: GLM, Cohere), q and k are
     read in the order that makes the pairs the same (``posenc_feature_order``, :func:`half_layout_order`).
     Returns ``(batch, seq, heads, head_dim)`` and the weights (eager), as Transformers' attention functions."""
+    kwargs = stashed_arguments(module, kwargs)
     order = getattr(module, "posenc_feature_order", None)
     if order is not None:
         query, key = query[..., order], key[..., order]
@@ -707,22 +850,6 @@ def calls_attention_interface(module: nn.Module) -> bool:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return False
-
-
-def call_arguments(function: Callable, callee: str) -> list[str]:
-    """The source text of the arguments of each call ``callee(...)`` in ``function``, in order (Nemotron-H's block
-    calls its mixer in one branch per layer kind)."""
-    source = inspect.getsource(function)
-    calls, start = [], source.find(f"{callee}(")
-    while start >= 0:
-        depth, end = 0, start + len(callee)
-        for end in range(start + len(callee), len(source)):
-            depth += {"(": 1, ")": -1}.get(source[end], 0)
-            if depth == 0:
-                break
-        calls.append(source[start + len(callee) + 1 : end])
-        start = source.find(f"{callee}(", end)
-    return calls
 
 
 CAPTURE_ATTENTION = "posenc_retrofit_capture"
@@ -952,15 +1079,91 @@ class InterfaceFamily(LlamaFamily):
     score-bias scheme adds its bias to every head; the keys reach the cache expanded per head (not as the stock
     latents). What does not fit is refused by name (:meth:`refusal`)."""
 
+    def layer_list(self, base: nn.Module) -> tuple[nn.Module, str] | None:
+        """Where the decoder's layers are: ``(owner, name)`` of the one ``ModuleList`` of the base model's children
+        or grandchildren whose layers hold a module calling the attention interface (``base.layers``; OPT's
+        ``decoder.layers``, GPT-BigCode's ``h``); None where there is no such list or more than one (HRM's two
+        stacks)."""
+        if isinstance(getattr(base, "layers", None), nn.ModuleList):
+            return base, "layers"
+        owners = [base, *(child for child in base.children() if not isinstance(child, nn.ModuleList))]
+        found = [
+            (owner, name)
+            for owner in owners
+            for name, child in owner.named_children()
+            if isinstance(child, nn.ModuleList)
+            and any(calls_attention_interface(module) for layer in child for module in layer.children())
+        ]
+        return found[0] if len(found) == 1 else None
+
     def layers(self, base):
-        return list(base.layers)
+        owner, name = self.layer_list(base)
+        return list(getattr(owner, name))
 
     def attention(self, layer):
         return next(module for module in layer.children() if calls_attention_interface(module))
 
     def first_attention(self, base: nn.Module) -> nn.Module:
         """The attention module of the first attention layer (a hybrid's first layer may be another kind)."""
-        return self.attention(base.layers[attention_layer_indices(base.config)[0]])
+        return self.attention(self.layers(base)[attention_layer_indices(base.config)[0]])
+
+    def absolute_table(self, base: nn.Module) -> tuple[nn.Module, str, nn.Embedding] | None:
+        """``(owner, name, table)`` of the model's own absolute positions where it has no rotary module and the one
+        module it holds beside its layers, token embeddings and norms (:meth:`position_modules`) is a learned table
+        (an ``nn.Embedding``: GPT-BigCode's ``wpe``; OPT's and BioGPT's, whose rows start at their ``offset``, 2),
+        added to the token embeddings before the layers; else None."""
+        if isinstance(getattr(base, "rotary_emb", None), nn.Module) or self.layer_list(base) is None:
+            return None
+        found = self.position_modules(base)
+        if len(found) != 1 or not isinstance(found[0][2], nn.Embedding):
+            return None
+        return found[0]
+
+    def position_offset(self, base):
+        table = self.absolute_table(base)
+        return getattr(table[2], "offset", 0) if table is not None else 0
+
+    def stock_table(self, base):
+        table = self.absolute_table(base)
+        return table[2] if table is not None else None
+
+    def remove_stock_positions(self, base):
+        table = self.absolute_table(base)
+        if table is not None:
+            setattr(table[0], table[1], NoStockPositions())
+
+    @contextlib.contextmanager
+    def without_stock_table(self, base: nn.Module) -> Iterator[None]:
+        """The base model with its absolute table (:meth:`absolute_table`) adding nothing, for the probes; restored
+        afterwards."""
+        table = self.absolute_table(base)
+        if table is None:
+            yield
+            return
+        owner, name, module = table
+        setattr(owner, name, NoStockPositions())
+        try:
+            yield
+        finally:
+            setattr(owner, name, module)
+
+    def counts_from_mask(self, base: nn.Module) -> bool:
+        """Whether the stock forward numbers the tokens from the attention mask (OPT: the k-th unmasked token of a row
+        at ``k - 1``, read from its source: ``cumsum``) where it has an absolute table."""
+        if self.absolute_table(base) is None:
+            return False
+        owner = self.layer_list(base)[0]
+        return "cumsum(" in inspect.getsource(type(owner).forward)
+
+    def default_positions_are_consecutive(self, base, input_ids):
+        return not self.counts_from_mask(base)
+
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
+        """The stock rule: ``past .. past + seq - 1``; OPT counts the unmasked tokens of each row (padding at 0)."""
+        if attention_mask is None or not self.counts_from_mask(base):
+            return resolve_position_ids(None, inputs_embeds, past_length)
+        mask = attention_mask.long()
+        return ((mask.cumsum(-1) * mask - 1)[:, past_length:]).clamp(min=0)
 
     def has_sinks(self, model: PreTrainedModel) -> bool:
         """Whether the attention modules have per-head attention sinks (a ``sinks`` tensor: Granite SWA, Flint), which
@@ -1005,10 +1208,11 @@ class InterfaceFamily(LlamaFamily):
         embeddings and norms (no position table: XGLM's, BioGPT's), so that its attention is NoPE, which
         :meth:`probe_nope` checks on the modules."""
         config, base = model.config, decoder_base(model)
-        if getattr(config, "is_encoder_decoder", False) or not isinstance(
-            getattr(base, "layers", None), nn.ModuleList
-        ):
-            return "it is not a decoder with its layers in base_model.layers"
+        if getattr(config, "is_encoder_decoder", False) or self.layer_list(base) is None:
+            return (
+                "it is not a decoder with one list of layers (base_model.layers, or another list of the base model "
+                "or its decoder) whose attention calls the attention interface"
+            )
         no_rotary = "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
         rope = getattr(config, "rope_parameters", None)
         if isinstance(getattr(base, "rotary_emb", None), nn.Module):
@@ -1017,18 +1221,18 @@ class InterfaceFamily(LlamaFamily):
         elif rope:
             return f"{no_rotary}, yet its config has rope_parameters"
         else:
-            others = self.position_modules(base)
-            if others:
+            others = [type(module).__name__ for _, _, module in self.position_modules(base)]
+            if others and self.absolute_table(base) is None:
                 return (
                     f"{no_rotary}, and it holds {others} beside its layers, token embeddings and norms (positions "
-                    "outside the attention)"
+                    "outside the attention, other than one learned table added to the token embeddings)"
                 )
         layer_types = config_layer_types(config)
         attention_layers = attention_layer_indices(config)
         if getattr(config, "use_bidirectional_attention", False):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
-        for idx, layer in enumerate(base.layers):
+        for idx, layer in enumerate(self.layers(base)):
             found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
             if idx not in attention_layers:  # kept as it is, with its cache layer: it must not attend
                 if found:
@@ -1041,10 +1245,10 @@ class InterfaceFamily(LlamaFamily):
             if len(found) != 1:
                 return f"its layer {idx} has {len(found)} attention modules calling the attention interface (not 1)"
             name, attention = found[0]
-            if not any("**kwargs" in call for call in call_arguments(type(layer).forward, f"self.{name}")):
+            if "hidden_states" not in inspect.signature(type(attention).forward).parameters:
                 return (
-                    f"its decoder layer {type(layer).__name__} does not pass its keyword arguments down to "
-                    f"{type(attention).__name__}, through which the attention inputs reach the attention function"
+                    f"its attention {type(attention).__name__} is not called on the layer's hidden_states (it is "
+                    "handed its q, k and v inputs apart), which the retrofit's probes run it on"
                 )
             if inspect.getsource(type(attention).forward).count("attention_interface(") > 1:
                 return (
@@ -1080,16 +1284,20 @@ class InterfaceFamily(LlamaFamily):
             )
         return None
 
-    def position_modules(self, base: nn.Module) -> list[str]:
-        """The classes of the base model's children beside its layers, its token embeddings, its norms (a class
-        named ``...Norm...``) and modules holding no tensor: where a model without a rotary module could add
-        positions."""
+    def position_modules(self, base: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+        """``(owner, name, module)`` of the children of the base model and of the module holding the layers
+        (:meth:`layer_list`: OPT's decoder) beside the layers, the token embeddings, the norms (a class named
+        ``...Norm...``) and modules holding no tensor: where a model without a rotary module could add positions."""
         embeddings = base.get_input_embeddings()
+        owner, layers_name = self.layer_list(base)
         return [
-            type(child).__name__
-            for name, child in base.named_children()
-            if name != "layers"
+            (parent, name, child)
+            for parent in dict.fromkeys((base, owner))
+            for name, child in parent.named_children()
+            if not (parent is owner and name == layers_name)
+            and child is not owner
             and child is not embeddings
+            and not isinstance(child, PositionEncoding)  # the retrofit's own scheme, once patched
             and "Norm" not in type(child).__name__
             and any(True for _ in itertools.chain(child.parameters(), child.buffers()))
         ]
@@ -1119,7 +1327,7 @@ class InterfaceFamily(LlamaFamily):
         prefix = f"retrofit(): {type(model).__name__} ({config.model_type}) has no rotary module"
         sizes = set()
         for idx in attention_layer_indices(config):
-            attention = self.attention(base.layers[idx])
+            attention = self.attention(self.layers(base)[idx])
             name = type(attention).__name__
             with torch.no_grad():
                 query, key, value_dim = captured_heads(attention, hidden, None, positions)
@@ -1148,7 +1356,7 @@ class InterfaceFamily(LlamaFamily):
                     f"attention of the q, k, v it hands over (max difference {difference:.2g}): a position bias or "
                     "other term the retrofit does not read."
                 )
-        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layer_indices(config)}
+        attentions = {idx: self.attention(self.layers(base)[idx]) for idx in attention_layer_indices(config)}
         check_no_other_positions(model, attentions, hidden, positions)
         size = next(iter(sizes))[0]
         return size if size != attention_dims(config, True).head_dim else None
@@ -1161,8 +1369,11 @@ class InterfaceFamily(LlamaFamily):
         ``none`` on a layer that does not rotate (:meth:`probe_rotation`); ``none`` for a model without a rotary
         module (:meth:`probe_nope`). A hybrid's other layers carry what its attention layers share
         (:func:`attention_shared`)."""
-        if own_rotary is None:
-            return None, {"type": "none"}, self.probe_nope(model)
+        if own_rotary is None:  # NoPE attention, beside a learned table (OPT, BioGPT, GPT-BigCode) or not
+            base = decoder_base(model)
+            own = {"type": "learned"} if self.absolute_table(base) is not None else {"type": "none"}
+            with self.without_stock_table(base):
+                return None, own, self.probe_nope(model)
         layout, nope_layers = self.probe_rotation(model, own_rotary)
         own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
         own = attention_shared(own, config_layer_types(model.config))
@@ -1208,7 +1419,7 @@ class InterfaceFamily(LlamaFamily):
                 f"{type(base.rotary_emb).__name__} returns {type(embeddings).__name__}, not the (cos, sin) pair or "
                 "the complex frequencies the retrofit reads"
             )
-        attentions = {idx: self.attention(base.layers[idx]) for idx in attention_layers}
+        attentions = {idx: self.attention(self.layers(base)[idx]) for idx in attention_layers}
         identity = check_no_other_positions(model, attentions, hidden, positions)
         stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
         differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
@@ -1389,11 +1600,15 @@ FAMILIES = (
 def decoder_base(model: PreTrainedModel) -> nn.Module:
     """The module that holds a model's layers: ``model.base_model``, or, where the class's ``base_model_prefix``
     names none of its children (Llama 4's text LM: prefix ``language_model``, its decoder at ``model``), that child
-    ``model`` when it holds ``layers``."""
+    ``model`` when it holds ``layers``; where the base model holds its layers in a ``decoder`` model of its own
+    (OPT's ``OPTDecoder``, which the causal LM calls itself), that decoder."""
     base = model.base_model
     inner = getattr(model, "model", None)
     if base is model and isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return inner
+    decoder = getattr(base, "decoder", None)
+    if not hasattr(base, "layers") and isinstance(decoder, PreTrainedModel) and hasattr(decoder, "layers"):
+        return decoder  # OPT's, TrOCR's: the causal LM calls its base model's decoder itself
     return base
 
 
@@ -1447,7 +1662,8 @@ def stock_family(model: nn.Module) -> StockFamily:
         )
     names = {type(module).__name__ for module in base.modules()}
     for family in FAMILIES:
-        if names & set(family.attention_classes):
+        if family.matches(base, names):
+            family.check_model(model)
             return family
     reason = INTERFACE_FAMILY.refusal(model)
     if reason is None:
@@ -1492,7 +1708,9 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
     past_length = cache.get_seq_length() if cache is not None else 0
     default_positions = call.get("position_ids") is None
     if default_positions:
-        position_ids = family.default_position_ids(base, input_ids, inputs_embeds, past_length)
+        position_ids = family.default_position_ids(
+            base, input_ids, inputs_embeds, past_length, call.get("attention_mask")
+        )
     else:
         position_ids = resolve_position_ids(call["position_ids"], inputs_embeds, past_length)
     position_cache = PositionCache(cache, config.num_hidden_layers) if cache is not None else None
@@ -1835,7 +2053,8 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.position_encoding = encoding
     family.remove_stock_positions(base)
     attention_layers = attention_layer_indices(config)
-    for layer_idx, layer in enumerate(family.layers(base)):
+    layers = family.layers(base)
+    for layer_idx, layer in enumerate(layers):
         if layer_idx not in attention_layers:  # a hybrid's other layers keep their modules and cache layers
             layer.__class__ = retrofit_class(type(layer), RetrofitStateLayer)
             continue
@@ -1851,6 +2070,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
             new_modules.append(attention.position_term)
         new_modules += family.patch_attention(attention, config, causal)
     family.patch_rotary(base)
+    base.__dict__[ATTENTION_MODULES] = {idx: family.attention(layers[idx]) for idx in attention_layers}
     # The base model keeps its class (Transformers keys its output capturing on the class name): its ``forward`` is
     # replaced on the instance, which ``__call__``, accelerate's hooks and ``torch.compile`` all go through.
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)

@@ -427,19 +427,13 @@ def test_saved_llama_loads_where_hf_posenc_is_not_installed(saved_stock, tmp_pat
 
 
 def test_unsupported_models_raise_naming_the_supported_families():
-    config = transformers.OPTConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        ffn_dim=16,
-        word_embed_proj_dim=16,
-    )
+    config = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2)
     with pytest.raises(
         ValueError,
-        match=r"cannot take OPTForCausalLM \(opt\): it is not a decoder with its layers.*the BERT family .*GPT-2",
+        match=r"cannot take RwkvForCausalLM \(rwkv\): it is not a decoder with one list of layers.*the BERT family "
+        r".*GPT-2",
     ):
-        hf_posenc.retrofit(transformers.OPTForCausalLM(config))
+        hf_posenc.retrofit(transformers.RwkvForCausalLM(config))
     with pytest.raises(ValueError, match="already has a switchable position encoding"):
         hf_posenc.retrofit(transformers.AutoModel.from_config(hf_posenc.PosEncBertConfig(**CONFIGS["bert"])))
 
@@ -1391,7 +1385,7 @@ def test_electra_with_narrower_embeddings_is_refused_naming_the_sizes():
     config = transformers.ElectraConfig(**dict(ENCODER, embedding_size=128, is_decoder=True))
     stock = transformers.ElectraForCausalLM(config).eval()
     model = copy.deepcopy(stock)
-    with pytest.raises(ValueError, match="embedding_size=128 wide, projected to hidden_size=32"):
+    with pytest.raises(ValueError, match="embeddings are 128 wide, projected to hidden_size=32"):
         hf_posenc.retrofit(model)
     assert model.config.to_dict() == stock.config.to_dict()
     assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
