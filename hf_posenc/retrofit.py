@@ -1038,11 +1038,16 @@ def half_layout_order(head_dim: int, rotary_dim: int, layout: str, start: int = 
     hf_posenc's rope lays it out (the first ``r`` features rotate, pairs ``(i, i + r/2)``): the rotary features first,
     in order for ``"half"``, for ``"interleaved"`` the even ones, then the odd ones (GLM, Cohere: ``0, 2, .., r - 2,
     1, 3, .., r - 1``, so rotating the pairs ``(i, i + r/2)`` of the reordered head rotates the pairs ``(2i, 2i + 1)``
-    of the stock one), then the others in order (MLA's no-position part, ``start`` features before its rotary part).
+    of the stock one), for ``"swapped"`` the second half, then the first (nanochat's ``rotate_half`` is
+    ``cat(x2, -x1)``: it rotates the pairs ``(i, i + r/2)`` by ``-m theta``, which is hf_posenc's rotation of the
+    pairs ``(i + r/2, i)``), then the others in order (MLA's no-position part, ``start`` features before its rotary
+    part).
     q and k alike: ``q . k`` is unchanged. Plain ints: no tensor that a meta-device build would leave empty."""
     rotary = range(start, start + rotary_dim)
     if layout == "interleaved":
         rotary = [*rotary[::2], *rotary[1::2]]
+    elif layout == "swapped":
+        rotary = [*rotary[rotary_dim // 2 :], *rotary[: rotary_dim // 2]]
     return [*rotary, *range(start), *range(start + rotary_dim, head_dim)]
 
 
@@ -1391,7 +1396,8 @@ class InterfaceFamily(LlamaFamily):
         forward hands it (Lara Mini's full layers get no rotary embedding). Equal q and k mean a layer without
         rotation (EXAONE 4's full layers: NoPE); otherwise hf_posenc's ``rope`` of the layer's own spec must rotate
         the identity's q and k into the stock ones (:func:`probe_tolerance`: 1e-5 in float32), in the pair layout
-        ``"half"`` (Llama's ``rotate_half``) or ``"interleaved"`` (GLM, Cohere: :func:`half_layout_order`), on the
+        ``"half"`` (Llama's ``rotate_half``), ``"interleaved"`` (GLM, Cohere) or ``"swapped"`` (nanochat's rotation by
+        ``-m theta``: :func:`half_layout_order`), on the
         rotary part of MLA's heads (:meth:`rotary_start`); complex frequencies (DeepSeek V2) are read alike. Returns
         the layout (None where no layer rotates, or on a model built without weights: meta) and the layers without
         rotation; ``ValueError`` naming the difference for a rotation it cannot describe. The modules are left as
@@ -1422,7 +1428,7 @@ class InterfaceFamily(LlamaFamily):
         attentions = {idx: self.attention(self.layers(base)[idx]) for idx in attention_layers}
         identity = check_no_other_positions(model, attentions, hidden, positions)
         stock = captured_forward(base, attentions, hidden, positions, identity_rotary=False)
-        differences, nope_layers = {"half": 0.0, "interleaved": 0.0}, []
+        differences, nope_layers = {"half": 0.0, "interleaved": 0.0, "swapped": 0.0}, []
         for idx in attention_layers:
             spec, rotated, plain = own_rotary[idx], stock[idx], identity[idx]
             if spec is None:  # a layer type without rotary parameters (Beam's full layers): the model rotates none
@@ -1456,7 +1462,7 @@ class InterfaceFamily(LlamaFamily):
         if differences[layout] > probe_tolerance(hidden.dtype):
             raise ValueError(
                 f"retrofit(): {type(model).__name__} ({config.model_type}) rotates q and k otherwise than hf_posenc's "
-                f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in either pair layout: "
+                f"rope with its own parameters ({next(spec for spec in own_rotary if spec)}), in any pair layout: "
                 f"max difference {differences[layout]:.2g}, relative to the largest value (a layout or rescaling the "
                 "rope spec does not describe)."
             )

@@ -197,6 +197,8 @@ KEPT = [
     "bailing_hybrid",
     # complex frequencies and NoPE layers
     "llama4_text",
+    # a rotation by -m theta (rotate_half as cat(x2, -x1)): hf_posenc's rope on the swapped halves
+    "nanochat",
     # decoder layers that call their attention with named arguments only (the forward's stash carries the rest)
     "nemotron",
     "stablelm",
