@@ -310,6 +310,39 @@ class RetrofitModernBertAttention(RetrofitAttention):
         return self.out_drop(self.Wo(output)), weights
 
 
+class RetrofitFusedAlibiAttention(RetrofitAttention):
+    """Attention whose stock module adds an ALiBi bias its base model built (BLOOM's ``query_key_value``, per head
+    ``(q, k, v)``, then ``dense`` and the residual; MPT's ``Wqkv``, ``(q, k, v)`` of all heads, clipped by
+    ``clip_qkv``, then ``out_proj``): the stock projections around :func:`positional_attention`; the stock bias
+    (its ``alibi`` or ``position_bias`` argument) is not read, the scheme's is (the model's own ``alibi``: the same
+    slopes, the same scores up to a constant per query, which the softmax drops)."""
+
+    def project_heads(self, hidden_states):
+        shape = hidden_states.shape[:-1]
+        if hasattr(self, "query_key_value"):  # BLOOM: (heads, 3, head_dim)
+            qkv = self.query_key_value(hidden_states).view(*shape, self.num_heads, 3, self.head_dim)
+            return tuple(qkv[..., idx, :].transpose(1, 2) for idx in range(3))
+        qkv = self.Wqkv(hidden_states)  # MPT: (3, heads, head_dim)
+        if self.clip_qkv:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        return tuple(t.view(*shape, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if hasattr(self, "query_key_value"):  # BLOOM: forward(hidden_states, residual, alibi, attention_mask, ...)
+            residual = args[0] if args else kwargs.pop("residual")
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("alibi", "attention_mask", "layer_past")}
+            output, weights = self.attend(
+                hidden_states, kwargs, scaling=self.inv_norm_factor, dropout=self.attention_dropout.p, causal=True
+            )
+            output = nn.functional.dropout(self.dense(output), p=self.hidden_dropout, training=self.training)
+            return residual + output, weights
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("position_bias", "attention_mask")}
+        output, weights = self.attend(
+            hidden_states, kwargs, scaling=self.softmax_scale, dropout=self.attn_dropout_p, causal=True
+        )
+        return self.out_proj(output), weights
+
+
 class RetrofitBertEmbeddings:
     """Mixin of BERT's embeddings module: the pre-hook has already combined word, token-type and positions (through
     the scheme) and applied this module's LayerNorm and dropout, so the stock forward's call passes them through."""
@@ -435,6 +468,11 @@ class StockFamily:
 
     def stock_table(self, base: nn.Module) -> nn.Embedding | None:
         return None
+
+    def max_positions(self, config) -> int:
+        """The length of a switched scheme's tables, written as ``config.max_position_embeddings`` where the stock
+        config names none (:class:`FusedAlibiFamily`)."""
+        return config.max_position_embeddings
 
     def own_scheme(self, config) -> dict[str, Any]:
         """The spec under which the patched model computes what the stock model computes. A Transformers 4.x
@@ -680,6 +718,96 @@ class GPT2Family(StockFamily):
 
     def remove_stock_positions(self, base):
         base.wpe = NoStockPositions()
+
+
+class FusedAlibiFamily(StockFamily):
+    """Decoders whose base model builds an ALiBi bias and hands it to attention modules of their own (BLOOM, MPT),
+    found by their structure: one list of layers among the base model's children, each with one attention child of
+    a fused q/k/v projection (``query_key_value`` with ``dense``, ``Wqkv`` with ``out_proj``), and a base ``forward``
+    that builds the ``alibi``; no position table. Their own scheme is ``alibi`` (BLOOM's and MPT's slopes are
+    Press et al.'s: MPT's only for a power-of-two head count and ``alibi_bias_max`` 8, else refused). BLOOM numbers
+    the tokens from the attention mask (the k-th unmasked token of a row at ``k - 1``), as the retrofit's default
+    positions then do. Their layers call the attention with named arguments only: the forward's stash carries the
+    attention inputs. Their configs name no length; the tables of a switched scheme take MPT's ``max_seq_len``, and
+    BLOOM's training length, 2048, where the config has no ``max_position_embeddings``."""
+
+    FUSED = (("query_key_value", "dense"), ("Wqkv", "out_proj"))
+
+    def fused_attention(self, layer: nn.Module) -> nn.Module | None:
+        found = [
+            child
+            for child in layer.children()
+            if any(all(isinstance(getattr(child, n, None), nn.Linear) for n in names) for names in self.FUSED)
+        ]
+        return found[0] if len(found) == 1 else None
+
+    def layer_list(self, base: nn.Module) -> nn.ModuleList | None:
+        found = [
+            child
+            for child in base.children()
+            if isinstance(child, nn.ModuleList) and len(child) and self.fused_attention(child[0]) is not None
+        ]
+        return found[0] if len(found) == 1 else None
+
+    def layers(self, base):
+        return list(self.layer_list(base))
+
+    def attention(self, layer):
+        return self.fused_attention(layer)
+
+    def matches(self, base, class_names):
+        try:
+            builds_alibi = "alibi" in inspect.getsource(type(base).forward)
+        except (OSError, TypeError):
+            return False
+        return builds_alibi and self.layer_list(base) is not None
+
+    def check_model(self, model):
+        config = model.config
+        if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model sets pretraining_tp={config.pretraining_tp} with "
+                "slow_but_exact=True (its output projection in slices, without its bias); the retrofit applies the "
+                "projection as one layer."
+            )
+        attn_config = getattr(config, "attn_config", None)
+        if attn_config is not None:
+            heads = config.num_attention_heads
+            if not attn_config.alibi or attn_config.alibi_bias_max != 8 or heads & (heads - 1):
+                raise ValueError(
+                    f"retrofit(): this {config.model_type} model's ALiBi (alibi={attn_config.alibi}, "
+                    f"alibi_bias_max={attn_config.alibi_bias_max}, {heads} heads) is not hf_posenc's alibi, whose "
+                    "slopes are Press et al.'s: ALiBi on, alibi_bias_max 8 and a power-of-two head count."
+                )
+            if attn_config.qk_ln or attn_config.attn_uses_sequence_id or attn_config.prefix_lm:
+                raise ValueError(
+                    f"retrofit(): this {config.model_type} model sets qk_ln, attn_uses_sequence_id or prefix_lm, "
+                    "which its stock attention does not compute either."
+                )
+
+    def max_positions(self, config):
+        return getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None) or 2048
+
+    def own_scheme(self, config):
+        return {"type": "alibi"}
+
+    def attention_dropout(self, config):
+        attn_config = getattr(config, "attn_config", None)
+        return attn_config.attn_pdrop if attn_config is not None else config.attention_dropout
+
+    def counts_from_mask(self, base: nn.Module) -> bool:
+        """BLOOM builds its bias from the attention mask's running count (``build_alibi_tensor``); MPT from the key
+        index."""
+        return hasattr(base, "build_alibi_tensor")
+
+    def default_positions_are_consecutive(self, base, input_ids):
+        return not self.counts_from_mask(base)
+
+    def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
+        if attention_mask is None or not self.counts_from_mask(base):
+            return resolve_position_ids(None, inputs_embeds, past_length)
+        mask = attention_mask.long()
+        return ((mask.cumsum(-1) * mask - 1)[:, past_length:]).clamp(min=0)
 
 
 def rope_spec_of(parameters: dict[str, Any], max_position_embeddings: int, fraction: float = 1.0) -> dict[str, Any]:
@@ -1600,6 +1728,9 @@ FAMILIES = (
     LlamaFamily("OLMo 3 (Olmo3*)", ("Olmo3Attention",), RetrofitOlmo3Attention, "llama", qk_norm="projection"),
     LlamaFamily("gpt-oss (GptOss*)", ("GptOssAttention",), RetrofitGptOssAttention, "llama", sinks=True),
     ModernBertFamily("ModernBERT (ModernBert*)", ("ModernBertAttention",), RetrofitModernBertAttention, "modernbert"),
+    FusedAlibiFamily(
+        "ALiBi decoders with fused q/k/v projections (BLOOM, MPT)", (), RetrofitFusedAlibiAttention, "bloom"
+    ),
 )
 
 
@@ -1810,6 +1941,9 @@ class RetrofitPlan:
     """The size of the q and k heads the stock attention hands over, where the config's ``head_dim`` says otherwise
     (MLA's, :meth:`InterfaceFamily.handed_head_dim`; a NoPE model's, :meth:`InterfaceFamily.probe_nope`); stored as
     ``config.posenc_head_dim``, which the scheme's sizes read."""
+    max_position_embeddings: int | None = None
+    """The family's length (:meth:`StockFamily.max_positions`) where the stock config has no
+    ``max_position_embeddings`` (BLOOM, MPT), written into it."""
 
 
 def plan_retrofit(
@@ -1863,7 +1997,7 @@ def plan_retrofit(
         position_encoding = from_own_rotary(position_encoding, own_rotary)
     if not given_per_layer:  # what the retrofit wrote out per layer: a hybrid's other layers carry no scheme of theirs
         position_encoding = attention_shared(position_encoding, layer_types)
-    max_positions = table.num_embeddings - offset if table is not None else config.max_position_embeddings
+    max_positions = table.num_embeddings - offset if table is not None else family.max_positions(config)
     # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
     # the size check of a PosEnc config's rope does not apply to what the stock config holds.
     size = rotary_size(max_positions, own_rotary) if table is None else max_positions
@@ -1905,6 +2039,7 @@ def plan_retrofit(
         getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
         rotary_layout,
         head_dim,
+        max_position_embeddings=None if hasattr(config, "max_position_embeddings") else family.max_positions(config),
     )
     trial = copy.copy(config)
     write_plan(trial, plan)
@@ -1951,6 +2086,8 @@ def write_plan(config, plan: RetrofitPlan) -> None:
         config.posenc_rotary_layout = plan.rotary_layout
     if plan.head_dim is not None:
         config.posenc_head_dim = plan.head_dim
+    if plan.max_position_embeddings is not None:
+        config.max_position_embeddings = plan.max_position_embeddings
 
 
 def build_modules(config, causal: bool) -> tuple[PositionEncoding, list[AttentionNormalizer], list]:

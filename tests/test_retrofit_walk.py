@@ -199,6 +199,9 @@ KEPT = [
     "llama4_text",
     # a rotation by -m theta (rotate_half as cat(x2, -x1)): hf_posenc's rope on the swapped halves
     "nanochat",
+    # ALiBi decoders with fused q/k/v projections, as their own alibi (BLOOM counts positions from the mask)
+    "bloom",
+    "mpt",
     # decoder layers that call their attention with named arguments only (the forward's stash carries the rest)
     "nemotron",
     "stablelm",
