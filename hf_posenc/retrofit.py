@@ -130,23 +130,62 @@ AUTO_CLASSES = {
 
 class RetrofitLayer:
     """Mixin of a stock ``GradientCheckpointingLayer``: the :data:`AttentionInputs` its attention reads reach the
-    (checkpointed) ``forward`` flattened into positional arguments, as in :class:`PositionalLayer`."""
+    (checkpointed) ``forward`` flattened into positional arguments, as in :class:`PositionalLayer`. Where a stock
+    module above drops keyword arguments (Megatron-BERT's encoder, BLOOM's and MPT's models), they come from its
+    attention's stash (:func:`stashed_for_attention`); the ``forward`` stashes what it carries on its attention for
+    its own duration (:func:`carried_to_attention`), so a stock layer that drops them too (Nemotron's, StableLM's)
+    hands them on, also when activation checkpointing recomputes it in the backward pass, after the retrofitted
+    forward's stash is gone."""
 
     posenc_layer_idx: int
     """The layer's index among the attention layers, set by :func:`patch`: it reads its own attention inputs."""
 
     def __call__(self, *args, **kwargs):
-        if ATTENTION_INPUTS not in kwargs:  # a stock module above drops keyword arguments: the stash carries them
+        attention = self.__dict__.get(LAYER_ATTENTION)
+        stash = attention.__dict__.get(STASH) if attention is not None else None
+        if ATTENTION_INPUTS in kwargs:
+            inputs, rest = kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx], None
+        elif stash:  # a stock module above dropped them: its attention's stash has them
+            inputs = stash[ATTENTION_INPUTS]
+            rest = {name: value for name, value in stash.items() if name != ATTENTION_INPUTS}
+        else:
             return super().__call__(*args, **kwargs)
-        leaves, spec = tree_flatten(kwargs.pop(ATTENTION_INPUTS)[self.posenc_layer_idx])
-        return super().__call__(*args, *leaves, posenc_layout=(len(args), spec), **kwargs)
+        leaves, spec = tree_flatten(inputs)
+        return super().__call__(*args, *leaves, posenc_layout=(len(args), spec, rest), **kwargs)
 
     def forward(self, *args, posenc_layout=None, **kwargs):
         if posenc_layout is None:  # called without the attention inputs (see __call__)
             return super().forward(*args, **kwargs)
-        num_args, spec = posenc_layout
-        kwargs[ATTENTION_INPUTS] = tree_unflatten(list(args[num_args:]), spec)
-        return super().forward(*args[:num_args], **kwargs)
+        num_args, spec, rest = posenc_layout
+        inputs = tree_unflatten(list(args[num_args:]), spec)
+        if rest is None:  # handed down as keyword arguments: the stock layer passes them on, or drops them
+            kwargs[ATTENTION_INPUTS] = inputs
+            rest = {name: kwargs[name] for name in (POSITION_ENCODING, CACHE_NAME, RETROFIT_CACHE) if name in kwargs}
+        with carried_to_attention(self.__dict__.get(LAYER_ATTENTION), {**rest, ATTENTION_INPUTS: inputs}):
+            return super().forward(*args[:num_args], **kwargs)
+
+
+LAYER_ATTENTION = "posenc_attention"
+"""A patched attention layer's attribute (not a submodule) holding its attention module (set by :func:`patch`)."""
+
+
+@contextlib.contextmanager
+def carried_to_attention(attention: nn.Module | None, carried: dict[str, Any]) -> Iterator[None]:
+    """``carried`` (the layer's attention inputs, the scheme, the cache) stashed on ``attention`` while its layer's
+    ``forward`` runs, the previous stash restored afterwards: the attention reads what a stock layer does not hand it
+    (:func:`stashed_arguments`). Not while compiling (the keyword path)."""
+    if attention is None or torch.compiler.is_compiling():
+        yield
+        return
+    previous = attention.__dict__.get(STASH)
+    attention.__dict__[STASH] = carried
+    try:
+        yield
+    finally:
+        if previous is None:
+            attention.__dict__.pop(STASH, None)
+        else:
+            attention.__dict__[STASH] = previous
 
 
 class RetrofitStateLayer:
@@ -400,7 +439,8 @@ def stashed_for_attention(base: nn.Module, call: dict[str, Any]) -> Iterator[Non
     encoder or attention wrapper that calls the next module with named arguments only (Nemotron's and StableLM's
     decoder layers, Megatron-BERT's encoder) drops them, and the attention reads what it misses here
     (:func:`stashed_arguments`). Not while compiling (the keyword path, which every other model takes); the
-    recomputation of activation checkpointing reads the keyword arguments, which :class:`RetrofitLayer` carries."""
+    recomputation of activation checkpointing, after this stash is gone, reads what each :class:`RetrofitLayer`
+    carries into its checkpointed ``forward`` and stashes on its attention again (:func:`carried_to_attention`)."""
     attentions = base.__dict__.get(ATTENTION_MODULES) or {}
     if not attentions or torch.compiler.is_compiling():
         yield
@@ -424,8 +464,8 @@ def stashed_arguments(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, An
     if ATTENTION_INPUTS not in kwargs:
         raise ValueError(
             f"{type(module).__name__} of a retrofitted model got no attention inputs: a stock module above it drops "
-            "keyword arguments, and the retrofitted forward's stash is not read under torch.compile or when "
-            "activation checkpointing recomputes the layer; run it without them."
+            "keyword arguments, and the retrofitted forward's stash is not read under torch.compile; run it without "
+            "torch.compile."
         )
     return kwargs
 
@@ -2204,6 +2244,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
+        layer.__dict__[LAYER_ATTENTION] = attention  # not a submodule: state dict and module tree unchanged
         weight = next(attention.parameters())
         attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)
         attention.position_term = terms[layer_idx]
