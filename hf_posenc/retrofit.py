@@ -3,7 +3,8 @@
 Supported: the BERT family (``Bert*``, ``Roberta*`` and every model of BERT's structure: XLM-RoBERTa(-XL), CamemBERT,
 ELECTRA, Data2VecText, ERNIE, BertGeneration, Megatron-BERT, BigBird, ...), ``GPT2*``, the Llama family (``Llama*``,
 ``Mistral*``, ``Qwen2*``, ``SmolLM3*``; any RoPE scaling hf_posenc's ``rope`` has, sliding windows), ``Qwen3*``, Gemma
-3 text (``Gemma3ForCausalLM``, ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; and any
+3 text (``Gemma3ForCausalLM``, ``Gemma3TextModel``), ``Olmo3*``, ``GptOss*`` and ``ModernBert*``, all heads; ALiBi
+decoders with fused q/k/v projections (BLOOM, MPT: :class:`FusedAlibiFamily`, as their own ``alibi``); and any
 other causal LM whose attention calls Transformers' attention interface with its rotary module's
 ``position_embeddings``, or with no positions at all (:class:`InterfaceFamily`: MoE models among them, through the two
 seams, the rotary module and an attention function registered with ``AttentionInterface``; their layers in
@@ -846,7 +847,8 @@ class FusedAlibiFamily(StockFamily):
     def default_position_ids(self, base, input_ids, inputs_embeds, past_length, attention_mask=None):
         if attention_mask is None or not self.counts_from_mask(base):
             return resolve_position_ids(None, inputs_embeds, past_length)
-        mask = attention_mask.long()
+        # the columns of this call's tokens: Transformers 5.15's generate hands BLOOM a mask padded to a static cache
+        mask = attention_mask.long()[:, : past_length + inputs_embeds.shape[1]]
         return ((mask.cumsum(-1) * mask - 1)[:, past_length:]).clamp(min=0)
 
 
