@@ -2271,7 +2271,12 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
-    register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
+    # Where PEFT has none for the stock type: the family's, if the model and its attention have modules of those names.
+    names = [name for name, _ in model.named_modules()]
+    in_attention = [name for module in base.__dict__[ATTENTION_MODULES].values() for name, _ in module.named_modules()]
+    register_peft_default_targets(
+        retrofit_model_type(stock_type), (stock_type, family.peft_model_type), names, in_attention
+    )
     register_stock_conversions(stock_type)
     return new_modules
 
