@@ -414,12 +414,14 @@ def reads_its_rows(module: nn.Module, width: int) -> bool:
     """Whether ``module`` is a table of absolute positions that the retrofit can keep as its rows: it holds one
     tensor (a parameter or buffer), of shape ``(rows, width)``, and its forward at ``position_ids`` 0 .. n - 1 gives
     the rows from its ``offset`` (0 where it has none) exactly, as XGLM's sinusoidal table does from 2 (its rows are
-    read, not recomputed)."""
+    read, not recomputed). On a model built without weights (meta) the structure alone is checked."""
     tensors = list(itertools.chain(module.parameters(), module.buffers()))
     offset = getattr(module, "offset", 0)
     if len(tensors) != 1 or tensors[0].dim() != 2 or tensors[0].shape[-1] != width or not isinstance(offset, int):
         return False
     rows = tensors[0].detach()
+    if rows.is_meta:  # a model built without weights (a saved retrofit loading): its forward is not run
+        return True
     count = min(8, rows.shape[0] - offset)
     if count < 1:
         return False
@@ -1563,7 +1565,7 @@ class InterfaceFamily(LlamaFamily):
         hybrid's layers whose ``layer_types`` entry is not an attention type (:data:`ATTENTION_LAYER_TYPES`: linear
         attention, Mamba, a convolution, an MLP-only block) must not call the attention interface: they keep their
         modules and cache layers. A model without a rotary module must hold nothing beside its layers, token
-        embeddings and norms (no position table: XGLM's, BioGPT's), so that its attention is NoPE, which
+        embeddings and norms but one table it keeps (:meth:`absolute_table`), so that its attention is NoPE, which
         :meth:`probe_nope` checks on the modules."""
         config, base = model.config, decoder_base(model)
         if getattr(config, "is_encoder_decoder", False) or self.layer_list(base) is None:
@@ -2568,7 +2570,7 @@ model, then patches it again from the config; ``AutoModel*.from_pretrained(folde
 it, with or without hf_posenc installed.
 """
 
-from transformers import {imports}
+{imports}
 
 from .retrofit import patch_from_config, stock_classes_built_as_eager
 
@@ -2601,6 +2603,16 @@ def stock_class_of(cls: type) -> type:
     return next(c for c in cls.__mro__ if c.__module__.startswith("transformers.models."))
 
 
+def stock_imports(classes: list[type]) -> str:
+    """The import lines of ``modeling_retrofit.py`` for the stock ``classes``: from ``transformers`` where it exports
+    them, else from their own module (TrOCR's ``TrOCRDecoder``, the base model its causal LM holds)."""
+    by_module: dict[str, set[str]] = {}
+    for cls in classes:
+        module = "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
+        by_module.setdefault(module, set()).add(cls.__name__)
+    return "\n".join(f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(by_module.items()))
+
+
 def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) -> None:
     """``save_pretrained`` of a retrofitted model: the stock save, then ``modeling_retrofit.py``, the hf_posenc
     modules it imports and the config's ``model_type`` and ``auto_map`` (see the module docstring)."""
@@ -2625,7 +2637,7 @@ def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) ->
             stock_class=stock_class.__name__,
             position_encoding=config.position_encoding,
             attention_normalizer=config.attention_normalizer,
-            imports=", ".join(sorted({config_class.__name__, *(c.__name__ for c in model_classes)})),
+            imports=stock_imports([config_class, *model_classes]),
             config_class=config_class.__name__,
             model_type=retrofit_model_type(stock_type),
             model_classes="".join(

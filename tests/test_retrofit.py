@@ -864,7 +864,8 @@ REMOTE_CODE_CHECKS = WITHOUT_HF_POSENC + textwrap.dedent(
     before = {name: p.detach().clone() for name, p in adapters.items()}
     optimizer = torch.optim.SGD(adapters.values(), lr=0.1)
     peft_model(input_ids=ids, labels=ids).loss.backward()
-    gradients = {name: float(p.grad.abs().max()) for name, p in adapters.items() if "lora_B" in name}
+    gradients = {name: p.grad if p.grad is None else float(p.grad.abs().max()) for name, p in adapters.items()}
+    gradients = {name: value for name, value in gradients.items() if "lora_B" in name}
     optimizer.step()
     moved = sorted(name for name, p in adapters.items() if not torch.equal(p.detach(), before[name]))
     out = dict(logits=logits, tokens=tokens, targets=targets, gradients=gradients, moved=moved)
@@ -888,7 +889,8 @@ def stock_peft_default_targets(stock: transformers.PreTrainedModel) -> list[str]
 def check_remote_code_without_hf_posenc(patched, ids, tmp_path, fallback_targets) -> dict:
     """Save ``patched``, load it as remote code in a process where hf_posenc is not importable
     (:data:`REMOTE_CODE_CHECKS`): the same logits, the greedy tokens of ``patched`` with the dynamic cache, and LoRA
-    trains a step (every ``lora_B`` gets a gradient, the adapters move). Returns the process's results, ``targets``
+    trains a step (every ``lora_B`` gets a gradient but those of a cross-attention a causal LM does not call,
+    TrOCR's ``encoder_attn``; the adapters move). Returns the process's results, ``targets``
     the default targets LoRA found there (sorted) or PEFT's error."""
     kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     tokens = patched.generate(ids, **kwargs)
@@ -902,7 +904,8 @@ def check_remote_code_without_hf_posenc(patched, ids, tmp_path, fallback_targets
     with torch.no_grad():  # another process: its matmuls (experts, chunked linear attention) may sum in another order
         torch.testing.assert_close(out["logits"], patched(ids).logits, atol=1e-6, rtol=1e-6)
     assert torch.equal(out["tokens"], tokens)
-    assert out["gradients"] and all(value > 0 for value in out["gradients"].values()), out["gradients"]
+    called = {name: value for name, value in out["gradients"].items() if ".encoder_attn." not in name}
+    assert called and all(value is not None and value > 0 for value in called.values()), out["gradients"]
     assert out["moved"] and all("lora_B" in name or "lora_A" in name for name in out["moved"])
     return out
 
@@ -1489,6 +1492,46 @@ def test_mla_and_hybrid_models_generate_reload_and_train_with_lora(model_type, t
     lora(ids, labels=ids).loss.backward()
     adapters = [p.grad for name, p in lora.named_parameters() if "lora_B" in name]
     assert adapters and all(grad is not None and grad.abs().max() > 0 for grad in adapters)
+
+
+@pytest.mark.parametrize("model_type", ["xglm", "trocr"])
+def test_inline_attention_models_are_kept_and_load_as_remote_code_without_hf_posenc(model_type, tmp_path):
+    """XGLM (its sinusoidal table, rows from 2) and TrOCR (a learned offset-2 table, a cross-attention it is not
+    called with) compute BART-style attention in their own forward: the identity retrofit gives the stock logits,
+    and ``alibi`` saved and loaded as remote code where hf_posenc is not importable gives the same logits and greedy
+    tokens; LoRA finds the family's ``q_proj``, ``v_proj`` (PEFT has no defaults for either type) and trains a
+    step."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+
+    stock = walk_model(model_type)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    assert check_remote_code_without_hf_posenc(patched, ids, tmp_path, None)["targets"] == ["q_proj", "v_proj"]
+
+
+def test_inline_attention_computing_otherwise_is_refused_before_any_change():
+    """An attention of XGLM's layout whose forward computes otherwise than scaled softmax attention of its
+    projections (here its output doubled) is refused by name, the model unchanged."""
+    stock = walk_model("xglm")
+    stock_attention = type(stock.model.layers[0].self_attn)
+
+    class DoubledAttention(stock_attention):
+        def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+            """XGLM's attention (its softmax(q k) v), the output doubled."""
+            output, weights = super().forward(hidden_states, key_value_states, attention_mask=attention_mask, **kwargs)
+            return 2 * output, weights
+
+    for layer in stock.model.layers:
+        layer.self_attn.__class__ = DoubledAttention
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="computes otherwise than scaled softmax attention of its q_proj"):
+        hf_posenc.retrofit(model)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    assert not any("config" in vars(layer.self_attn) for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "camembert"])
