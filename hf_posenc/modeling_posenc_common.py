@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -308,7 +309,12 @@ def check_input_ids(input_ids: torch.Tensor | None) -> None:
         )
 
 
-def register_peft_default_targets(model_type: str, stock_types: tuple[str, ...]) -> None:
+def register_peft_default_targets(
+    model_type: str,
+    stock_types: tuple[str, ...],
+    module_names: Iterable[str] | None = None,
+    attention_names: Iterable[str] = (),
+) -> None:
     """Give ``model_type`` PEFT's default target modules of the first of ``stock_types`` PEFT has them for, in every
     tuner's table (LoRA's ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``, IA3's, ...), so that
     ``LoraConfig(task_type=...)`` with no ``target_modules`` works as on the stock model.
@@ -316,17 +322,29 @@ def register_peft_default_targets(model_type: str, stock_types: tuple[str, ...])
     PEFT (0.21) finds default targets only in those module-level dicts of ``peft.utils.constants``, keyed by
     ``config.model_type``, with no hook on the model or config; this adds entries to them (it never replaces one) with
     the stock family's module names, which PosEnc and retrofitted models keep (``query``/``value``, ``c_attn``,
-    ``q_proj``/``v_proj``). Does nothing where peft is not installed. Runs when a model is built (``post_init``) or
-    retrofitted, also as remote code, so a folder loaded with ``trust_remote_code=True`` gets the defaults without
-    hf_posenc."""
+    ``q_proj``/``v_proj``). Given the model's ``module_names`` (and its attention modules' ``attention_names``), a
+    stock type after the first (a family's, standing in for a type PEFT has no defaults for) is taken only where each
+    of its targets names some module and one of them a module of the attention: an MLA attention has no ``q_proj``,
+    ``v_proj`` (Bailing's linear-attention layers have them), so it gets none, and LoRA raises PEFT's own error
+    asking for ``target_modules``, as on the stock model.
+    Does nothing where peft is not installed. Runs when a model is built (``post_init``) or retrofitted, also as
+    remote code, so a folder loaded with ``trust_remote_code=True`` gets the defaults without hf_posenc."""
     if importlib.util.find_spec("peft") is None:
         return
     from peft.utils import constants
 
+    leaves = None if module_names is None else {name.rsplit(".", 1)[-1] for name in module_names}
+    in_attention = {name.rsplit(".", 1)[-1] for name in attention_names}
+
+    def fits(stock: str, targets) -> bool:
+        if leaves is None or stock == stock_types[0] or isinstance(targets, str):
+            return True
+        return all(target in leaves for target in targets) and any(target in in_attention for target in targets)
+
     for name, mapping in vars(constants).items():
         if not (name.startswith("TRANSFORMERS_MODELS_TO_") and name.endswith("_MODULES_MAPPING")):
             continue
-        source = next((stock for stock in stock_types if stock in mapping), None)
+        source = next((stock for stock in stock_types if stock in mapping and fits(stock, mapping[stock])), None)
         if source is not None and model_type not in mapping:
             mapping[model_type] = copy.copy(mapping[source])
 

@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel, masking_utils
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
@@ -399,6 +400,41 @@ class NoStockPositions(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         tensor = next(arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor))
         return torch.zeros((), device=tensor.device)
+
+
+def table_rows(table: nn.Module) -> torch.Tensor:
+    """The rows of a stock absolute position table: an ``nn.Embedding``'s weight, or the one tensor (a parameter or
+    buffer) of another table module (:func:`reads_its_rows`)."""
+    if isinstance(table, nn.Embedding):
+        return table.weight
+    return next(itertools.chain(table.parameters(), table.buffers()))
+
+
+def reads_its_rows(module: nn.Module, width: int) -> bool:
+    """Whether ``module`` is a table of absolute positions that the retrofit can keep as its rows: it holds one
+    tensor (a parameter or buffer), of shape ``(rows, width)``, and its forward at ``position_ids`` 0 .. n - 1 gives
+    the rows from its ``offset`` (0 where it has none) exactly, as XGLM's sinusoidal table does from 2 (its rows are
+    read, not recomputed). On a model built without weights (meta) the structure alone is checked."""
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    offset = getattr(module, "offset", 0)
+    if len(tensors) != 1 or tensors[0].dim() != 2 or tensors[0].shape[-1] != width or not isinstance(offset, int):
+        return False
+    rows = tensors[0].detach()
+    if rows.is_meta:  # a model built without weights (a saved retrofit loading): its forward is not run
+        return True
+    count = min(8, rows.shape[0] - offset)
+    if count < 1:
+        return False
+    try:
+        with torch.no_grad():
+            out = module(position_ids=torch.arange(count, device=rows.device)[None])
+    except Exception:  # a forward of other arguments: not a table read by position ids
+        return False
+    return (
+        isinstance(out, torch.Tensor)
+        and out.shape == (1, count, width)
+        and torch.equal(out[0].to(rows.dtype), rows[offset : offset + count])
+    )
 
 
 @functools.cache
@@ -1015,11 +1051,155 @@ AttentionInterface.register(RETROFIT_ATTENTION, interface_attention)
 
 def calls_attention_interface(module: nn.Module) -> bool:
     """Whether ``module``'s ``forward`` calls the function ``ALL_ATTENTION_FUNCTIONS`` returns (read from its source,
-    as ``PreTrainedModel._can_set_attn_implementation`` reads it)."""
+    as ``PreTrainedModel._can_set_attn_implementation`` reads it), or it computes BART-style attention in its own
+    forward, which :class:`InlineAttention` makes call it (:func:`computes_attention_inline`)."""
     try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
+        source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or computes_attention_inline(module)
+
+
+def layer_attentions(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the children of ``layer`` calling the attention interface
+    (:func:`calls_attention_interface`) that are its self-attention: not a cross-attention, which the layer's forward
+    hands ``encoder_hidden_states`` (TrOCR's ``encoder_attn``, run only with an encoder's states; a retrofitted causal
+    LM is called without, and that module stays as it is)."""
+    found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
+    if len(found) < 2:
+        return found
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return found
+    calls = {name: source.split(f"self.{name}(", 1)[-1].split("\n        )", 1)[0] for name, _ in found}
+    return [
+        (name, module)
+        for name, module in found
+        if f"self.{name}(" not in source or "encoder_hidden_states" not in calls[name]
+    ]
+
+
+INLINE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def computes_attention_inline(module: nn.Module) -> bool:
+    """Whether ``module`` is a BART-style attention computing its softmax in its own forward rather than through the
+    attention interface (XGLM's): ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` linear layers, ``num_heads``
+    heads of ``head_dim`` and the queries' ``scaling``, a ``forward`` of ``hidden_states`` (``key_value_states`` for
+    cross-attention) whose source computes a softmax. That it computes what :class:`InlineAttention` computes is
+    checked on the module before anything changes (:func:`inline_attention_as_interface`)."""
+    if isinstance(module, InlineAttention) or not all(
+        isinstance(getattr(module, name, None), nn.Linear) for name in INLINE_PROJECTIONS
+    ):
+        return False
+    sizes = [getattr(module, name, None) for name in ("num_heads", "head_dim", "scaling")]
+    if not all(isinstance(size, (int, float)) and not isinstance(size, bool) for size in sizes):
+        return False
+    source = inspect.getsource(type(module).forward)
+    parameters = inspect.signature(type(module).forward).parameters
+    return "hidden_states" in parameters and "key_value_states" in parameters and "softmax(" in source
+
+
+def inline_eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager attention of :class:`InlineAttention`, as BART-style modules compute it: scaled scores plus the
+    additive mask, a softmax (in float32 for float16), dropout; ``(batch, seq, heads, head_dim)`` and the weights."""
+    scores = (query * scaling) @ key.transpose(-1, -2)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = scores.softmax(-1, dtype=torch.float32).to(scores.dtype) if scores.dtype == torch.float16 else None
+    weights = scores.softmax(-1) if weights is None else weights
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2), weights
+
+
+class InlineAttention:
+    """Mixin of a BART-style self-attention that computes its softmax in its own forward
+    (:func:`computes_attention_inline`: XGLM's): the same projections, then the function of
+    ``ALL_ATTENTION_FUNCTIONS`` its ``config`` names (eager: :func:`inline_eager_attention`), then ``out_proj``; so
+    the retrofit's probes and :func:`interface_attention` reach it as they reach a module calling the attention
+    interface. Self-attention only: cross-attention (``key_value_states``) is refused by name."""
+
+    config: PretrainedConfig
+
+    def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+        if key_value_states is not None:
+            raise ValueError(
+                f"retrofit(): a retrofitted {type(self).__name__} is a decoder's self-attention; it takes no "
+                "key_value_states (cross-attention)."
+            )
+        kwargs.pop("output_attentions", None)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key, value = (
+            layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        implementation = self.config._attn_implementation
+        function = inline_eager_attention if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        dropout = self.dropout if isinstance(self.dropout, float) else self.dropout.p
+        output, weights = function(
+            self, query, key, value, attention_mask, scaling=self.scaling, dropout=dropout if self.training else 0.0,
+            **kwargs,
+        )  # fmt: skip
+        return self.out_proj(output.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+@contextlib.contextmanager
+def inline_attention_as_interface(
+    attentions: list[nn.Module], config: PretrainedConfig, keep: bool = False
+) -> Iterator[None]:
+    """The modules of ``attentions`` that compute their attention inline (:func:`computes_attention_inline`) as
+    :class:`InlineAttention` with a copy of ``config`` (eager), after checking on each that it gives what the stock
+    forward gives (random hidden states of 8 positions, a causal additive mask, eval mode): ``ValueError`` naming the
+    difference otherwise. Restored afterwards unless ``keep``."""
+    inline = [module for module in attentions if computes_attention_inline(module)]
+    stock_classes = {module: type(module) for module in inline}
+    try:
+        for module in inline:
+            weight = module.q_proj.weight
+            if weight.is_meta:
+                stock = None
+            else:
+                hidden = torch.randn(1, 8, module.q_proj.in_features, generator=torch.Generator().manual_seed(0))
+                hidden = hidden.to(weight.device, weight.dtype)
+                mask = torch.full((8, 8), torch.finfo(weight.dtype).min, device=weight.device, dtype=weight.dtype)
+                mask = mask.triu(1)[None, None]
+                modes = {sub: sub.training for sub in module.modules()}
+                module.eval()
+                with torch.no_grad():
+                    stock = module(hidden_states=hidden, attention_mask=mask)[0]
+            module.__class__ = retrofit_class(stock_classes[module], InlineAttention)
+            module.config = copy.copy(config)
+            module.config._attn_implementation_internal = "eager"
+            if stock is not None:
+                with torch.no_grad():
+                    ours = module(hidden_states=hidden, attention_mask=mask)[0]
+                for sub, training in modes.items():
+                    sub.training = training
+                difference = (ours.float() - stock.float()).abs().max().item() / max(1.0, stock.abs().max().item())
+                if difference > probe_tolerance(weight.dtype):
+                    raise ValueError(
+                        f"retrofit(): its attention {stock_classes[module].__name__} computes otherwise than scaled "
+                        f"softmax attention of its q_proj, k_proj, v_proj (max difference {difference:.2g}), which "
+                        "the retrofit reads."
+                    )
+        yield
+    except BaseException:
+        keep = False
+        raise
+    finally:
+        if not keep:
+            for module, stock_class in stock_classes.items():
+                module.__class__ = stock_class
+                module.__dict__.pop("config", None)
 
 
 CAPTURE_ATTENTION = "posenc_retrofit_capture"
@@ -1266,8 +1446,7 @@ class InterfaceFamily(LlamaFamily):
             (owner, name)
             for owner in owners
             for name, child in owner.named_children()
-            if isinstance(child, nn.ModuleList)
-            and any(calls_attention_interface(module) for layer in child for module in layer.children())
+            if isinstance(child, nn.ModuleList) and any(layer_attentions(layer) for layer in child)
         ]
         return found[0] if len(found) == 1 else None
 
@@ -1276,23 +1455,29 @@ class InterfaceFamily(LlamaFamily):
         return list(getattr(owner, name))
 
     def attention(self, layer):
-        return next(module for module in layer.children() if calls_attention_interface(module))
+        return layer_attentions(layer)[0][1]
 
     def first_attention(self, base: nn.Module) -> nn.Module:
         """The attention module of the first attention layer (a hybrid's first layer may be another kind)."""
         return self.attention(self.layers(base)[attention_layer_indices(base.config)[0]])
 
-    def absolute_table(self, base: nn.Module) -> tuple[nn.Module, str, nn.Embedding] | None:
+    def absolute_table(self, base: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
         """``(owner, name, table)`` of the model's own absolute positions where it has no rotary module and the one
-        module it holds beside its layers, token embeddings and norms (:meth:`position_modules`) is a learned table
-        (an ``nn.Embedding``: GPT-BigCode's ``wpe``; OPT's and BioGPT's, whose rows start at their ``offset``, 2),
-        added to the token embeddings before the layers; else None."""
+        module it holds beside its layers, token embeddings and norms (:meth:`position_modules`) is a table of
+        positions added to the token embeddings before the layers: a learned one (an ``nn.Embedding``:
+        GPT-BigCode's ``wpe``; OPT's and BioGPT's, whose rows start at their ``offset``, 2) or a module holding one
+        table of the token embeddings' width whose forward at ``position_ids`` gives its rows from its ``offset``
+        (XGLM's sinusoidal buffer, rows from 2: :func:`reads_its_rows`); else None. The retrofit keeps it as its
+        ``learned`` table of those rows."""
         if isinstance(getattr(base, "rotary_emb", None), nn.Module) or self.layer_list(base) is None:
             return None
         found = self.position_modules(base)
-        if len(found) != 1 or not isinstance(found[0][2], nn.Embedding):
+        if len(found) != 1:
             return None
-        return found[0]
+        module = found[0][2]
+        if isinstance(module, nn.Embedding) or reads_its_rows(module, base.get_input_embeddings().weight.shape[-1]):
+            return found[0]
+        return None
 
     def position_offset(self, base):
         table = self.absolute_table(base)
@@ -1380,7 +1565,7 @@ class InterfaceFamily(LlamaFamily):
         hybrid's layers whose ``layer_types`` entry is not an attention type (:data:`ATTENTION_LAYER_TYPES`: linear
         attention, Mamba, a convolution, an MLP-only block) must not call the attention interface: they keep their
         modules and cache layers. A model without a rotary module must hold nothing beside its layers, token
-        embeddings and norms (no position table: XGLM's, BioGPT's), so that its attention is NoPE, which
+        embeddings and norms but one table it keeps (:meth:`absolute_table`), so that its attention is NoPE, which
         :meth:`probe_nope` checks on the modules."""
         config, base = model.config, decoder_base(model)
         if getattr(config, "is_encoder_decoder", False) or self.layer_list(base) is None:
@@ -1408,7 +1593,7 @@ class InterfaceFamily(LlamaFamily):
             return "it sets use_bidirectional_attention=True; the retrofit keeps decoders causal"
         attentions = []
         for idx, layer in enumerate(self.layers(base)):
-            found = [(name, module) for name, module in layer.named_children() if calls_attention_interface(module)]
+            found = layer_attentions(layer)
             if idx not in attention_layers:  # kept as it is, with its cache layer: it must not attend
                 if found:
                     return (
@@ -1543,7 +1728,17 @@ class InterfaceFamily(LlamaFamily):
         heads they hand over where it is not the config's ``head_dim``: ``rope`` of each layer's parameters,
         ``none`` on a layer that does not rotate (:meth:`probe_rotation`); ``none`` for a model without a rotary
         module (:meth:`probe_nope`). A hybrid's other layers carry what its attention layers share
-        (:func:`attention_shared`)."""
+        (:func:`attention_shared`). Attention modules computing their softmax inline (XGLM's) are probed as
+        :class:`InlineAttention` (:func:`inline_attention_as_interface`), restored afterwards."""
+        base = decoder_base(model)
+        attentions = [self.attention(self.layers(base)[idx]) for idx in attention_layer_indices(model.config)]
+        with inline_attention_as_interface(attentions, model.config):
+            return self.probed_layout(model, own_rotary)
+
+    def probed_layout(
+        self, model: PreTrainedModel, own_rotary: list[dict[str, Any] | None] | None
+    ) -> tuple[str | None, dict[str, Any] | list[dict[str, Any]], int | None]:
+        """:meth:`own_layout` on modules that all call the attention interface."""
         if own_rotary is None:  # NoPE attention, beside a learned table (OPT, BioGPT, GPT-BigCode) or not
             base = decoder_base(model)
             own = {"type": "learned"} if self.absolute_table(base) is not None else {"type": "none"}
@@ -1664,7 +1859,9 @@ class InterfaceFamily(LlamaFamily):
     def patch_attention(self, attention, config, causal):
         """The stock module stays; its own config copy names :data:`RETROFIT_ATTENTION`, so it calls
         :func:`interface_attention` whatever backend the model's config requests (the library's backend choice
-        reads that one)."""
+        reads that one). One computing its softmax inline becomes :class:`InlineAttention` first."""
+        with inline_attention_as_interface([attention], config, keep=True):
+            pass
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation_internal = RETROFIT_ATTENTION
         if isinstance(getattr(attention, "sinks", None), torch.Tensor):  # moved into the normalizer
@@ -2039,7 +2236,7 @@ def plan_retrofit(
         position_encoding = from_own_rotary(position_encoding, own_rotary)
     if not given_per_layer:  # what the retrofit wrote out per layer: a hybrid's other layers carry no scheme of theirs
         position_encoding = attention_shared(position_encoding, layer_types)
-    max_positions = table.num_embeddings - offset if table is not None else family.max_positions(config)
+    max_positions = table_rows(table).shape[0] - offset if table is not None else family.max_positions(config)
     # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
     # the size check of a PosEnc config's rope does not apply to what the stock config holds.
     size = rotary_size(max_positions, own_rotary) if table is None else max_positions
@@ -2171,7 +2368,7 @@ def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
                 submodule.init_weights(getattr(config, "initializer_range", 0.02))
     with torch.no_grad():
         if first["type"] == "learned" and table is not None:
-            base.position_encoding.table.weight.copy_(table.weight[offset : offset + first["max_positions"]])
+            base.position_encoding.table.weight.copy_(table_rows(table)[offset : offset + first["max_positions"]])
         for idx, sinks in stock_sinks.items():
             sink = getattr(family.attention(layers[idx]).normalizer, "sink", None)
             if sink is not None:
@@ -2271,7 +2468,12 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     model._resolve_parallel_plans = functools.partial(refuse_tensor_parallel_plans, model)
     # The saved type gets PEFT's defaults of the stock type (CamemBERT, Data2VecText have none: BERT's, same names).
     stock_type = stock_class_of(type(config)).model_type
-    register_peft_default_targets(retrofit_model_type(stock_type), (stock_type, family.peft_model_type))
+    # Where PEFT has none for the stock type: the family's, if the model and its attention have modules of those names.
+    names = [name for name, _ in model.named_modules()]
+    in_attention = [name for module in base.__dict__[ATTENTION_MODULES].values() for name, _ in module.named_modules()]
+    register_peft_default_targets(
+        retrofit_model_type(stock_type), (stock_type, family.peft_model_type), names, in_attention
+    )
     register_stock_conversions(stock_type)
     return new_modules
 
@@ -2368,7 +2570,7 @@ model, then patches it again from the config; ``AutoModel*.from_pretrained(folde
 it, with or without hf_posenc installed.
 """
 
-from transformers import {imports}
+{imports}
 
 from .retrofit import patch_from_config, stock_classes_built_as_eager
 
@@ -2401,6 +2603,16 @@ def stock_class_of(cls: type) -> type:
     return next(c for c in cls.__mro__ if c.__module__.startswith("transformers.models."))
 
 
+def stock_imports(classes: list[type]) -> str:
+    """The import lines of ``modeling_retrofit.py`` for the stock ``classes``: from ``transformers`` where it exports
+    them, else from their own module (TrOCR's ``TrOCRDecoder``, the base model its causal LM holds)."""
+    by_module: dict[str, set[str]] = {}
+    for cls in classes:
+        module = "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
+        by_module.setdefault(module, set()).add(cls.__name__)
+    return "\n".join(f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(by_module.items()))
+
+
 def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) -> None:
     """``save_pretrained`` of a retrofitted model: the stock save, then ``modeling_retrofit.py``, the hf_posenc
     modules it imports and the config's ``model_type`` and ``auto_map`` (see the module docstring)."""
@@ -2425,7 +2637,7 @@ def save_retrofitted(model: PreTrainedModel, save_directory, *args, **kwargs) ->
             stock_class=stock_class.__name__,
             position_encoding=config.position_encoding,
             attention_normalizer=config.attention_normalizer,
-            imports=", ".join(sorted({config_class.__name__, *(c.__name__ for c in model_classes)})),
+            imports=stock_imports([config_class, *model_classes]),
             config_class=config_class.__name__,
             model_type=retrofit_model_type(stock_type),
             model_classes="".join(

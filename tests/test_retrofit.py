@@ -837,12 +837,86 @@ def interface_model(model_type: str, **overrides) -> transformers.PreTrainedMode
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+# Run where hf_posenc is not importable: load a saved folder as remote code, its logits and greedy tokens (the dynamic
+# cache), LoRA with no target_modules (PEFT's default targets, or PEFT's error where it has none) and one training
+# step with the targets it found or, where it found none, those of argv[2]; all saved for the test to compare.
+REMOTE_CODE_CHECKS = WITHOUT_HF_POSENC + textwrap.dedent(
+    """
+    import json
+    from peft import LoraConfig, get_peft_model
+    folder, fallback = sys.argv[1], json.loads(sys.argv[2])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert model.__class__.__module__.startswith("transformers_modules."), model.__class__.__module__
+    ids = torch.load(folder + "/ids.pt")
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    lora = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0)
+    try:
+        peft_model = get_peft_model(model, LoraConfig(**lora))
+        targets = sorted(peft_model.peft_config["default"].target_modules)
+    except ValueError as error:
+        targets = str(error)
+        peft_model = get_peft_model(model, LoraConfig(**lora, target_modules=fallback))
+    peft_model.train()
+    adapters = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in name for name in adapters), sorted(adapters)
+    before = {name: p.detach().clone() for name, p in adapters.items()}
+    optimizer = torch.optim.SGD(adapters.values(), lr=0.1)
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    gradients = {name: p.grad if p.grad is None else float(p.grad.abs().max()) for name, p in adapters.items()}
+    gradients = {name: value for name, value in gradients.items() if "lora_B" in name}
+    optimizer.step()
+    moved = sorted(name for name, p in adapters.items() if not torch.equal(p.detach(), before[name]))
+    out = dict(logits=logits, tokens=tokens, targets=targets, gradients=gradients, moved=moved)
+    torch.save(out, folder + "/out.pt")
+    """
+)
+
+
+def stock_peft_default_targets(stock: transformers.PreTrainedModel) -> list[str] | str:
+    """What PEFT makes of ``LoraConfig(task_type="CAUSAL_LM")`` (no ``target_modules``) on the stock model: its
+    default targets, sorted, or its error where its tables have none for the stock type."""
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        lora = get_peft_model(copy.deepcopy(stock), LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8))
+    except ValueError as error:
+        return str(error)
+    return sorted(lora.peft_config["default"].target_modules)
+
+
+def check_remote_code_without_hf_posenc(patched, ids, tmp_path, fallback_targets) -> dict:
+    """Save ``patched``, load it as remote code in a process where hf_posenc is not importable
+    (:data:`REMOTE_CODE_CHECKS`): the same logits, the greedy tokens of ``patched`` with the dynamic cache, and LoRA
+    trains a step (every ``lora_B`` gets a gradient but those of a cross-attention a causal LM does not call,
+    TrOCR's ``encoder_attn``; the adapters move). Returns the process's results, ``targets``
+    the default targets LoRA found there (sorted) or PEFT's error."""
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = patched.generate(ids, **kwargs)
+    assert torch.equal(tokens, patched.generate(ids, use_cache=False, **kwargs))
+    patched.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    command = [sys.executable, "-c", REMOTE_CODE_CHECKS, str(tmp_path), json.dumps(fallback_targets)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():  # another process: its matmuls (experts, chunked linear attention) may sum in another order
+        torch.testing.assert_close(out["logits"], patched(ids).logits, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out["tokens"], tokens)
+    called = {name: value for name, value in out["gradients"].items() if ".encoder_attn." not in name}
+    assert called and all(value is not None and value > 0 for value in called.values()), out["gradients"]
+    assert out["moved"] and all("lora_B" in name or "lora_A" in name for name in out["moved"])
+    return out
+
+
 def test_moe_decoder_retrofits_through_the_attention_interface_and_keeps_its_experts(tmp_path):
     """Qwen3-MoE: the identity retrofit gives the stock logits; ``alibi`` leaves every expert weight and the router
     as they were, generates with the cache as without, saves and reloads as remote code where hf_posenc is not
-    installed (the same logits), and LoRA finds PEFT's default targets of the stock type."""
+    installed (the same logits and tokens), and LoRA with no ``target_modules`` finds Qwen3's (Llama's) ``q_proj``,
+    ``v_proj`` there: PEFT's tables have none for ``qwen3_moe`` (on the stock model it raises), the retrofit gives the
+    saved type its family's defaults where the model has those modules; it trains a step."""
     pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
-    from peft import LoraConfig, get_peft_model
 
     stock = interface_model("qwen3_moe")
     ids = random_ids(2, 10)
@@ -852,22 +926,44 @@ def test_moe_decoder_retrofits_through_the_attention_interface_and_keeps_its_exp
     patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi", "l2")
     experts = {name: value for name, value in stock.state_dict().items() if ".mlp." in name}
     assert experts and all(torch.equal(patched.state_dict()[name], value) for name, value in experts.items())
-    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
-    tokens = patched.generate(ids, **kwargs)
-    assert torch.equal(tokens, patched.generate(ids, use_cache=False, **kwargs))
-    patched.save_pretrained(tmp_path)
-    torch.save(ids, tmp_path / "ids.pt")
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_HF_POSENC, str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    called, _ = torch.load(tmp_path / "logits.pt")
-    with torch.no_grad():  # another process: its experts' matmuls may sum in another order
-        torch.testing.assert_close(called, patched(ids).logits, atol=1e-6, rtol=1e-6)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
-    assert torch.equal(reloaded.generate(ids, **kwargs), tokens)
-    lora = get_peft_model(reloaded, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
-    assert lora.peft_config["default"].target_modules == {"q_proj", "v_proj"}
+    assert isinstance(stock_peft_default_targets(stock), str)  # PEFT's error: no defaults for qwen3_moe
+    out = check_remote_code_without_hf_posenc(patched, ids, tmp_path, None)
+    assert out["targets"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "targets"),
+    [
+        ("deepseek_v3", None),  # MLA: no v_proj (q_a/q_b, kv_a/kv_b projections): PEFT's error, as on the stock model
+        ("qwen3_next", ["q_proj", "v_proj"]),  # its attention layers have Qwen3's names (gated DeltaNet others)
+        ("bailing_hybrid", None),  # MLA beside linear attention
+    ],
+)
+def test_mla_and_hybrid_models_load_as_remote_code_without_hf_posenc(model_type, targets, tmp_path):
+    """DeepSeek V3 (MLA and MoE), Qwen3-Next (a hybrid), Bailing hybrid (MLA beside linear attention) switched to
+    ``alibi``, saved and loaded as remote code where hf_posenc is not importable: the same logits and greedy tokens
+    (the dynamic cache), and LoRA with no ``target_modules`` does what it does on the stock model type where PEFT
+    has defaults for it. PEFT (0.21) has none for these three types (on the stock models it raises, asking for
+    ``target_modules``); the retrofit gives the saved type its family's (Llama's ``q_proj``, ``v_proj``) only where
+    the model has modules of those names: Qwen3-Next's attention layers do, so LoRA finds them; MLA has no
+    ``v_proj``, so there LoRA raises PEFT's own error, as on the stock model, rather than naming targets it cannot
+    find (Bailing's linear-attention layers have a ``q_proj`` and ``v_proj``, its MLA attention none: the error too).
+    The two errors differ in wording: on the stock MoE types PEFT first converts the config for Transformers 5's fused
+    experts (keyed by the stock type), then finds nothing to adapt; both ask for ``target_modules`` or
+    ``target_parameters``. Either way LoRA trains a step (with the MLA's ``q_b_proj``, ``kv_b_proj`` named)."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+
+    stock = walk_model(model_type)
+    on_stock = stock_peft_default_targets(stock)
+    assert isinstance(on_stock, str)  # PEFT's error: no default targets for the stock type
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    out = check_remote_code_without_hf_posenc(patched, random_ids(2, 10), tmp_path, ["q_b_proj", "kv_b_proj"])
+    if targets is None:  # PEFT's error asking for target_modules, as on the stock model; named MLA projections train
+        for error in (out["targets"], on_stock):
+            assert "`target_modules`" in error and "`target_parameters`" in error, error
+        assert any("q_b_proj" in name for name in out["moved"])
+    else:
+        assert out["targets"] == targets
 
 
 @pytest.mark.parametrize("model_type", ["glm4", "cohere", "phi"])
@@ -1396,6 +1492,46 @@ def test_mla_and_hybrid_models_generate_reload_and_train_with_lora(model_type, t
     lora(ids, labels=ids).loss.backward()
     adapters = [p.grad for name, p in lora.named_parameters() if "lora_B" in name]
     assert adapters and all(grad is not None and grad.abs().max() > 0 for grad in adapters)
+
+
+@pytest.mark.parametrize("model_type", ["xglm", "trocr"])
+def test_inline_attention_models_are_kept_and_load_as_remote_code_without_hf_posenc(model_type, tmp_path):
+    """XGLM (its sinusoidal table, rows from 2) and TrOCR (a learned offset-2 table, a cross-attention it is not
+    called with) compute BART-style attention in their own forward: the identity retrofit gives the stock logits,
+    and ``alibi`` saved and loaded as remote code where hf_posenc is not importable gives the same logits and greedy
+    tokens; LoRA finds the family's ``q_proj``, ``v_proj`` (PEFT has no defaults for either type) and trains a
+    step."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+
+    stock = walk_model(model_type)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        torch.testing.assert_close(hf_posenc.retrofit(copy.deepcopy(stock))(ids).logits, expected, atol=1e-5, rtol=0)
+    patched = hf_posenc.retrofit(copy.deepcopy(stock), "alibi")
+    assert check_remote_code_without_hf_posenc(patched, ids, tmp_path, None)["targets"] == ["q_proj", "v_proj"]
+
+
+def test_inline_attention_computing_otherwise_is_refused_before_any_change():
+    """An attention of XGLM's layout whose forward computes otherwise than scaled softmax attention of its
+    projections (here its output doubled) is refused by name, the model unchanged."""
+    stock = walk_model("xglm")
+    stock_attention = type(stock.model.layers[0].self_attn)
+
+    class DoubledAttention(stock_attention):
+        def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+            """XGLM's attention (its softmax(q k) v), the output doubled."""
+            output, weights = super().forward(hidden_states, key_value_states, attention_mask=attention_mask, **kwargs)
+            return 2 * output, weights
+
+    for layer in stock.model.layers:
+        layer.self_attn.__class__ = DoubledAttention
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match="computes otherwise than scaled softmax attention of its q_proj"):
+        hf_posenc.retrofit(model)
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    assert not any("config" in vars(layer.self_attn) for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "camembert"])

@@ -219,6 +219,10 @@ KEPT = [
     "opt",
     "biogpt",
     "gpt_bigcode",
+    # BART-style attention computing its softmax inline, beside the model's own table (XGLM's sinusoidal rows from 2,
+    # TrOCR's learned offset-2 table; TrOCR's cross-attention stays as it is)
+    "xglm",
+    "trocr",
 ]
 """Model types the retrofit keeps, among the starting points researchers use and the shapes the long tail takes (Llama,
 Mistral, Qwen2/3, BERT, RoBERTa, GPT-2 are tested in ``test_retrofit.py``)."""
@@ -226,7 +230,7 @@ REFUSED = {
     "deepseek_v32": "calls the attention interface",  # its indexer layers (layer type named by the version)
     "minimax": "cache of its own class",
     "mimo_v2_flash": "attention sinks",
-    "xglm": "no rotary module",
+    "openai-gpt": "not a decoder with one list of layers",
     "ctrl": "not called on the layer's hidden_states",
     "hrm_text": "one list of layers",
 }
