@@ -65,6 +65,8 @@ def plot(grouped: dict[tuple[str, int], list[dict]], factors: list[str], output:
             spreads = [statistics.stdev(value) if len(value) > 1 else 0.0 for value in values]
             axis.errorbar(steps, means, yerr=spreads, marker="o", capsize=3, label=label)
         axis.set_xscale("log")
+        axis.set_xticks(steps, [str(step) for step in steps])
+        axis.minorticks_off()
         axis.set_title(f"{factor} the training length")
         axis.set_xlabel("steps after pretraining")
     axes[0].set_ylabel("held-out loss (nats/byte)")
