@@ -653,11 +653,11 @@ def check_extrapolate_task(parser: argparse.ArgumentParser, args: argparse.Names
         check_copy_flags(parser, args, None)
         return
     check_task_flags(parser, args, None)
+    block = copy_block_size(args.copy_max_length) if args.task == "copy" and args.copy_layout == "kazemnejad" else None
     for name, config, _, train_length in models:
         if not is_decoder(config):
             parser.error(f"--task {args.task}: {name} is an encoder; the tasks score decoders (the answer comes last)")
-        block = copy_block_size(args.copy_max_length) if args.copy_layout == "kazemnejad" else None
-        if args.task == "copy" and block is not None and train_length != block:
+        if block is not None and train_length != block:
             parser.error(
                 f"--task copy --copy_layout kazemnejad at --copy_max_length {args.copy_max_length} scores rows of "
                 f"multiples of {block} tokens (2 x {args.copy_max_length} + 8); {name} trained at {train_length}: "

@@ -53,10 +53,11 @@ def task_default_note(flag: str) -> str:
     """What None means for a flag of :data:`TASK_DEFAULT_FLAGS`, in its help: every task's default."""
     values = {task: default_text(task_default(task, flag)) for task in TASKS}
     others = ", ".join(f"{task} {value}" for task, value in values.items() if task != "lm" and value != values["lm"])
-    off = "; none: off" if flag == "canon_layers" else ""
-    if flag == "block_size":
-        off = "; copy --copy_layout kazemnejad: 2 x --copy_max_length + 8, its longest row"
-    return f"when None: {values['lm']}; --task {others}{off}"
+    extra = {
+        "canon_layers": "; none: off",
+        "block_size": "; copy --copy_layout kazemnejad: 2 x --copy_max_length + 8, its longest row",
+    }.get(flag, "")
+    return f"when None: {values['lm']}; --task {others}{extra}"
 
 
 def default_text(value: int | float | str | None) -> str:
