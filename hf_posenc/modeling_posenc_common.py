@@ -144,6 +144,7 @@ def prepare_attention(
     output_attentions: bool = False,
     default_positions: bool = False,
     past_length: int | torch.Tensor = 0,
+    layer_types: list[str] | None = None,
 ) -> LayerAttentionInputs:
     """Build what each attention layer reads (:data:`AttentionInputs`), once per forward for each kind of layer: the
     scheme it runs (``encoding.layer_encoding(layer_idx)``) and its type (``config.layer_types``: full, sliding
@@ -154,14 +155,15 @@ def prepare_attention(
     cached key the positions are then consecutive in every row, which the scheme's ``prepare`` is told (a static
     fact, so no host sync and nothing for ``torch.compile`` to guard on data). With ``config.canon_layers`` every
     kind's inputs also hold ``"canon"`` (:func:`~hf_posenc.canon_layers.canon_forward_inputs`; ``past_length``: the
-    tokens cached before this forward)."""
+    tokens cached before this forward). ``layer_types``: the type of each layer where it is not the config's (a
+    retrofitted stock layer holding attention beside a recurrent mixer reads the masks of its attention's type)."""
     num_layers = encoding.dims.num_layers
     canon = None
     if getattr(model.config, "canon_layers", None):
         canon = canon_forward_inputs(model, attention_mask, inputs_embeds.shape[1], past_length, position_cache)
     logit_softcapping = getattr(model.config, "attn_logit_softcapping", None)
     layer_schemes = [encoding.layer_encoding(layer_idx) for layer_idx in range(num_layers)]
-    all_kinds = list(zip(layer_schemes, config_layer_types(model.config), strict=True))
+    all_kinds = list(zip(layer_schemes, layer_types or config_layer_types(model.config), strict=True))
     # linear-attention layers (any layer that is not an attention layer) read no scheme, mask or key position: only
     # which current tokens are padding
     layer_kinds = [(scheme, layer_type) for scheme, layer_type in all_kinds if layer_type in ATTENTION_LAYER_TYPES]

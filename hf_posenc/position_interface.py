@@ -334,9 +334,13 @@ def is_linear_cache_layer(layer: Any) -> bool:
 
 
 def keeps_keys(layer: Any) -> bool:
-    """Whether a cache layer keeps keys: not a linear-attention layer (:func:`is_linear_cache_layer`), nor the
-    ``DummyLayer`` Transformers places for a layer without a cache."""
-    return not is_linear_cache_layer(layer) and type(layer).__name__ != "DummyLayer"
+    """Whether a cache layer keeps keys: not a linear-attention layer (:func:`is_linear_cache_layer`) unless it is one
+    beside an attention layer (Transformers' ``LinearAttentionAndFullAttentionLayer`` of Falcon-H1's layers, a
+    ``DynamicLayer`` or ``StaticLayer`` too), nor the ``DummyLayer`` Transformers places for a layer without a
+    cache."""
+    if type(layer).__name__ == "DummyLayer":
+        return False
+    return not is_linear_cache_layer(layer) or isinstance(layer, (DynamicLayer, StaticLayer))
 
 
 def cache_layer_kind(layer: CacheLayerMixin) -> tuple[str, int] | None:

@@ -209,6 +209,32 @@ class RetrofitStateLayer:
         return super().__call__(*args, **kwargs)
 
 
+class RetrofitLayerBesideState(RetrofitLayer):
+    """Mixin of a stock layer holding attention beside a recurrent mixer (:data:`ATTENTION_BESIDE_STATE_TYPES`:
+    Falcon-H1's): an attention layer (:class:`RetrofitLayer`) whose recurrent mixer reads and writes its states in the
+    cache as the stock layer hands it (:class:`RetrofitStateLayer`'s), while its attention stores its keys through
+    :func:`interface_attention` only (:class:`RetrofitAttentionBesideState`)."""
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get(RETROFIT_CACHE)
+        if cache is not None:
+            kwargs[CACHE_NAME] = cache
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = True
+        return super().__call__(*args, **kwargs)
+
+
+class RetrofitAttentionBesideState:
+    """Mixin of the attention module of a :class:`RetrofitLayerBesideState`: called without the cache its layer
+    hands it (the stock module would store its keys before the attention function); :func:`interface_attention`
+    gets the cache under :data:`RETROFIT_CACHE` and stores them after the scheme's transform."""
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get(CACHE_NAME) is not None:
+            kwargs[CACHE_NAME] = None
+        return super().__call__(*args, **kwargs)
+
+
 class RetrofitAttention:
     """Mixin of a stock self-attention module: its own q/k/v projections, then :func:`positional_attention` with the
     scheme, the layer's normalizer and position term. Subclasses say how the stock module projects."""
@@ -833,11 +859,15 @@ class FusedAlibiFamily(StockFamily):
         return self.fused_attention(layer)
 
     def matches(self, base, class_names):
+        """A base ``forward`` building an ALiBi bias, fused attention modules that do not call the attention
+        interface (Falcon's, which do, beside a rotary module, are the attention interface's)."""
         try:
             builds_alibi = "alibi" in inspect.getsource(type(base).forward)
         except (OSError, TypeError):
             return False
-        return builds_alibi and self.layer_list(base) is not None
+        if not builds_alibi or self.layer_list(base) is None:
+            return False
+        return not calls_attention_interface(self.attention(self.layers(base)[0]))
 
     def check_model(self, model):
         config = model.config
@@ -1209,9 +1239,10 @@ CAPTURE_ATTENTION = "posenc_retrofit_capture"
 def capture_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
 ) -> tuple[torch.Tensor, None]:
-    """Keep the q and k a stock attention module hands over (``module.posenc_captured``); return zeros of the
-    output's shape ``(batch, seq, heads, value_dim)``."""
+    """Keep the q and k a stock attention module hands over (``module.posenc_captured``) and its mask
+    (``module.posenc_captured_mask``); return zeros of the output's shape ``(batch, seq, heads, value_dim)``."""
     module.posenc_captured = (query, key)
+    module.posenc_captured_mask = args[0] if args else kwargs.get("attention_mask")
     module.posenc_value_dim = value.shape[-1]
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
@@ -1297,6 +1328,15 @@ def probe_tolerance(dtype: torch.dtype) -> float:
     return max(1e-5, 8 * torch.finfo(dtype).eps)
 
 
+def used_rope_parameters(config) -> dict[str, Any] | None:
+    """``config.rope_parameters``, or None where the config turns rotary positions off beside them: a
+    ``position_embedding_type`` other than ``"rope"`` (Granite 4's hybrids default to NoPE attention and then build no
+    rotary module)."""
+    if hasattr(config, "position_embedding_type") and config.position_embedding_type != "rope":
+        return None
+    return getattr(config, "rope_parameters", None)
+
+
 def rotary_modules(base: nn.Module) -> list[nn.Module]:
     """The base model's rotary modules: ``base_model.rotary_emb`` and every other module of its class (Granite SWA
     keeps one per base in ``rotary_embs``, which its forward reads); none for a model without a rotary module."""
@@ -1331,11 +1371,16 @@ def captured_forward(
     try:
         with torch.no_grad():
             base(inputs_embeds=hidden, position_ids=positions, use_cache=False)
+        for idx, attention in attentions.items():
+            check_plain_mask(
+                attention.posenc_captured_mask, f"retrofit(): {type(base).__name__} ({base.config.model_type})", idx
+            )
         return {idx: attention.posenc_captured for idx, attention in attentions.items()}
     finally:
         for idx, attention in attentions.items():
             attention.config = stock_configs[idx]
             attention.__dict__.pop("posenc_captured", None)
+            attention.__dict__.pop("posenc_captured_mask", None)
             attention.__dict__.pop("posenc_value_dim", None)
         for rotary, hook in zip(rotaries, hooks, strict=True):
             rotary.__dict__.pop("forward", None)
@@ -1343,6 +1388,21 @@ def captured_forward(
                 rotary.forward = hook
         for module, training in modes.items():
             module.training = training
+
+
+def check_plain_mask(mask: Any, prefix: str, layer_idx: int) -> None:
+    """``ValueError`` where the mask a stock forward hands attention layer ``layer_idx`` carries more than which keys
+    are hidden: an additive mask of values other than 0 and the masked value (Falcon's ALiBi in its mask), which the
+    retrofit, building its own masks, would drop."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(((mask == 0) | hidden).all()):
+        raise ValueError(
+            f"{prefix}: its attention layer {layer_idx} gets an attention mask of values other than 0 and the masked "
+            f"value (up to {mask.masked_fill(hidden, 0).abs().max().item():.3g}): a position bias in the mask, which "
+            "the retrofit, building its own masks, would drop."
+        )
 
 
 def check_no_other_positions(
@@ -1533,7 +1593,7 @@ class InterfaceFamily(LlamaFamily):
     def own_rotary(self, config):
         """The rotary parameters per layer (:meth:`LlamaFamily.own_rotary`), rotating MLA's rotary part of each head
         (:meth:`handed_head_dim`); None for a model without any (NoPE attention, checked by :meth:`probe_nope`)."""
-        if not getattr(config, "rope_parameters", None):
+        if not used_rope_parameters(config):
             return None
         specs = super().own_rotary(config)
         mla = mla_head_sizes(config)
@@ -1547,7 +1607,7 @@ class InterfaceFamily(LlamaFamily):
         and the config says it: MLA's ``qk_nope_head_dim + qk_rope_head_dim`` (its ``head_dim`` is the rotary part);
         None otherwise (a NoPE model's is probed: :meth:`probe_nope`)."""
         mla = mla_head_sizes(config)
-        if mla is None or getattr(config, "rope_parameters", None) is None:
+        if mla is None or used_rope_parameters(config) is None:
             return None
         return sum(mla) if sum(mla) != getattr(config, "head_dim", None) else None
 
@@ -1555,7 +1615,7 @@ class InterfaceFamily(LlamaFamily):
         """The first rotary feature of the q and k heads the stock attention hands over: MLA's
         ``qk_nope_head_dim``, else 0."""
         mla = mla_head_sizes(config)
-        return mla[0] if mla is not None and getattr(config, "rope_parameters", None) else 0
+        return mla[0] if mla is not None and used_rope_parameters(config) else 0
 
     def own_scheme(self, config):
         return super().own_scheme(config) if self.own_rotary(config) is not None else {"type": "none"}
@@ -1574,7 +1634,7 @@ class InterfaceFamily(LlamaFamily):
                 "or its decoder) whose attention calls the attention interface"
             )
         no_rotary = "it has no rotary module (base_model.rotary_emb) whose position_embeddings the attention reads"
-        rope = getattr(config, "rope_parameters", None)
+        rope = used_rope_parameters(config)
         if isinstance(getattr(base, "rotary_emb", None), nn.Module):
             if not isinstance(rope, dict) or not rope:
                 return "its config has no rope_parameters"
@@ -1746,7 +1806,7 @@ class InterfaceFamily(LlamaFamily):
                 return None, own, self.probe_nope(model)
         layout, nope_layers = self.probe_rotation(model, own_rotary)
         own = [{"type": "none"} if idx in nope_layers else spec for idx, spec in enumerate(own_rotary)]
-        own = attention_shared(own, config_layer_types(model.config))
+        own = attention_shared(own, attention_kinds(model.config))
         if isinstance(own, list) and all(spec == own[0] for spec in own):
             own = own[0]
         return layout, own, self.handed_head_dim(model.config)
@@ -1895,17 +1955,19 @@ class InterfaceFamily(LlamaFamily):
         masks = {}
         for kind in dict.fromkeys(kinds):
             function = functions.get(kind) if kind not in ATTENTION_LAYER_TYPES else None
-            masks[kind] = (
-                function(
+            # a layer type of several masks (Falcon-H1's "hybrid": its attention's, its Mamba's) keys each by its part
+            parts = function if isinstance(function, dict) else {kind: function}
+            for part, part_function in parts.items():
+                if part in ATTENTION_LAYER_TYPES or not callable(part_function):
+                    masks.setdefault(part, None)
+                    continue
+                masks[part] = part_function(
                     config=config,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
                     cache=None,
                     position_ids=position_ids,
                 )
-                if callable(function)
-                else None
-            )
         return masks
 
     def hand_down(self, call, cache):
@@ -2001,10 +2063,28 @@ def own_cache_classes(base: nn.Module) -> list[type]:
     ]
 
 
+ATTENTION_BESIDE_STATE_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+"""Transformers' layer types of a layer holding attention beside a recurrent mixer (Falcon-H1's Mamba-2 in parallel
+with its attention; one cache layer keeps both, ``LinearAttentionAndFullAttentionLayer``), and the type of that
+attention: its masks and key positions are those of an attention layer of that type."""
+
+
+def attention_kinds(config) -> list[str]:
+    """The type of each layer as the retrofit switches it: ``config.layer_types`` (:func:`config_layer_types`), a
+    layer with attention beside a recurrent mixer read as the type of its attention
+    (:data:`ATTENTION_BESIDE_STATE_TYPES`)."""
+    return [ATTENTION_BESIDE_STATE_TYPES.get(kind, kind) for kind in config_layer_types(config)]
+
+
 def attention_layer_indices(config) -> list[int]:
-    """The indices of a model's attention layers: those whose ``config.layer_types`` entry is one of
+    """The indices of a model's attention layers: those whose type (:func:`attention_kinds`) is one of
     :data:`ATTENTION_LAYER_TYPES` (every layer of a model without hybrid layer types)."""
-    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in ATTENTION_LAYER_TYPES]
+    return [idx for idx, kind in enumerate(attention_kinds(config)) if kind in ATTENTION_LAYER_TYPES]
+
+
+def beside_state_layer_indices(config) -> list[int]:
+    """The attention layers that also hold a recurrent mixer (:data:`ATTENTION_BESIDE_STATE_TYPES`)."""
+    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in ATTENTION_BESIDE_STATE_TYPES]
 
 
 def attention_shared(
@@ -2107,6 +2187,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         position_cache=position_cache,
         output_attentions=config.output_attentions if output_attentions is None else output_attentions,
         default_positions=default_positions and family.default_positions_are_consecutive(base, input_ids),
+        layer_types=attention_kinds(config),
     )
     # The masks live in the attention inputs; a hybrid's other layers get theirs.
     stock_mask = family.stock_attention_mask(config, hidden_states, attention_mask, position_ids)
@@ -2208,7 +2289,7 @@ def plan_retrofit(
     own = family.own_scheme(config)
     own_rotary = family.own_rotary(config)
     rotary_layout = head_dim = None
-    layer_types = config_layer_types(config)
+    layer_types = attention_kinds(config)
     if family is INTERFACE_FAMILY:  # the own scheme as the stock modules compute it: none where they do not rotate
         rotary_layout, own, head_dim = family.own_layout(model, own_rotary)
     given_per_layer = isinstance(position_encoding, (list, tuple))
@@ -2440,9 +2521,12 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         if layer_idx not in attention_layers:  # a hybrid's other layers keep their modules and cache layers
             layer.__class__ = retrofit_class(type(layer), RetrofitStateLayer)
             continue
-        layer.__class__ = retrofit_class(type(layer), RetrofitLayer)
+        beside_state = layer_idx in beside_state_layer_indices(config)
+        layer.__class__ = retrofit_class(type(layer), RetrofitLayerBesideState if beside_state else RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
+        if beside_state:
+            attention.__class__ = retrofit_class(type(attention), RetrofitAttentionBesideState)
         layer.__dict__[LAYER_ATTENTION] = attention  # not a submodule: state dict and module tree unchanged
         weight = next(attention.parameters())
         attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)

@@ -48,8 +48,23 @@ TINY = dict(
     qk_nope_head_dim=4,
     v_head_dim=8,
     sliding_window=4,
+    swa_head_dim=8,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_state=8,
+    mamba_n_groups=1,
+    mamba_expand=2,
+    mamba_d_ssm=64,
+    mamba_chunk_size=16,
 )
-"""Sizes set where the model type's config has the field; the others keep their defaults."""
+"""Sizes set where the model type's config has the field (and can set it: not a property without a setter); the
+others keep their defaults."""
+HYBRID_PATTERNS = {
+    "bamba": dict(attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+}
+"""Hybrids whose default pattern has no attention layer within two layers: two layers, the second attention."""
 MAX_PARAMETERS = 2_000_000
 """A config these sizes leave larger (fields of other names) is counted as not tiny, not built."""
 GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -63,24 +78,41 @@ class WalkRow:
     detail: str
 
 
-def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
     """``model_type``'s config with the :data:`TINY` sizes it has fields for; one layer of each of its default layer
-    types, decoders' ``is_decoder=True`` (BERT-like causal LMs)."""
+    types, decoders' ``is_decoder=True`` (BERT-like causal LMs); then ``overrides``."""
     defaults = transformers.AutoConfig.for_model(model_type)
-    values = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
+    read_only = read_only_fields(type(defaults))
+    values = {name: value for name, value in TINY.items() if hasattr(defaults, name) and name not in read_only}
     if "qk_rope_head_dim" in values:  # MLA: the head sizes are the nope and rope parts, a key head per query head
         if "head_dim" in values:  # the rotary module's size: the rope part (LongCat's default is its own, 64)
             values["head_dim"] = values["qk_rope_head_dim"]
         values["num_key_value_heads"] = values["num_attention_heads"]
     layer_types = getattr(defaults, "layer_types", None)
-    if layer_types is not None:  # each layer type once, in the order of the default pattern (hybrids keep theirs)
+    if model_type in HYBRID_PATTERNS:
+        values.update(HYBRID_PATTERNS[model_type], num_hidden_layers=2)
+    elif layer_types is not None and "layer_types" not in read_only:
+        # each layer type once, in the order of the default pattern (hybrids keep theirs)
         values["layer_types"] = list(dict.fromkeys(layer_types))
         values["num_hidden_layers"] = len(values["layer_types"])
     if hasattr(defaults, "is_decoder"):
         values["is_decoder"] = True
+    values.update(overrides)
     config = transformers.AutoConfig.for_model(model_type, **values, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config._attn_implementation = "eager"
     return config
+
+
+def read_only_fields(config_class: type) -> set[str]:
+    """The fields of a config class computed from others (a property without a setter, or a name its
+    ``attribute_map`` sends to one: Falcon-H1's and Bamba's ``layer_types``)."""
+    computed = {
+        name
+        for name in dir(config_class)
+        if isinstance(getattr(config_class, name, None), property) and getattr(config_class, name).fset is None
+    }
+    aliases = getattr(config_class, "attribute_map", {})
+    return computed | {alias for alias, target in aliases.items() if target in computed}
 
 
 def causal_lm_classes() -> dict[str, str]:
@@ -93,14 +125,14 @@ def first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def walk(model_type: str) -> WalkRow:
-    """One row of the walk (see the module docstring)."""
+def walk(model_type: str, **overrides) -> WalkRow:
+    """One row of the walk (see the module docstring); ``overrides``: config fields set beside the tiny sizes."""
     class_name = causal_lm_classes()[model_type]
     row = WalkRow(model_type, class_name, "stock fails", "")
     ids = torch.randint(3, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(0))
     try:
         model_class = getattr(transformers, class_name)
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, **overrides)
         with torch.device("meta"):
             size = sum(p.numel() for p in model_class(config).parameters())
         if size > MAX_PARAMETERS:
@@ -184,6 +216,13 @@ KEPT = [
     # NoPE attention (no rotary module): beside Mamba-2 layers, beside KDA layers (MLA without positions)
     "nemotron_h",
     "kimi_linear",
+    "granitemoehybrid",  # Granite 4: NoPE attention by default (position_embedding_type), its rope_parameters unused
+    "bamba",
+    "jamba",
+    # attention beside Mamba-2 in every layer, one cache layer holding both
+    "falcon_h1",
+    # fused q/k/v (Falcon's multi-query), rotary through the attention interface
+    "falcon",
     # attention sinks (the softmax normalizer's learned sink)
     "flint",
     "granite_swa",
@@ -235,6 +274,18 @@ REFUSED = {
     "hrm_text": "one list of layers",
 }
 """Model types it refuses, and a word of the reason."""
+
+
+def test_walk_keeps_granite_4_with_rotary_attention():
+    row = walk(present("granitemoehybrid"), position_embedding_type="rope")
+    assert (row.outcome, row.detail.split(",")[0]) == ("kept", "own rope"), row
+
+
+def test_walk_refuses_a_position_bias_in_the_stock_mask():
+    """Falcon with ``alibi=True`` adds its ALiBi to the mask its base model hands the attention: refused by name (a
+    retrofit building its own masks would drop it; the rotary Falcon is kept)."""
+    row = walk(present("falcon"), alibi=True)
+    assert row.outcome == "refused" and "a position bias in the mask" in row.detail, row
 
 
 def present(model_type: str) -> str:
