@@ -101,6 +101,7 @@ from .posenc_attention import positional_attention
 from .position_encodings import POSITION_ENCODINGS, build_position_encoding_module
 from .position_interface import (
     CACHE_NAME,
+    AttentionInputs,
     EmbeddingInputs,
     LayerPositionTerm,
     PositionCache,
@@ -233,6 +234,28 @@ class RetrofitAttentionBesideState:
         if kwargs.get(CACHE_NAME) is not None:
             kwargs[CACHE_NAME] = None
         return super().__call__(*args, **kwargs)
+
+
+class RetrofitIndexer:
+    """Mixin of the indexer of an attention layer over selected keys (:data:`SELECTING_ATTENTION_TYPES`): it runs as
+    in the stock model, on the stock rotary embedding (its own rotation of its q and k, kept whatever scheme the
+    attention runs: it picks the keys, the scheme scores them) and with the KV cache, where it keeps its keys (the
+    stock attention module around it is called without the cache: :func:`interface_attention` stores the
+    attention's keys)."""
+
+    def forward(self, *args, **kwargs):
+        bound = inspect.signature(super().forward).bind(*args, **kwargs)
+        arguments = bound.arguments
+        rotary = self.__dict__[INDEXER_ROTARY]
+        hidden, positions = arguments["hidden_states"], arguments["position_ids"]
+        arguments["position_embeddings"] = type(rotary).forward(rotary, hidden, positions)
+        stash = self.__dict__[INDEXER_ATTENTION].__dict__.get(STASH) or {}
+        arguments["cache"] = stash.get(RETROFIT_CACHE)
+        return super().forward(*bound.args, **bound.kwargs)
+
+
+INDEXER_ROTARY, INDEXER_ATTENTION = "posenc_stock_rotary", "posenc_indexed_attention"
+"""An indexer's attributes (not submodules) holding the base model's rotary module and its attention module."""
 
 
 class RetrofitAttention:
@@ -653,7 +676,7 @@ class StockFamily:
         """Take the stock rotary embedding out where the stock attention still applies it (the attention-interface
         family); the other families' attention modules no longer read it."""
 
-    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids) -> Any:
+    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids, cache) -> Any:
         """The ``attention_mask`` the stock forward gets: None, as the masks live in the attention inputs (sparing
         the stock forward building its own)."""
         return None
@@ -1059,11 +1082,14 @@ def interface_attention(
     order = getattr(module, "posenc_feature_order", None)
     if order is not None:
         query, key = query[..., order], key[..., order]
+    attention_inputs = kwargs[ATTENTION_INPUTS]
+    if kwargs.get("indices") is not None:  # the keys an indexer selected (DeepSeek Sparse Attention)
+        attention_inputs = with_selected_keys(attention_inputs, kwargs["indices"], query.dtype)
     return positional_attention(
         query,
         key,
         value,
-        kwargs[ATTENTION_INPUTS],
+        attention_inputs,
         kwargs[POSITION_ENCODING],
         module.normalizer,
         module.position_term,
@@ -1077,6 +1103,39 @@ def interface_attention(
 
 
 AttentionInterface.register(RETROFIT_ATTENTION, interface_attention)
+
+
+def with_selected_keys(
+    attention_inputs: AttentionInputs, indices: torch.Tensor, dtype: torch.dtype
+) -> AttentionInputs:
+    """A layer's attention inputs hiding every key its indexer did not select: ``indices`` ``(batch, q_len, top_k)``
+    counts the keys as the layer's key positions list them (the indexer scored the same cached keys), and a key is
+    visible where it was visible and is selected. Eager and SDPA (the stock modules fold the selection into their mask
+    the same way); FlexAttention's block mask is refused."""
+    if attention_inputs["backend"] == "flex_attention":
+        raise ValueError(
+            "retrofit(): attention over the keys an indexer selects (DeepSeek Sparse Attention) runs on eager and "
+            "SDPA, whose masks take the selection; got attn_implementation='flex_attention'."
+        )
+    queries, keys = attention_inputs["query_positions"], attention_inputs["key_positions"]
+    visible = attention_inputs["visible"]
+    if visible is None:  # a mask SDPA's is_causal stood for
+        visible = (keys[:, None, :] <= queries[:, :, None])[:, None]
+    kv_len = keys.shape[-1]
+    width = max(kv_len, int(indices.max()) + 1)
+    selected = torch.zeros(*indices.shape[:2], width, dtype=torch.bool, device=indices.device)
+    selected = selected.scatter(-1, indices.long(), True)[:, None, :, :kv_len]
+    visible = visible & selected
+    row_has_key = visible.any(dim=-1, keepdim=True)
+    attend = visible | ~row_has_key
+    mask = attention_inputs["mask"]
+    if mask is None or mask.dtype == torch.bool:
+        mask = attend if attention_inputs["backend"] == "sdpa" else None
+    if mask is None:  # eager: an additive mask
+        mask = torch.zeros(attend.shape, dtype=torch.promote_types(dtype, torch.float32), device=attend.device)
+    if mask.dtype != torch.bool:
+        mask = mask.masked_fill(~attend, torch.finfo(mask.dtype).min)
+    return {**attention_inputs, "mask": mask, "visible": visible, "row_has_key": row_has_key}
 
 
 def calls_attention_interface(module: nn.Module) -> bool:
@@ -1392,16 +1451,16 @@ def captured_forward(
 
 def check_plain_mask(mask: Any, prefix: str, layer_idx: int) -> None:
     """``ValueError`` where the mask a stock forward hands attention layer ``layer_idx`` carries more than which keys
-    are hidden: an additive mask of values other than 0 and the masked value (Falcon's ALiBi in its mask), which the
-    retrofit, building its own masks, would drop."""
+    are hidden: an additive mask of values other than 0 and the masked value (Falcon's ALiBi, Doge's dynamic mask of
+    the values), which the retrofit, building its own masks, would drop."""
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
         return
     hidden = mask <= torch.finfo(mask.dtype).min / 2
     if not bool(((mask == 0) | hidden).all()):
         raise ValueError(
             f"{prefix}: its attention layer {layer_idx} gets an attention mask of values other than 0 and the masked "
-            f"value (up to {mask.masked_fill(hidden, 0).abs().max().item():.3g}): a position bias in the mask, which "
-            "the retrofit, building its own masks, would drop."
+            f"value (up to {mask.masked_fill(hidden, 0).abs().max().item():.3g}): a bias in the mask (of positions or "
+            "of content), which the retrofit, building its own masks, would drop."
         )
 
 
@@ -1944,30 +2003,49 @@ class InterfaceFamily(LlamaFamily):
         for rotary in rotary_modules(base):  # none in a NoPE model
             rotary.forward = types.MethodType(identity_rotary_forward, rotary)
 
-    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids):
+    def stock_attention_mask(self, config, inputs_embeds, attention_mask, position_ids, cache):
         """A hybrid's other layers read the stock mask of their layer type (Transformers' ``masking_utils`` mask
         function of the type: the recurrent layers' padding mask), which the stock forward takes as a dict by layer
-        type; its attention layers get None (their masks are in the attention inputs)."""
+        type; its attention layers get None (their masks are in the attention inputs). A layer type of several masks
+        (``"hybrid"``: its attention's and its Mamba's) has each under the name of its part and None under its own
+        (Falcon-H1 reads the parts, ZAYA its own and ``"conv"``); the recurrent padding masks are there under every
+        name Transformers gives them. An indexer's layer type (:data:`SELECTING_ATTENTION_TYPES`) has its stock causal
+        mask, boolean and sized by ``cache`` as the stock forward builds it, which the indexer scores under."""
         kinds = config_layer_types(config)
         if all(kind in ATTENTION_LAYER_TYPES for kind in kinds):
             return None
         functions = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
-        masks = {}
+        recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+        parts = {}
         for kind in dict.fromkeys(kinds):
             function = functions.get(kind) if kind not in ATTENTION_LAYER_TYPES else None
-            # a layer type of several masks (Falcon-H1's "hybrid": its attention's, its Mamba's) keys each by its part
-            parts = function if isinstance(function, dict) else {kind: function}
-            for part, part_function in parts.items():
-                if part in ATTENTION_LAYER_TYPES or not callable(part_function):
-                    masks.setdefault(part, None)
-                    continue
-                masks[part] = part_function(
+            parts.update(function if isinstance(function, dict) else {kind: function})
+        parts.update({name: function for name, function in functions.items() if function is recurrent})
+        masks = {kind: None for kind in kinds}
+        boolean = copy.copy(config)
+        boolean._attn_implementation_internal = "sdpa"
+        for kind in dict.fromkeys(kinds):
+            if kind in SELECTING_ATTENTION_TYPES:
+                masks[kind] = masking_utils.create_causal_mask(
+                    config=boolean,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    cache=cache,
+                    position_ids=position_ids,
+                    allow_is_causal_skip=False,
+                )
+                parts.pop(kind, None)
+        for part, function in parts.items():
+            if part not in ATTENTION_LAYER_TYPES and callable(function):
+                masks[part] = function(
                     config=config,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
                     cache=None,
                     position_ids=position_ids,
                 )
+            else:
+                masks.setdefault(part, None)
         return masks
 
     def hand_down(self, call, cache):
@@ -2069,17 +2147,30 @@ with its attention; one cache layer keeps both, ``LinearAttentionAndFullAttentio
 attention: its masks and key positions are those of an attention layer of that type."""
 
 
+SELECTING_ATTENTION_TYPES = {"indexed_attention": "full_attention"}
+"""Transformers' layer types of attention over the keys an indexer selects (DeepSeek Sparse Attention: DeepSeek V3.2,
+GLM-MoE-DSA, HY V4, AXK2: a small scorer with its own rotary q and k picks the top-k keys of each query), and the type
+of that attention: its masks and key positions are those of an attention layer of that type, less the keys the
+indexer did not pick (:class:`RetrofitIndexer`, :func:`with_selected_keys`)."""
+
+
 def attention_kinds(config) -> list[str]:
     """The type of each layer as the retrofit switches it: ``config.layer_types`` (:func:`config_layer_types`), a
-    layer with attention beside a recurrent mixer read as the type of its attention
-    (:data:`ATTENTION_BESIDE_STATE_TYPES`)."""
-    return [ATTENTION_BESIDE_STATE_TYPES.get(kind, kind) for kind in config_layer_types(config)]
+    layer with attention beside a recurrent mixer (:data:`ATTENTION_BESIDE_STATE_TYPES`) or over the keys an indexer
+    selects (:data:`SELECTING_ATTENTION_TYPES`) read as the type of its attention."""
+    kinds = {**ATTENTION_BESIDE_STATE_TYPES, **SELECTING_ATTENTION_TYPES}
+    return [kinds.get(kind, kind) for kind in config_layer_types(config)]
 
 
 def attention_layer_indices(config) -> list[int]:
     """The indices of a model's attention layers: those whose type (:func:`attention_kinds`) is one of
     :data:`ATTENTION_LAYER_TYPES` (every layer of a model without hybrid layer types)."""
     return [idx for idx, kind in enumerate(attention_kinds(config)) if kind in ATTENTION_LAYER_TYPES]
+
+
+def selecting_layer_indices(config) -> list[int]:
+    """The attention layers over the keys an indexer selects (:data:`SELECTING_ATTENTION_TYPES`)."""
+    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in SELECTING_ATTENTION_TYPES]
 
 
 def beside_state_layer_indices(config) -> list[int]:
@@ -2190,7 +2281,7 @@ def prepare_forward(family: StockFamily, base: PreTrainedModel, call: dict[str, 
         layer_types=attention_kinds(config),
     )
     # The masks live in the attention inputs; a hybrid's other layers get theirs.
-    stock_mask = family.stock_attention_mask(config, hidden_states, attention_mask, position_ids)
+    stock_mask = family.stock_attention_mask(config, hidden_states, attention_mask, position_ids, cache)
     call.update(inputs_embeds=hidden_states, position_ids=position_ids, attention_mask=stock_mask)
     call.update({ATTENTION_INPUTS: attention_inputs, POSITION_ENCODING: encoding})
     return call
@@ -2527,6 +2618,10 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
         attention = family.attention(layer)
         if beside_state:
             attention.__class__ = retrofit_class(type(attention), RetrofitAttentionBesideState)
+        if layer_idx in selecting_layer_indices(config):
+            attention.indexer.__class__ = retrofit_class(type(attention.indexer), RetrofitIndexer)
+            attention.indexer.__dict__[INDEXER_ROTARY] = base.rotary_emb
+            attention.indexer.__dict__[INDEXER_ATTENTION] = attention
         layer.__dict__[LAYER_ATTENTION] = attention  # not a submodule: state dict and module tree unchanged
         weight = next(attention.parameters())
         attention.normalizer = normalizers[layer_idx].to(weight.device, weight.dtype)

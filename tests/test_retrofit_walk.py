@@ -49,6 +49,7 @@ TINY = dict(
     v_head_dim=8,
     sliding_window=4,
     swa_head_dim=8,
+    rotary_dim=4,
     mamba_n_heads=4,
     mamba_d_head=16,
     mamba_d_state=8,
@@ -59,12 +60,23 @@ TINY = dict(
 )
 """Sizes set where the model type's config has the field (and can set it: not a property without a setter); the
 others keep their defaults."""
-HYBRID_PATTERNS = {
-    "bamba": dict(attn_layer_indices=[1]),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
-    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+CONFIG_OVERRIDES = {
+    "bamba": dict(attn_layer_indices=[1], num_hidden_layers=2),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=2),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=4),
+    "kolibri1_1": dict(head_dim=16),
+    "zaya": dict(num_experts_per_tok=1),
+    # DeepSeek Sparse Attention: the indexer keeps 4 of the walk's 10 tokens, so that its selection shows
+    "deepseek_v32": dict(index_topk=4),
+    "glm_moe_dsa": dict(index_topk=4),
+    "hy_v4": dict(index_topk=4),
+    "axk2": dict(index_topk=4),
 }
-"""Hybrids whose default pattern has no attention layer within two layers: two layers, the second attention."""
+"""Fields a model type's config needs beside :data:`TINY` to build at that size: hybrids whose default pattern has
+no attention layer within two layers (two layers, the second attention), layer patterns of other names, a config
+check the tiny sizes break (Kolibri's NVFP4 keys need a head size of 16, ZAYA routes to one expert), an indexer's
+top-k below the walk's length."""
 MAX_PARAMETERS = 2_000_000
 """A config these sizes leave larger (fields of other names) is counted as not tiny, not built."""
 GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -89,12 +101,11 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
             values["head_dim"] = values["qk_rope_head_dim"]
         values["num_key_value_heads"] = values["num_attention_heads"]
     layer_types = getattr(defaults, "layer_types", None)
-    if model_type in HYBRID_PATTERNS:
-        values.update(HYBRID_PATTERNS[model_type], num_hidden_layers=2)
-    elif layer_types is not None and "layer_types" not in read_only:
+    if layer_types is not None and "layer_types" not in read_only:
         # each layer type once, in the order of the default pattern (hybrids keep theirs)
         values["layer_types"] = list(dict.fromkeys(layer_types))
         values["num_hidden_layers"] = len(values["layer_types"])
+    values.update(CONFIG_OVERRIDES.get(model_type, {}))
     if hasattr(defaults, "is_decoder"):
         values["is_decoder"] = True
     values.update(overrides)
@@ -234,6 +245,11 @@ KEPT = [
     "glm4_moe_lite",
     "youtu",
     "bailing_hybrid",
+    # DeepSeek Sparse Attention: attention over the keys an indexer selects, the indexer on its own rotary q and k
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v4",
+    "axk2",
     # complex frequencies and NoPE layers
     "llama4_text",
     # a rotation by -m theta (rotate_half as cat(x2, -x1)): hf_posenc's rope on the swapped halves
@@ -266,12 +282,12 @@ KEPT = [
 """Model types the retrofit keeps, among the starting points researchers use and the shapes the long tail takes (Llama,
 Mistral, Qwen2/3, BERT, RoBERTa, GPT-2 are tested in ``test_retrofit.py``)."""
 REFUSED = {
-    "deepseek_v32": "calls the attention interface",  # its indexer layers (layer type named by the version)
     "minimax": "cache of its own class",
     "mimo_v2_flash": "attention sinks",
     "openai-gpt": "not a decoder with one list of layers",
     "ctrl": "not called on the layer's hidden_states",
     "hrm_text": "one list of layers",
+    "doge": "a bias in the mask",  # its dynamic mask of the values, added to the causal mask
 }
 """Model types it refuses, and a word of the reason."""
 
@@ -285,7 +301,27 @@ def test_walk_refuses_a_position_bias_in_the_stock_mask():
     """Falcon with ``alibi=True`` adds its ALiBi to the mask its base model hands the attention: refused by name (a
     retrofit building its own masks would drop it; the rotary Falcon is kept)."""
     row = walk(present("falcon"), alibi=True)
-    assert row.outcome == "refused" and "a position bias in the mask" in row.detail, row
+    assert row.outcome == "refused" and "a bias in the mask" in row.detail, row
+
+
+def test_selected_keys_hide_the_keys_the_indexer_did_not_pick():
+    """:func:`with_selected_keys` against a hand-built mask: query i sees key j where j <= i and the indexer picked j;
+    a query whose picks are all later keys sees none (its row attends nowhere, as the stock sparse mask leaves it)."""
+    select = sys.modules["hf_posenc.retrofit"].with_selected_keys
+    positions = torch.arange(4)[None]
+    indices = torch.tensor([[[0, 3], [1, 0], [2, 1], [3, 0]]])
+    inputs = {"backend": "sdpa", "query_positions": positions, "key_positions": positions, "mask": None}
+    selected = select({**inputs, "visible": None, "row_has_key": None}, indices, torch.float32)
+    expected = torch.zeros(4, 4, dtype=torch.bool)
+    for query, keys in enumerate(indices[0].tolist()):
+        for key in keys:
+            expected[query, key] = key <= query
+    assert torch.equal(selected["visible"][0, 0], expected)
+    assert selected["mask"].dtype == torch.bool and torch.equal(selected["mask"][0, 0], expected)
+    eager = select({**inputs, "backend": "eager", "visible": None, "row_has_key": None}, indices, torch.float32)
+    assert torch.equal(eager["mask"][0, 0] == 0, expected)
+    with pytest.raises(ValueError, match="flex_attention"):
+        select({**inputs, "backend": "flex_attention", "visible": None, "row_has_key": None}, indices, torch.float32)
 
 
 def present(model_type: str) -> str:
