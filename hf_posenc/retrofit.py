@@ -883,12 +883,13 @@ class FusedAlibiFamily(StockFamily):
 
     def matches(self, base, class_names):
         """A base ``forward`` building an ALiBi bias, fused attention modules that do not call the attention
-        interface (Falcon's, which do, beside a rotary module, are the attention interface's)."""
+        interface, no rotary module (Falcon, ALiBi or rotary by its config: through the attention interface where
+        its attention calls it, else refused)."""
         try:
             builds_alibi = "alibi" in inspect.getsource(type(base).forward)
         except (OSError, TypeError):
             return False
-        if not builds_alibi or self.layer_list(base) is None:
+        if not builds_alibi or self.layer_list(base) is None or rotary_modules(base):
             return False
         return not calls_attention_interface(self.attention(self.layers(base)[0]))
 
