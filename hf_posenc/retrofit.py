@@ -250,7 +250,7 @@ class RetrofitIndexer:
         hidden, positions = arguments["hidden_states"], arguments["position_ids"]
         arguments["position_embeddings"] = type(rotary).forward(rotary, hidden, positions)
         stash = self.__dict__[INDEXER_ATTENTION].__dict__.get(STASH) or {}
-        arguments["cache"] = stash.get(RETROFIT_CACHE)
+        arguments[CACHE_NAME] = stash.get(RETROFIT_CACHE)
         return super().forward(*bound.args, **bound.kwargs)
 
 
@@ -2011,7 +2011,7 @@ class InterfaceFamily(LlamaFamily):
         (``"hybrid"``: its attention's and its Mamba's) has each under the name of its part and None under its own
         (Falcon-H1 reads the parts, ZAYA its own and ``"conv"``); the recurrent padding masks are there under every
         name Transformers gives them. An indexer's layer type (:data:`SELECTING_ATTENTION_TYPES`) has its stock causal
-        mask, boolean and sized by ``cache`` as the stock forward builds it, which the indexer scores under."""
+        mask, additive and sized by ``cache`` as the stock forward builds it, which the indexer scores under."""
         kinds = config_layer_types(config)
         if all(kind in ATTENTION_LAYER_TYPES for kind in kinds):
             return None
@@ -2023,17 +2023,17 @@ class InterfaceFamily(LlamaFamily):
             parts.update(function if isinstance(function, dict) else {kind: function})
         parts.update({name: function for name, function in functions.items() if function is recurrent})
         masks = {kind: None for kind in kinds}
-        boolean = copy.copy(config)
-        boolean._attn_implementation_internal = "sdpa"
+        additive = copy.copy(config)  # the mask an indexer adds to its scores (older Transformers' indexers add it)
+        additive._attn_implementation_internal = "eager"
         for kind in dict.fromkeys(kinds):
             if kind in SELECTING_ATTENTION_TYPES:
                 masks[kind] = masking_utils.create_causal_mask(
-                    config=boolean,
+                    config=additive,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
-                    cache=cache,
                     position_ids=position_ids,
                     allow_is_causal_skip=False,
+                    **{CACHE_NAME: cache},
                 )
                 parts.pop(kind, None)
         for part, function in parts.items():
@@ -2148,7 +2148,7 @@ with its attention; one cache layer keeps both, ``LinearAttentionAndFullAttentio
 attention: its masks and key positions are those of an attention layer of that type."""
 
 
-SELECTING_ATTENTION_TYPES = {"indexed_attention": "full_attention"}
+SELECTING_ATTENTION_TYPES = {"indexed_attention": "full_attention", "deepseek_sparse_attention": "full_attention"}
 """Transformers' layer types of attention over the keys an indexer selects (DeepSeek Sparse Attention: DeepSeek V3.2,
 GLM-MoE-DSA, HY V4, AXK2: a small scorer with its own rotary q and k picks the top-k keys of each query), and the type
 of that attention: its masks and key positions are those of an attention layer of that type, less the keys the
