@@ -2639,6 +2639,7 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     base.forward = types.MethodType(retrofit_forward(type(base), family), base)
     for owner in {model, base}:
         owner.save_pretrained = functools.partial(save_retrofitted, owner)
+        owner._initialize_weights = types.MethodType(stock_initialize_weights, owner)
         # The attention is the library's composition, on every backend (stock gpt-oss refuses SDPA for its sinks).
         owner._supports_sdpa = owner._supports_flex_attn = True
     model.create_masks_for_generate = keep_attention_mask_for_generate
@@ -2656,6 +2657,14 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     )
     register_stock_conversions(stock_type)
     return new_modules
+
+
+def stock_initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+    """A retrofitted model's ``_initialize_weights``: as for the stock model, also where it was loaded as remote
+    code. There Transformers skips a module that holds no tensor of its own, which would leave what a stock base
+    model's ``_init_weights`` fills in its layers uninitialised (Falcon-H1's non-persistent ``mup_vector``); the
+    stock classes' init functions read the loaded flags themselves."""
+    type(self)._initialize_weights(self, module, False)
 
 
 def register_stock_conversions(stock_type: str) -> None:

@@ -966,6 +966,23 @@ def test_mla_and_hybrid_models_load_as_remote_code_without_hf_posenc(model_type,
         assert out["targets"] == targets
 
 
+@pytest.mark.parametrize(("model_type", "targets"), [("falcon_h1", ["q_proj", "v_proj"]), ("deepseek_v32", None)])
+def test_parallel_hybrid_and_sparse_attention_load_as_remote_code_without_hf_posenc(model_type, targets, tmp_path):
+    """Falcon-H1 (Mamba-2 beside attention in each layer, one cache layer holding both) and DeepSeek V3.2 (attention
+    over the keys its indexer picks: 4 of 10 in the walk's config) switched to ``alibi`` generate with the cache as
+    without, save and load as remote code where hf_posenc is not importable with the same logits and greedy tokens,
+    and LoRA trains a step (DeepSeek V3.2's MLA projections named: PEFT has no defaults there, as on the stock
+    model)."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+
+    patched = hf_posenc.retrofit(walk_model(model_type), "alibi")
+    out = check_remote_code_without_hf_posenc(patched, random_ids(2, 10), tmp_path, ["q_b_proj", "kv_b_proj"])
+    if targets is None:
+        assert "`target_modules`" in out["targets"] and any("q_b_proj" in name for name in out["moved"])
+    else:
+        assert out["targets"] == targets
+
+
 @pytest.mark.parametrize("model_type", ["glm4", "cohere", "phi"])
 def test_interleaved_and_partial_rotary_are_kept_and_switched(model_type, tmp_path):
     """GLM-4 (interleaved pairs on half of each head), Cohere (interleaved), Phi (half of each head, the rotary slice
