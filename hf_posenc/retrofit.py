@@ -2169,14 +2169,10 @@ def attention_layer_indices(config) -> list[int]:
     return [idx for idx, kind in enumerate(attention_kinds(config)) if kind in ATTENTION_LAYER_TYPES]
 
 
-def selecting_layer_indices(config) -> list[int]:
-    """The attention layers over the keys an indexer selects (:data:`SELECTING_ATTENTION_TYPES`)."""
-    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in SELECTING_ATTENTION_TYPES]
-
-
-def beside_state_layer_indices(config) -> list[int]:
-    """The attention layers that also hold a recurrent mixer (:data:`ATTENTION_BESIDE_STATE_TYPES`)."""
-    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in ATTENTION_BESIDE_STATE_TYPES]
+def stock_layer_indices(config, layer_types: dict[str, str]) -> list[int]:
+    """The layers whose ``config.layer_types`` entry is one of ``layer_types``' keys
+    (:data:`ATTENTION_BESIDE_STATE_TYPES`, :data:`SELECTING_ATTENTION_TYPES`)."""
+    return [idx for idx, kind in enumerate(config_layer_types(config)) if kind in layer_types]
 
 
 def attention_shared(
@@ -2609,17 +2605,19 @@ def patch(model: PreTrainedModel, family: StockFamily) -> list[nn.Module]:
     family.remove_stock_positions(base)
     attention_layers = attention_layer_indices(config)
     layers = family.layers(base)
+    beside_state_layers = stock_layer_indices(config, ATTENTION_BESIDE_STATE_TYPES)
+    selecting_layers = stock_layer_indices(config, SELECTING_ATTENTION_TYPES)
     for layer_idx, layer in enumerate(layers):
         if layer_idx not in attention_layers:  # a hybrid's other layers keep their modules and cache layers
             layer.__class__ = retrofit_class(type(layer), RetrofitStateLayer)
             continue
-        beside_state = layer_idx in beside_state_layer_indices(config)
+        beside_state = layer_idx in beside_state_layers
         layer.__class__ = retrofit_class(type(layer), RetrofitLayerBesideState if beside_state else RetrofitLayer)
         layer.posenc_layer_idx = layer_idx
         attention = family.attention(layer)
         if beside_state:
             attention.__class__ = retrofit_class(type(attention), RetrofitAttentionBesideState)
-        if layer_idx in selecting_layer_indices(config):
+        if layer_idx in selecting_layers:
             attention.indexer.__class__ = retrofit_class(type(attention.indexer), RetrofitIndexer)
             attention.indexer.__dict__[INDEXER_ROTARY] = base.rotary_emb
             attention.indexer.__dict__[INDEXER_ATTENTION] = attention
