@@ -60,7 +60,7 @@ class LearnedAbsolute(PositionEncoding):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.input_size)
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
         position_ids = inputs.position_ids
@@ -87,7 +87,7 @@ class SinusoidalAbsolute(PositionEncoding):
     options = {"base": Option(10000.0, (float, int), "wavelength base", lambda v: v > 1, "a number > 1")}
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
-        table = sinusoidal_table(inputs.position_ids, self.dims.hidden_size, self.spec["base"])
+        table = sinusoidal_table(inputs.position_ids, self.dims.input_size, self.spec["base"])
         return inputs.inputs_embeds + table.to(inputs.inputs_embeds.dtype)
 
 
@@ -172,7 +172,7 @@ class MultiplicativeAbsolute(PositionEncoding):
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
         if spec["table"] == "learned":
-            self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+            self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.input_size)
 
     def init_weights(self, std: float) -> None:
         if self.spec["table"] == "learned":
@@ -181,7 +181,7 @@ class MultiplicativeAbsolute(PositionEncoding):
     def position_gains(self, position_ids: torch.Tensor) -> torch.Tensor:
         """``p_k`` for ``position_ids`` ``(batch, seq)`` -> ``(batch, seq, hidden)``."""
         if self.spec["table"] == "sinusoidal":
-            return 1 + sinusoidal_table(position_ids, self.dims.hidden_size, self.spec["base"])
+            return 1 + sinusoidal_table(position_ids, self.dims.input_size, self.spec["base"])
         check_table_positions(position_ids, self.table.num_embeddings, "multiplicative", EXTEND_OR_SWITCH)
         return self.table(position_ids)
 
@@ -224,7 +224,7 @@ class HierarchicalAbsolute(PositionEncoding):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.hidden_size)
+        self.table = nn.Embedding(spec["max_positions"] or dims.max_positions, dims.input_size)
 
     def embed(self, inputs: EmbeddingInputs) -> torch.Tensor:
         n = self.table.num_embeddings
@@ -277,11 +277,11 @@ class ComplexOrder(PositionEncoding):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
-        self.frequencies = nn.Parameter(torch.empty(dims.vocab_size, dims.hidden_size // 2))
+        self.check_sizes(spec, dims.input_size, dims.max_positions)
+        self.frequencies = nn.Parameter(torch.empty(dims.vocab_size, dims.input_size // 2))
 
     def initial_frequencies(self, num_tokens: int) -> torch.Tensor:
-        exponents = torch.arange(0, self.dims.hidden_size, 2, dtype=torch.float32) / self.dims.hidden_size
+        exponents = torch.arange(0, self.dims.input_size, 2, dtype=torch.float32) / self.dims.input_size
         return (self.base**-exponents).expand(num_tokens, -1)
 
     def init_weights(self, std: float) -> None:
@@ -357,7 +357,7 @@ class ConvAbsolute(PositionEncoding):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        hidden, width = dims.hidden_size, spec["kernel_size"]
+        hidden, width = dims.input_size, spec["kernel_size"]
         self.conv = nn.Conv1d(hidden, hidden, width, groups=hidden)
         left = width - 1 if dims.causal else (width - 1) // 2
         self.padding = (left, width - 1 - left)
@@ -594,15 +594,15 @@ class RecurrentAbsolute(GeneratedTable):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        hidden = dims.hidden_size
+        hidden = dims.input_size
         self.initial = nn.Parameter(torch.empty(hidden))
         self.transition = nn.Linear(hidden, 3 * hidden if spec["cell"] == "gru" else hidden)
 
     def init_weights(self, std: float) -> None:
         init.normal_(self.initial, std=std)
-        gates = self.transition.weight.shape[0] // self.dims.hidden_size
+        gates = self.transition.weight.shape[0] // self.dims.input_size
         orthogonal = [
-            nn.init.orthogonal_(torch.empty(self.dims.hidden_size, self.dims.hidden_size)) for _ in range(gates)
+            nn.init.orthogonal_(torch.empty(self.dims.input_size, self.dims.input_size)) for _ in range(gates)
         ]
         init.copy_(self.transition.weight, torch.cat(orthogonal))
         init.zeros_(self.transition.bias)
@@ -793,8 +793,8 @@ class Floater(GeneratedTable):
 
     def __init__(self, spec, dims):
         super().__init__(spec, dims)
-        self.check_sizes(spec, dims.hidden_size, dims.max_positions)
-        hidden = dims.hidden_size
+        self.check_sizes(spec, dims.input_size, dims.max_positions)
+        hidden = dims.input_size
         self.initial = nn.Parameter(torch.empty(hidden))
         self.frequencies = nn.Parameter(torch.empty(hidden // 2))
         if spec["dynamics"] == "mlp":
@@ -802,7 +802,7 @@ class Floater(GeneratedTable):
             self.outer = nn.Linear(spec["width"], hidden)
 
     def init_weights(self, std: float) -> None:
-        hidden = self.dims.hidden_size
+        hidden = self.dims.input_size
         init.copy_(self.initial, sinusoidal_table(torch.zeros(1, 1, dtype=torch.long), hidden, 10000.0)[0, 0])
         init.copy_(self.frequencies, 10000.0 ** (-torch.arange(0, hidden, 2, dtype=torch.float32) / hidden))
         if self.spec["dynamics"] == "mlp":

@@ -47,7 +47,8 @@ from .score_bias_encodings import refuse_old_t5_table
 
 def attention_dims(config, causal: bool) -> AttentionDims:
     """Sizes from a config; ``head_dim`` is ``hidden_size / num_attention_heads`` unless the config sets it (Llama;
-    a retrofit's ``posenc_head_dim`` where the stock attention's heads are not of the config's ``head_dim``)."""
+    a retrofit's ``posenc_head_dim`` where the stock attention's heads are not of the config's ``head_dim``); the
+    embeddings' width a retrofit's ``posenc_embedding_size`` where they are projected to ``hidden_size``."""
     head_dim = getattr(config, "posenc_head_dim", None) or getattr(config, "head_dim", None)
     if head_dim is None and config.hidden_size % config.num_attention_heads != 0:
         raise ValueError(
@@ -62,7 +63,14 @@ def attention_dims(config, causal: bool) -> AttentionDims:
         causal=causal,
         num_layers=config.num_hidden_layers,
         vocab_size=config.vocab_size,
+        embedding_size=getattr(config, "posenc_embedding_size", None),
     )
+
+
+def input_size(config) -> int:
+    """The width of the token embeddings an input-side scheme acts on: ``hidden_size``, or a retrofit's
+    ``posenc_embedding_size`` where the stock embeddings are projected to it (ELECTRA, RemBERT)."""
+    return getattr(config, "posenc_embedding_size", None) or config.hidden_size
 
 
 def resolve_config_position_encoding(config, causal: bool) -> dict[str, Any] | list[dict[str, Any]]:
@@ -73,7 +81,7 @@ def resolve_config_position_encoding(config, causal: bool) -> dict[str, Any] | l
         config.num_hidden_layers,
         training_length(config),
         causal,
-        config.hidden_size,
+        input_size(config),
     )
     return config.position_encoding
 

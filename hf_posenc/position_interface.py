@@ -112,6 +112,14 @@ class AttentionDims:
     causal: bool
     num_layers: int = 1
     vocab_size: int = 0
+    embedding_size: int | None = None
+    """The width of the token embeddings where they are projected to ``hidden_size`` (ELECTRA's
+    ``embedding_size``, RemBERT's ``input_embedding_size``); None where they are ``hidden_size`` wide."""
+
+    @property
+    def input_size(self) -> int:
+        """The width of the vectors an input-side scheme adds to or multiplies: the token embeddings'."""
+        return self.embedding_size or self.hidden_size
 
 
 class _SumGradientOverRanks(torch.autograd.Function):

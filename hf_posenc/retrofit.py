@@ -325,6 +325,40 @@ class RetrofitBertSelfAttention(RetrofitAttention):
         return self.attend(hidden_states, kwargs, scaling=scaling, dropout=self.dropout.p, causal=causal)
 
 
+class RetrofitRoFormerSelfAttention(RetrofitBertSelfAttention):
+    """RoFormer's self-attention: BERT's projections, its q and k features read in hf_posenc's rope layout (its
+    rotation pairs the features ``(2i, 2i + 1)``: :func:`half_layout_order`, ``"interleaved"``; the same permutation
+    of q and k keeps ``q . k``), so its own ``rope`` rotates them as the stock module does."""
+
+    def project_heads(self, hidden_states):
+        query, key, value = super().project_heads(hidden_states)
+        size = self.attention_head_size
+        order = half_layout_order(size, size, "interleaved")
+        return query[..., order], key[..., order], value
+
+
+class RetrofitGPTNeoSelfAttention(RetrofitAttention):
+    """GPT-Neo's self-attention (one module down, ``attn.attention``): ``q_proj``, ``k_proj``, ``v_proj`` without
+    bias, unscaled scores (its ``_attn`` divides by nothing), ``out_proj`` and ``resid_dropout``; its local layers'
+    window is the layer types' (:meth:`GPTNeoFamily.stock_layer_layout`). The stock module computes its scores in
+    float32 whatever the model's dtype; this one in the model's."""
+
+    @property
+    def layer_idx(self) -> int:
+        return self.layer_id
+
+    def project_heads(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        return tuple(
+            layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
+        )
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False, **kwargs):
+        kwargs.pop("output_attentions", None)
+        output, weights = self.attend(hidden_states, kwargs, scaling=1.0, dropout=self.attn_dropout.p, causal=True)
+        return self.resid_dropout(self.out_proj(output)), weights
+
+
 class RetrofitGPT2Attention(RetrofitAttention):
     def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -365,6 +399,12 @@ class RetrofitOlmo3Attention(RetrofitLlamaAttention):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         return tuple(t.view(shape).transpose(1, 2) for t in (query, key, value))
+
+
+NO_SINK_LOGIT = -1e4
+"""The learned sink logit a retrofit gives the attention layers without sinks of a model that has them on others
+(MiMo-V2): ``e^-10000`` is 0 in every float format, so those rows sum to 1, as the stock layers' do, and its gradient
+is 0; one normalizer serves every layer."""
 
 
 class SinksInNormalizer:
@@ -595,6 +635,17 @@ class StockFamily:
     def stock_table(self, base: nn.Module) -> nn.Embedding | None:
         return None
 
+    def stock_layer_layout(self, config) -> tuple[list[str], int | None] | None:
+        """The layer types and sliding window of a family whose config names them otherwise than Transformers'
+        ``layer_types`` and ``sliding_window`` (GPT-Neo's ``attention_layers``, ``window_size``), which the retrofit
+        writes under those names; None where the config's are read as they are."""
+        return None
+
+    def embedding_size(self, base: nn.Module) -> int | None:
+        """The width of the token embeddings where they are projected to ``hidden_size`` (an input-side scheme acts
+        at that width); None where they are ``hidden_size`` wide."""
+        return None
+
     def max_positions(self, config) -> int:
         """The length of a switched scheme's tables, written as ``config.max_position_embeddings`` where the stock
         config names none (:class:`FusedAlibiFamily`)."""
@@ -726,20 +777,17 @@ class BertFamily(StockFamily):
         projections = all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("query", "key", "value"))
         return projections and isinstance(getattr(attention, "attention_head_size", None), int)
 
+    def embedding_size(self, base):
+        """ELECTRA's ``embedding_size`` and RemBERT's ``input_embedding_size``: embeddings projected to
+        ``hidden_size``, to which the position table is added (as an input-side scheme's then is)."""
+        width = base.embeddings.word_embeddings.embedding_dim
+        return width if width != base.config.hidden_size else None
+
     def check_model(self, model):
-        """Embeddings narrower or wider than the layers (ELECTRA's ``embedding_size``, RemBERT's
-        ``input_embedding_size``, projected to ``hidden_size``): the position table is of the embeddings' width, the
-        schemes' tables are of the layers'. BigBird's block-sparse attention (``attention_type="block_sparse"``; its
+        """BigBird's block-sparse attention (``attention_type="block_sparse"``; its
         stock forward switches to full attention on short inputs, replacing the modules) is not the full attention the
         patch computes."""
         config = model.config
-        width = decoder_base(model).embeddings.word_embeddings.embedding_dim
-        if width != config.hidden_size:
-            raise ValueError(
-                f"retrofit(): this {config.model_type} model's embeddings are {width} wide, projected to "
-                f"hidden_size={config.hidden_size}; the retrofit adds positions at hidden_size, so it takes models "
-                "whose embeddings are as wide as their layers."
-            )
         kind = getattr(decoder_base(model), "attention_type", "original_full")
         if kind != "original_full":
             raise ValueError(
@@ -829,6 +877,36 @@ class BertFamily(StockFamily):
         return embeddings.dropout(norm(combined) if norm is not None else combined)
 
 
+class RoFormerFamily(BertFamily):
+    """RoFormer (Su et al. 2021): BERT's layout without a position table; its encoder hands every self-attention the
+    sinusoids of positions ``past .. past + seq - 1`` (``embed_positions``), which rotate q and k in pairs ``(2i, 2i +
+    1)`` by ``m 10000^(-2i/d)`` over the whole head: hf_posenc's ``rope`` at ``theta`` 10,000 in the interleaved
+    layout (:class:`RetrofitRoFormerSelfAttention`). Its ``rotary_value=True`` (values rotated too) is refused."""
+
+    def matches(self, base, class_names):
+        return StockFamily.matches(self, base, class_names)
+
+    def check_model(self, model):
+        if model.config.rotary_value:
+            raise ValueError(
+                f"retrofit(): this {model.config.model_type} model sets rotary_value=True (its values rotate too); "
+                "hf_posenc's rotary schemes rotate q and k only."
+            )
+        super().check_model(model)
+
+    def own_rotary(self, config):
+        return [{"type": "rope", "theta": 10000.0, "rotary_fraction": 1.0}] * config.num_hidden_layers
+
+    def own_scheme(self, config):
+        return self.own_rotary(config)[0]
+
+    def stock_table(self, base):
+        return None
+
+    def remove_stock_positions(self, base):
+        base.embeddings.__class__ = retrofit_class(type(base.embeddings), RetrofitBertEmbeddings)
+
+
 class GPT2Family(StockFamily):
     def layers(self, base):
         return list(base.h)
@@ -844,6 +922,33 @@ class GPT2Family(StockFamily):
 
     def remove_stock_positions(self, base):
         base.wpe = NoStockPositions()
+
+
+class GPTNeoFamily(StockFamily):
+    """GPT-Neo: GPT-2's layout (``h``, a learned ``wpe``), its self-attention one module down (``attn.attention``),
+    global and local layers (``config.attention_layers``), a local layer seeing the ``window_size`` latest keys."""
+
+    def layers(self, base):
+        return list(base.h)
+
+    def attention(self, layer):
+        return layer.attn.attention
+
+    def attention_dropout(self, config):
+        return config.attention_dropout
+
+    def stock_table(self, base):
+        return base.wpe
+
+    def remove_stock_positions(self, base):
+        base.wpe = NoStockPositions()
+
+    def stock_layer_layout(self, config):
+        """``attention_layers`` as Transformers' layer types: ``global`` full, ``local`` sliding over
+        ``window_size`` keys (the stock mask hides a key ``window_size`` or more tokens back, as a sliding window
+        of that size does)."""
+        kinds = ["full_attention" if kind == "global" else "sliding_attention" for kind in config.attention_layers]
+        return kinds, config.window_size if "sliding_attention" in kinds else None
 
 
 class FusedAlibiFamily(StockFamily):
@@ -998,7 +1103,7 @@ class LlamaFamily(StockFamily):
     def own_rotary(self, config):
         """The rotary parameters per layer: one ``rope_parameters`` dict for all, or one per layer type (Gemma 3,
         OLMo 3; None for a type without: NoPE)."""
-        rope = config.rope_parameters
+        rope = used_rope_parameters(config)
         fraction = getattr(config, "partial_rotary_factor", None) or 1.0
         layer_types = config_layer_types(config)
         if "rope_theta" in rope:
@@ -1391,10 +1496,17 @@ def probe_tolerance(dtype: torch.dtype) -> float:
 def used_rope_parameters(config) -> dict[str, Any] | None:
     """``config.rope_parameters``, or None where the config turns rotary positions off beside them: a
     ``position_embedding_type`` other than ``"rope"`` (Granite 4's hybrids default to NoPE attention and then build no
-    rotary module)."""
+    rotary module). A config with ``rotary_dim`` and no ``rope_parameters`` (GPT-J, CodeGen: their rotary module
+    builds the default rotation at base 10,000 over the first ``rotary_dim`` features of each head, the whole head
+    where it is None) gives those parameters."""
     if hasattr(config, "position_embedding_type") and config.position_embedding_type != "rope":
         return None
-    return getattr(config, "rope_parameters", None)
+    rope = getattr(config, "rope_parameters", None)
+    if rope is None and hasattr(config, "rotary_dim"):
+        head_dim = config.hidden_size // config.num_attention_heads
+        fraction = rotary_fraction_of(head_dim, config.rotary_dim) if config.rotary_dim else 1.0
+        return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": fraction}
+    return rope
 
 
 def rotary_modules(base: nn.Module) -> list[nn.Module]:
@@ -1490,17 +1602,24 @@ def check_no_other_positions(
     return here
 
 
-def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """A retrofitted decoder's rotary embedding: ``cos = 1``, ``sin = 0`` in the stock shapes, so the stock
+def identity_rotary_forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...] | torch.Tensor:
+    """A retrofitted decoder's rotary embedding: its own output at position 0 with the scale taken out, ``cos = 1``,
+    ``sin = 0`` in the stock shapes and order (GPT-J's and CodeGen's modules return ``(sin, cos)``), so the stock
     attention's rotation leaves q and k as they are (``q cos + rotate_half(q) sin = q``, partial and interleaved
     layouts alike; DeepSeek V3's interleaved rotation puts the even features of each pair before the odd ones, the
     same permutation of q and k, so ``q . k`` is kept) and the scheme acts in :func:`interface_attention`. Complex
     frequencies ``e^{i m theta}`` (DeepSeek V2: ``q * e^{i m theta}`` on the pairs) become 1."""
-    embeddings = type(self).forward(self, *args, **kwargs)
+    call = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    positions = call.arguments.get("position_ids")
+    if positions is not None:
+        call.arguments["position_ids"] = torch.zeros_like(positions)
+    embeddings = type(self).forward(*call.args, **call.kwargs)
     if isinstance(embeddings, torch.Tensor):
         return torch.ones_like(embeddings)
-    cos, sin = embeddings
-    return torch.ones_like(cos), torch.zeros_like(sin)
+    if positions is None:  # no positions to read the order from: Transformers' (cos, sin)
+        cos, sin = embeddings
+        return torch.ones_like(cos), torch.zeros_like(sin)
+    return tuple((part != 0).to(part.dtype) for part in embeddings)
 
 
 def half_layout_order(head_dim: int, rotary_dim: int, layout: str, start: int = 0) -> list[int]:
@@ -1646,9 +1765,14 @@ class InterfaceFamily(LlamaFamily):
         return ((mask.cumsum(-1) * mask - 1)[:, past_length:]).clamp(min=0)
 
     def has_sinks(self, model: PreTrainedModel) -> bool:
-        """Whether the attention modules have per-head attention sinks (a ``sinks`` tensor: Granite SWA, Flint), which
-        become the ``softmax`` normalizer's learned ``sink`` (:class:`SinksInNormalizer`)."""
-        return isinstance(getattr(self.first_attention(decoder_base(model)), "sinks", None), torch.Tensor)
+        """Whether attention modules have per-head attention sinks (a ``sinks`` tensor: Granite SWA, Flint; MiMo-V2
+        on some layers), which become the ``softmax`` normalizer's learned ``sink`` (:class:`SinksInNormalizer`; a
+        layer without has :data:`NO_SINK_LOGIT`)."""
+        base = decoder_base(model)
+        return any(
+            isinstance(getattr(self.attention(self.layers(base)[idx]), "sinks", None), torch.Tensor)
+            for idx in attention_layer_indices(model.config)
+        )
 
     def own_rotary(self, config):
         """The rotary parameters per layer (:meth:`LlamaFamily.own_rotary`), rotating MLA's rotary part of each head
@@ -1752,16 +1876,6 @@ class InterfaceFamily(LlamaFamily):
             head_dim = self.handed_head_dim(config) or dims.head_dim
             if getattr(attention, "head_dim", head_dim) != head_dim:
                 return f"its attention's head_dim {attention.head_dim} is not the config's {head_dim}"
-        with_sinks = [
-            idx
-            for idx, attention in zip(attention_layers, attentions, strict=True)
-            if isinstance(getattr(attention, "sinks", None), torch.Tensor)
-        ]
-        if with_sinks and len(with_sinks) != len(attentions):
-            return (
-                f"its attention layers {with_sinks} have attention sinks and the others ({len(attentions)} attention "
-                "layers in all) have none: a retrofit gives every layer one normalizer"
-            )
         return None
 
     def position_modules(self, base: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -1900,7 +2014,7 @@ class InterfaceFamily(LlamaFamily):
         hidden = hidden.to(parameters[0].dtype)
         layer_types = config_layer_types(config)
         attention_layers = attention_layer_indices(config)
-        per_type = "rope_theta" not in config.rope_parameters
+        per_type = "rope_theta" not in used_rope_parameters(config)
         with torch.no_grad():
             embeddings = base.rotary_emb(hidden, positions, *([layer_types[attention_layers[0]]] if per_type else []))
         pair = isinstance(embeddings, tuple) and len(embeddings) == 2
@@ -2090,7 +2204,9 @@ FAMILIES = (
         RetrofitBertSelfAttention,
         "bert",
     ),
+    RoFormerFamily("RoFormer (RoFormer*)", ("RoFormerSelfAttention",), RetrofitRoFormerSelfAttention, "bert"),
     GPT2Family("GPT-2 (GPT2*)", ("GPT2Attention",), RetrofitGPT2Attention, "gpt2"),
+    GPTNeoFamily("GPT-Neo (GPTNeo*)", ("GPTNeoSelfAttention",), RetrofitGPTNeoSelfAttention, "gpt_neo"),
     LlamaFamily(
         "Llama family (Llama*, Mistral*, Qwen2*, SmolLM3*)",
         ("LlamaAttention", "MistralAttention", "Qwen2Attention", "SmolLM3Attention"),
@@ -2349,6 +2465,13 @@ class RetrofitPlan:
     """The size of the q and k heads the stock attention hands over, where the config's ``head_dim`` says otherwise
     (MLA's, :meth:`InterfaceFamily.handed_head_dim`; a NoPE model's, :meth:`InterfaceFamily.probe_nope`); stored as
     ``config.posenc_head_dim``, which the scheme's sizes read."""
+    embedding_size: int | None = None
+    """The token embeddings' width where they are projected to ``hidden_size`` (:meth:`StockFamily.embedding_size`:
+    ELECTRA, RemBERT); stored as ``config.posenc_embedding_size``, at which input-side schemes act."""
+    layer_layout: tuple[list[str], int | None] | None = None
+    """The layer types and sliding window of a config that names them otherwise
+    (:meth:`StockFamily.stock_layer_layout`: GPT-Neo), written as ``config.layer_types`` and
+    ``config.sliding_window``."""
     max_position_embeddings: int | None = None
     """The family's length (:meth:`StockFamily.max_positions`) where the stock config has no
     ``max_position_embeddings`` (BLOOM, MPT), written into it."""
@@ -2367,6 +2490,10 @@ def plan_retrofit(
     before the patch too."""
     family = stock_family(model)
     config = model.config
+    layout = family.stock_layer_layout(config)
+    if layout is not None:  # read as Transformers' names from here on, written by write_plan
+        config = copy.copy(config)
+        config.layer_types, config.sliding_window = layout
     family.check(config)
     base = decoder_base(model)
     family.layers(base)  # a decoder held inside another model (Gemma 3's multimodal one) is refused here
@@ -2409,7 +2536,8 @@ def plan_retrofit(
     # The stock model runs a scaling whose original length is past max_position_embeddings (Transformers warns):
     # the size check of a PosEnc config's rope does not apply to what the stock config holds.
     size = rotary_size(max_positions, own_rotary) if table is None else max_positions
-    spec = resolve_position_layout(position_encoding, num_layers, size, causal, config.hidden_size)
+    embedding_size = family.embedding_size(base)
+    spec = resolve_position_layout(position_encoding, num_layers, size, causal, embedding_size or config.hidden_size)
     if isinstance(spec, list) and all(layer_spec == spec[0] for layer_spec in spec):
         spec = spec[0]
     check_linear_layer_positions(spec, layer_types)
@@ -2447,6 +2575,8 @@ def plan_retrofit(
         getattr(config, "attn_logit_softcapping", None) is not None and not family.applies_softcapping(model),
         rotary_layout,
         head_dim,
+        embedding_size,
+        layout,
         max_position_embeddings=None if hasattr(config, "max_position_embeddings") else family.max_positions(config),
     )
     trial = copy.copy(config)
@@ -2494,6 +2624,10 @@ def write_plan(config, plan: RetrofitPlan) -> None:
         config.posenc_rotary_layout = plan.rotary_layout
     if plan.head_dim is not None:
         config.posenc_head_dim = plan.head_dim
+    if plan.embedding_size is not None:
+        config.posenc_embedding_size = plan.embedding_size
+    if plan.layer_layout is not None:
+        config.layer_types, config.sliding_window = plan.layer_layout
     if plan.max_position_embeddings is not None:
         config.max_position_embeddings = plan.max_position_embeddings
 
@@ -2538,10 +2672,10 @@ def apply_retrofit(model: PreTrainedModel, plan: RetrofitPlan) -> None:
     with torch.no_grad():
         if first["type"] == "learned" and table is not None:
             base.position_encoding.table.weight.copy_(table_rows(table)[offset : offset + first["max_positions"]])
-        for idx, sinks in stock_sinks.items():
+        for idx in attention_layer_indices(config) if stock_sinks else []:
             sink = getattr(family.attention(layers[idx]).normalizer, "sink", None)
             if sink is not None:
-                sink.copy_(sinks)
+                sink.copy_(stock_sinks[idx] if idx in stock_sinks else torch.full_like(sink, NO_SINK_LOGIT))
 
 
 def layer_switch(

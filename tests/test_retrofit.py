@@ -1564,13 +1564,78 @@ def test_roberta_like_decoder_generates_the_stock_forwards_greedy_tokens(model_t
     assert torch.equal(hf_posenc.retrofit(copy.deepcopy(stock)).generate(ids, **GENERATE), expected)
 
 
-def test_electra_with_narrower_embeddings_is_refused_naming_the_sizes():
-    """ELECTRA's embeddings of ``embedding_size`` 128, projected to a hidden size of 32: refused by name, nothing
-    changed."""
+def test_electra_with_narrower_embeddings_adds_a_switched_table_at_their_width():
+    """ELECTRA's embeddings of ``embedding_size`` 128, projected to a hidden size of 32: kept with its own table, and
+    a ``sinusoidal`` switch adds Vaswani et al.'s sinusoids at the embeddings' width, before their LayerNorm, as the
+    stock module adds its table: against a hand computation of ``LayerNorm(word + token type + PE)``."""
     config = transformers.ElectraConfig(**dict(ENCODER, embedding_size=128, is_decoder=True))
     stock = transformers.ElectraForCausalLM(config).eval()
-    model = copy.deepcopy(stock)
-    with pytest.raises(ValueError, match="embeddings are 128 wide, projected to hidden_size=32"):
-        hf_posenc.retrofit(model)
-    assert model.config.to_dict() == stock.config.to_dict()
-    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
+    ids = random_ids(2, 7)
+    kept = hf_posenc.retrofit(copy.deepcopy(stock))
+    switched = hf_posenc.retrofit(copy.deepcopy(stock), "sinusoidal")
+    assert switched.config.posenc_embedding_size == 128
+    embeddings = stock.electra.embeddings
+    position = torch.arange(7, dtype=torch.float32)[:, None]
+    angles = position / 10000 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    sinusoids = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # PE(m, 2i) = sin, PE(m, 2i + 1) = cos
+    combined = embeddings.word_embeddings(ids) + embeddings.token_type_embeddings(torch.zeros_like(ids)) + sinusoids
+    captured = {}
+    switched.electra.embeddings_project.register_forward_hook(lambda module, args, out: captured.update(x=args[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+        switched(ids)
+        torch.testing.assert_close(captured["x"], embeddings.LayerNorm(combined), atol=1e-5, rtol=0)
+
+
+def test_a_rotary_module_returning_sin_before_cos_is_kept_and_made_the_identity():
+    """GPT-J's rotary module returns ``(sin, cos)`` (CodeGen's too) and its config has ``rotary_dim``, no
+    ``rope_parameters``: the retrofit reads the default rotation at base 10,000 over ``rotary_dim`` features in the
+    interleaved layout, and its identity is ``sin = 0``, ``cos = 1`` in that order."""
+    from hf_posenc.retrofit import identity_rotary_forward
+
+    stock = walk_model("gptj")
+    if not hasattr(stock.transformer, "rotary_emb"):
+        pytest.skip(f"GPT-J has its rotary module in later Transformers than {transformers.__version__} only")
+    rotary = stock.transformer.rotary_emb
+    hidden, positions = torch.zeros(1, 5, 32), torch.arange(3, 8)[None]
+    sin, cos = identity_rotary_forward(rotary, hidden, positions)
+    assert torch.equal(sin, torch.zeros_like(sin)) and torch.equal(cos, torch.ones_like(cos))
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    assert patched.config.position_encoding["theta"] == 10000.0
+    assert patched.config.position_encoding["rotary_fraction"] == stock.config.rotary_dim / 8
+    assert patched.config.posenc_rotary_layout == "interleaved"
+
+
+def test_sinks_on_some_layers_become_a_learned_sink_that_others_never_attend():
+    """MiMo-V2-Flash has attention sinks on some layers only: each layer's normalizer gets the learned sink, the stock
+    values where the layer has them, :data:`NO_SINK_LOGIT` (``e^-10000 = 0``) where it has none."""
+    from hf_posenc.retrofit import NO_SINK_LOGIT
+
+    stock = walk_model("mimo_v2_flash")
+    layers = stock.model.layers
+    with_sinks = [idx for idx, layer in enumerate(layers) if getattr(layer.self_attn, "sinks", None) is not None]
+    assert 0 < len(with_sinks) < len(layers)
+    expected = {idx: layers[idx].self_attn.sinks.detach().clone() for idx in with_sinks}
+    patched = hf_posenc.retrofit(copy.deepcopy(stock))
+    for idx, layer in enumerate(patched.model.layers):
+        sink = layer.self_attn.normalizer.sink.detach()
+        torch.testing.assert_close(sink, expected.get(idx, torch.full_like(sink, NO_SINK_LOGIT)), atol=0, rtol=0)
+
+
+def test_roformer_rotating_its_values_is_refused():
+    """RoFormer's ``rotary_value=True`` rotates the values too, which no hf_posenc scheme does: refused by name."""
+    config = transformers.RoFormerConfig(**dict(ENCODER, is_decoder=True, rotary_value=True))
+    with pytest.raises(ValueError, match="rotary_value=True"):
+        hf_posenc.retrofit(transformers.RoFormerForCausalLM(config))
+
+
+@pytest.mark.parametrize(("model_type", "scheme"), [("gpt_neo", "alibi"), ("electra", "sinusoidal")])
+def test_gpt_neo_and_electra_load_as_remote_code_without_hf_posenc(model_type, scheme, tmp_path):
+    """GPT-Neo (its local layers written as Transformers' layer types and window) and ELECTRA (a table at its
+    embeddings' width) switched, saved and loaded as remote code where hf_posenc is not importable: the same logits
+    and greedy tokens with the cache, and LoRA trains a step on PEFT's default targets."""
+    pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e .[test]")
+
+    patched = hf_posenc.retrofit(walk_model(model_type), scheme)
+    out = check_remote_code_without_hf_posenc(patched, random_ids(2, 10), tmp_path, None)
+    assert out["targets"] == (["q_proj", "v_proj"] if model_type == "gpt_neo" else ["query", "value"])
