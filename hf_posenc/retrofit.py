@@ -340,8 +340,8 @@ class RetrofitRoFormerSelfAttention(RetrofitBertSelfAttention):
 class RetrofitGPTNeoSelfAttention(RetrofitAttention):
     """GPT-Neo's self-attention (one module down, ``attn.attention``): ``q_proj``, ``k_proj``, ``v_proj`` without
     bias, unscaled scores (its ``_attn`` divides by nothing), ``out_proj`` and ``resid_dropout``; its local layers'
-    window is the layer types' (:meth:`GPTNeoFamily.stock_layer_layout`). The stock module computes its scores in
-    float32 whatever the model's dtype; this one in the model's."""
+    window is the layer types' (:meth:`GPTNeoFamily.stock_layer_layout`). Its scores in float32 at least, as the
+    stock module's, on eager; SDPA and FlexAttention in the model's dtype."""
 
     @property
     def layer_idx(self) -> int:
@@ -784,10 +784,28 @@ class BertFamily(StockFamily):
         return width if width != base.config.hidden_size else None
 
     def check_model(self, model):
-        """BigBird's block-sparse attention (``attention_type="block_sparse"``; its
-        stock forward switches to full attention on short inputs, replacing the modules) is not the full attention the
-        patch computes."""
-        config = model.config
+        """A self-attention holding more than BERT's ``query``, ``key``, ``value`` and dropout (ConvBERT's span-based
+        convolution), which the patch does not compute; a position table of another width than the word embeddings
+        (MobileBERT's, added after their projection), where the retrofit's positions are not added. BigBird's
+        block-sparse attention (``attention_type="block_sparse"``; its stock forward switches to full attention on
+        short inputs, replacing the modules) is not the full attention the patch computes."""
+        config, base = model.config, decoder_base(model)
+        attention = self.attention(self.layers(base)[0])
+        extra = [name for name, _ in attention.named_children() if name not in ("query", "key", "value", "dropout")]
+        name = type(attention).__name__
+        if extra:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's self-attention {name} holds {extra} beside query, key "
+                "and value (e.g. ConvBERT's span-based convolution); the retrofit computes BERT's attention of q, k "
+                "and v."
+            )
+        table, words = getattr(base.embeddings, "position_embeddings", None), base.embeddings.word_embeddings
+        if table is not None and table.embedding_dim != words.embedding_dim:
+            raise ValueError(
+                f"retrofit(): this {config.model_type} model's position table is {table.embedding_dim} wide beside "
+                f"word embeddings of {words.embedding_dim}: it is added after their projection (e.g. MobileBERT's "
+                "embedding_transformation), where the retrofit does not add positions."
+            )
         kind = getattr(decoder_base(model), "attention_type", "original_full")
         if kind != "original_full":
             raise ValueError(

@@ -1639,3 +1639,22 @@ def test_gpt_neo_and_electra_load_as_remote_code_without_hf_posenc(model_type, s
     patched = hf_posenc.retrofit(walk_model(model_type), scheme)
     out = check_remote_code_without_hf_posenc(patched, random_ids(2, 10), tmp_path, None)
     assert out["targets"] == (["q_proj", "v_proj"] if model_type == "gpt_neo" else ["query", "value"])
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "match"),
+    [
+        ("ConvBertConfig", "ConvBertForMaskedLM", r"holds \['key_conv_attn_layer'"),
+        ("MobileBertConfig", "MobileBertForMaskedLM", "position table is 32 wide beside word embeddings of 16"),
+    ],
+)
+def test_bert_like_models_the_patch_does_not_compute_are_refused_before_any_change(config_class, model_class, match):
+    """ConvBERT (a span-based convolution in its self-attention) and MobileBERT (its position table added after the
+    word embeddings' projection) match BERT's structure but not what the patch computes: refused by name, nothing
+    changed."""
+    config = getattr(transformers, config_class)(**dict(ENCODER, embedding_size=16, intermediate_size=32))
+    stock = getattr(transformers, model_class)(config).eval()
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=match):
+        hf_posenc.retrofit(model)
+    assert [type(module) for module in model.modules()] == [type(module) for module in stock.modules()]
