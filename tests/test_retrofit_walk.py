@@ -319,6 +319,8 @@ def test_walk_refuses_a_position_bias_in_the_stock_mask():
     """Falcon with ``alibi=True`` adds its ALiBi to the mask its base model hands the attention: refused by name (a
     retrofit building its own masks would drop it; the rotary Falcon is kept)."""
     row = walk(present("falcon"), alibi=True)
+    if row.outcome == "refused" and "calls the attention interface" in row.detail and OLDER_THAN_TABLE:
+        pytest.skip("Falcon's attention calls the attention interface in later Transformers only (refused here so)")
     assert row.outcome == "refused" and "a bias in the mask" in row.detail, row
 
 
