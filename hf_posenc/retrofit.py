@@ -337,28 +337,6 @@ class RetrofitRoFormerSelfAttention(RetrofitBertSelfAttention):
         return query[..., order], key[..., order], value
 
 
-class RetrofitGPTNeoSelfAttention(RetrofitAttention):
-    """GPT-Neo's self-attention (one module down, ``attn.attention``): ``q_proj``, ``k_proj``, ``v_proj`` without
-    bias, unscaled scores (its ``_attn`` divides by nothing), ``out_proj`` and ``resid_dropout``; its local layers'
-    window is the layer types' (:meth:`GPTNeoFamily.stock_layer_layout`). Its scores in float32 at least, as the
-    stock module's, on eager; SDPA and FlexAttention in the model's dtype."""
-
-    @property
-    def layer_idx(self) -> int:
-        return self.layer_id
-
-    def project_heads(self, hidden_states):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        return tuple(
-            layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q_proj, self.k_proj, self.v_proj)
-        )
-
-    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False, **kwargs):
-        kwargs.pop("output_attentions", None)
-        output, weights = self.attend(hidden_states, kwargs, scaling=1.0, dropout=self.attn_dropout.p, causal=True)
-        return self.resid_dropout(self.out_proj(output)), weights
-
-
 class RetrofitGPT2Attention(RetrofitAttention):
     def project_heads(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -387,6 +365,22 @@ class RetrofitLlamaAttention(RetrofitAttention):
             hidden_states, kwargs, scaling=self.scaling, dropout=self.attention_dropout, causal=True
         )
         return self.o_proj(output), weights
+
+
+class RetrofitGPTNeoSelfAttention(RetrofitLlamaAttention):
+    """GPT-Neo's self-attention (one module down, ``attn.attention``): Llama's ``q_proj``, ``k_proj``, ``v_proj``
+    (without bias), unscaled scores (its ``_attn`` divides by nothing), ``out_proj`` and ``resid_dropout``; its local
+    layers' window is the layer types' (:meth:`GPTNeoFamily.stock_layer_layout`). Its scores in float32 at least, as
+    the stock module's, on eager; SDPA and FlexAttention in the model's dtype."""
+
+    @property
+    def layer_idx(self) -> int:
+        return self.layer_id
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False, **kwargs):
+        kwargs.pop("output_attentions", None)
+        output, weights = self.attend(hidden_states, kwargs, scaling=1.0, dropout=self.attn_dropout.p, causal=True)
+        return self.resid_dropout(self.out_proj(output)), weights
 
 
 class RetrofitOlmo3Attention(RetrofitLlamaAttention):
