@@ -936,24 +936,15 @@ class GPT2Family(StockFamily):
         base.wpe = NoStockPositions()
 
 
-class GPTNeoFamily(StockFamily):
+class GPTNeoFamily(GPT2Family):
     """GPT-Neo: GPT-2's layout (``h``, a learned ``wpe``), its self-attention one module down (``attn.attention``),
     global and local layers (``config.attention_layers``), a local layer seeing the ``window_size`` latest keys."""
-
-    def layers(self, base):
-        return list(base.h)
 
     def attention(self, layer):
         return layer.attn.attention
 
     def attention_dropout(self, config):
         return config.attention_dropout
-
-    def stock_table(self, base):
-        return base.wpe
-
-    def remove_stock_positions(self, base):
-        base.wpe = NoStockPositions()
 
     def stock_layer_layout(self, config):
         """``attention_layers`` as Transformers' layer types: ``global`` full, ``local`` sliding over
